@@ -1,0 +1,14 @@
+"""distscaler: a rank-consistent gradient (loss) scaler for mixed-precision PyTorch training.
+
+``distscaler.GradScaler`` is a drop-in for ``torch.amp.GradScaler`` whose skip decision and scale
+update are agreed by every rank in one collective per optimizer step.
+"""
+
+from __future__ import annotations
+
+from .errors import CallOrderError
+from .scaler import GradScaler, OptState
+
+__all__ = ["CallOrderError", "GradScaler", "OptState", "__version__"]
+
+__version__ = "0.1.0"
