@@ -48,9 +48,11 @@ def local_verdict(
     device = inv_scale.device
     ord_ = math.inf if norm_type is None else float(norm_type)
     parts = []
-    for grads in groups.values():
-        norms = torch._foreach_norm(grads, ord_, dtype=torch.float32)
-        parts.append(torch.stack(norms).to(device, non_blocking=True))
+    for (_, dtype), grads in groups.items():
+        # Accumulate in fp32 at least (fp64 stays fp64), so a large finite fp16 value never overflows.
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        norms = torch._foreach_norm(grads, ord_, dtype=acc_dtype)
+        parts.append(torch.stack(norms).to(device, torch.float32, non_blocking=True))
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
         return _new_verdict(device)

@@ -1,0 +1,103 @@
+"""Test helpers: spawn gloo process groups with a private rendezvous, and spy on host reads."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+
+# Python-level ways of reading a tensor value on the host. On CUDA each of these is a sync.
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+}
+
+
+class HostReadSpy(TorchFunctionMode):
+    """Counts host reads of tensor values (``.item()``, ``bool(t)``, ``.tolist()``...) inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self._paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS and not self._paused:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+    def exclude_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Do not count reads made inside ``optimizer.step`` (torch's for-loop Adam reads its step)."""
+        step = optimizer.step
+
+        def paused_step(*args, **kwargs):
+            self._paused += 1
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        optimizer.step = paused_step  # type: ignore[method-assign]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    scenarios: Callable[[int, int], dict[str, Any]],
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        try:
+            results = scenarios(rank, world_size)
+        except Exception:
+            results = {"__crash__": traceback.format_exc()}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    scenarios: Callable[[int, int], dict[str, Any]], world_size: int, tmp_path: Path
+) -> list[dict[str, Any]]:
+    """Run ``scenarios(rank, world_size)`` on ``world_size`` gloo ranks; return each rank's result dict.
+
+    The rendezvous is a FileStore in ``tmp_path`` (no port), so tests run in parallel under xdist.
+    ``scenarios`` must be a module-level function (spawned processes import it).
+    """
+    init_file = tmp_path / "rendezvous"
+    out_dir = tmp_path / "results"
+    out_dir.mkdir()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(
+        _worker,
+        args=(world_size, str(init_file), str(out_dir), scenarios),
+        nprocs=world_size,
+        join=True,
+    )
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    for r, res in enumerate(results):
+        assert "__crash__" not in res, f"rank {r} crashed:\n{res['__crash__']}"
+    return results

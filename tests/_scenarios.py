@@ -1,0 +1,317 @@
+"""Scenarios run inside spawned gloo ranks. Each returns plain data; the tests compare ranks.
+
+Nothing here asserts across ranks: every rank runs the same collectives in the same order whatever
+its values, so one rank's surprise can never hang the others. The parent process asserts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _harness import HostReadSpy
+from distscaler import GradScaler
+
+OPTIMIZERS = ("fused", "foreach", "forloop")
+FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+TARGETS = ("first", "last", "all")
+INJECT_STEPS = (2, 4)
+NUM_STEPS = 7
+MAX_NORM = 0.005  # below every norm in clip_norms, so clipping really scales
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
+    return torch.optim.AdamW(params, lr=1e-2, **flags[kind])
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    return digest(*model.parameters())
+
+
+def optim_digest(opt: torch.optim.Optimizer) -> str:
+    tensors = []
+    for state in opt.state.values():
+        for key in sorted(state):
+            value = state[key]
+            tensors.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return digest(*tensors)
+
+
+def target_ranks(target: str, world_size: int) -> set[int]:
+    return {"first": {0}, "last": {world_size - 1}, "all": set(range(world_size))}[target]
+
+
+def train_steps(
+    rank: int,
+    world_size: int,
+    scaler: Any,
+    opt_kind: str,
+    fault: str,
+    target: str,
+    clip: bool,
+) -> dict[str, Any]:
+    """Identical data on every rank (replicated gradients, as after DDP); a fault on chosen ranks."""
+    model = make_model()
+    opt = make_optimizer(opt_kind, model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    is_distscaler = isinstance(scaler, GradScaler)
+    out: dict[str, list] = {"skipped": [], "scales": [], "norms": [], "local_nonfinite": []}
+    out["unchanged"] = []
+    for step in range(NUM_STEPS):
+        x = torch.randn(16, 8, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if step in INJECT_STEPS and rank in target_ranks(target, world_size):
+            model[0].weight.grad[0, 1] = FAULTS[fault]
+        grads = [p.grad for p in model.parameters()]
+        out["local_nonfinite"].append(not all(bool(g.isfinite().all()) for g in grads))
+        before = (model_digest(model), optim_digest(opt))
+        scale_before = scaler.get_scale()
+        if clip:
+            if is_distscaler:
+                norm = scaler.clip_grad_norm_(opt, max_norm=1.0)
+            else:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            out["norms"].append(float(norm))
+        scaler.step(opt)
+        scaler.update()
+        if is_distscaler:
+            out["skipped"].append(scaler.step_was_skipped)
+        else:
+            out["skipped"].append(scaler.get_scale() < scale_before)
+        out["scales"].append(scaler.get_scale())
+        out["unchanged"].append(before == (model_digest(model), optim_digest(opt)))
+    out["params"] = model_digest(model)
+    out["optim"] = optim_digest(opt)
+    return out
+
+
+def agreement(rank: int, world_size: int) -> dict[str, Any]:
+    """The core property over optimizers x faults x faulty ranks x clipping, plus torch's contrast."""
+    results = {}
+    for opt_kind, fault, target, clip in itertools.product(
+        OPTIMIZERS, FAULTS, TARGETS, (False, True)
+    ):
+        key = f"{opt_kind}-{fault}-{target}-{'clip' if clip else 'noclip'}"
+        mk = dict(init_scale=2.0**8, growth_interval=2)
+        results[key] = {
+            "ours": train_steps(rank, world_size, GradScaler("cpu", **mk), opt_kind, fault, target, clip),
+            "torch": train_steps(
+                rank, world_size, torch.amp.GradScaler("cpu", **mk), opt_kind, fault, target, clip
+            ),
+        }
+    return results
+
+
+def _shard_params(rank: int, dtypes: tuple[torch.dtype, ...]) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    params = []
+    for i, dtype in enumerate(dtypes):
+        # Zero parameters: after SGD(lr=1) a parameter is exactly minus its clipped gradient.
+        p = torch.nn.Parameter(torch.zeros(5 + 3 * i + rank, dtype=dtype))
+        p.grad = (torch.randn(p.shape, generator=gen) * (3.0 + rank)).to(dtype)
+        params.append(p)
+    return params
+
+
+def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
+    """Norms and clipped gradients against torch.nn.utils.clip_grad_norm_ on the gathered gradients."""
+    results = {}
+    for layout, opt_kind, norm_type in itertools.product(
+        ("sharded", "replicated"), ("forloop", "fused"), (2.0, 1.0, math.inf)
+    ):
+        dtypes = (torch.float32, torch.float32, torch.float64)
+        shard_rank = rank if layout == "sharded" else 0
+        params = _shard_params(shard_rank, dtypes)
+        scaler = GradScaler("cpu", init_scale=1024.0, grad_layout=layout)
+        scaler.scale(torch.ones(()))  # materialise the scale
+        unscaled = [p.grad.double() / 1024.0 for p in params]
+        # Reference: torch's clip over the full set of unscaled gradients (each shard once).
+        gathered: list[list[torch.Tensor]] = [None] * world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, unscaled)
+        full = gathered if layout == "sharded" else gathered[:1]
+        ref_grads = [g.clone() for shard in full for g in shard]
+        ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref_grads]
+        for p, g in zip(ref_params, ref_grads):
+            p.grad = g
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, MAX_NORM, norm_type=norm_type))
+        offset = sum(len(s) for s in full[:shard_rank]) if layout == "sharded" else 0
+        ref_mine = [p.grad for p in ref_params[offset : offset + len(params)]]
+
+        fused = opt_kind == "fused"
+        opt = torch.optim.SGD(params, lr=1.0, fused=fused, foreach=None if fused else False)
+        before = [p.detach().double().clone() for p in params]
+        norm = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type=norm_type)
+        scaler.step(opt)
+        scaler.update()
+        # SGD(lr=1) moves each parameter by exactly its clipped gradient.
+        moved = [(b - p.detach().double()) for b, p in zip(before, params)]
+        err = max(float((m - r).abs().max() / (r.abs().max() + 1e-12)) for m, r in zip(moved, ref_mine))
+        results[f"{layout}-{opt_kind}-p{norm_type}"] = {
+            "norm": float(norm),
+            "ref_norm": ref_norm,
+            "norm_dtype": str(norm.dtype),
+            "norm_shape": list(norm.shape),
+            "rel_err_update": err,
+            "skipped": scaler.step_was_skipped,
+        }
+    return results
+
+
+def collective_counts(rank: int, world_size: int) -> dict[str, Any]:
+    """all_reduce calls in (clip_grad_norm_ +) step + update, counted by CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    results = {}
+    for opt_kind, clip, enabled, inject in itertools.product(
+        OPTIMIZERS, (False, True), (True, False), (False, True)
+    ):
+        model = make_model()
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = GradScaler("cpu", enabled=enabled)
+        counts = []
+        for step in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().sum()
+            scaler.scale(loss).backward()
+            if inject and step == 1 and rank == world_size - 1:
+                model[2].bias.grad[0] = math.inf
+            with CommDebugMode() as comm:
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+            counts.append(comm.get_total_counts())
+        key = f"{opt_kind}-{'clip' if clip else 'noclip'}-{'on' if enabled else 'off'}"
+        results[key + ("-inject" if inject else "")] = counts
+    return results
+
+
+def host_reads(rank: int, world_size: int) -> dict[str, Any]:
+    """Host reads inside (clip_grad_norm_ +) step + update, on clean and on overflowing steps."""
+    results = {}
+    for opt_kind, clip in itertools.product(OPTIMIZERS, (False, True)):
+        model = make_model()
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        spy = HostReadSpy()
+        spy.exclude_optimizer(opt)
+        reads = []
+        for step in range(6):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().sum()
+            scaler.scale(loss).backward()
+            if step == 2 and rank == 0:
+                model[0].weight.grad[1, 1] = math.nan
+            spy.reads.clear()
+            with spy:
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+            reads.append(len(spy.reads))
+        results[f"{opt_kind}-{'clip' if clip else 'noclip'}"] = {
+            "reads": reads,
+            "skipped_total": scaler._skip_record.host_values()[0],
+        }
+    return results
+
+
+def empty_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """The last rank has no gradients at all (a frozen stage); rank 0 overflows on step 1."""
+    results = {}
+    for opt_kind, clip in itertools.product(OPTIMIZERS, (False, True)):
+        model = make_model()
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = GradScaler("cpu", init_scale=2.0**8, grad_layout="sharded")
+        skipped, scales, norms = [], [], []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().sum()
+            scaled = scaler.scale(loss)
+            if rank != world_size - 1:
+                scaled.backward()
+                if step == 1 and rank == 0:
+                    model[0].bias.grad[0] = math.inf
+            if clip:
+                norms.append(float(scaler.clip_grad_norm_(opt, 1.0)))
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.step_was_skipped)
+            scales.append(scaler.get_scale())
+        results[f"{opt_kind}-{'clip' if clip else 'noclip'}"] = {
+            "skipped": skipped,
+            "scales": scales,
+            "norms": norms,
+        }
+    return results
+
+
+def ddp_end_to_end(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP, fp16 autocast, different data per rank, an inf injected after DDP's all-reduce."""
+    results = {}
+    for opt_kind in OPTIMIZERS:
+        model = DDP(make_model())
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        gen = torch.Generator().manual_seed(10 + rank)
+        skipped, scales, norms, local = [], [], [], []
+        for step in range(8):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 8, generator=gen)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 3 and rank == world_size - 1:
+                model.module[2].weight.grad[0, 0] = math.inf
+            local.append(not all(bool(p.grad.isfinite().all()) for p in model.parameters()))
+            norms.append(float(scaler.clip_grad_norm_(opt, 1.0)))
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.step_was_skipped)
+            scales.append(scaler.get_scale())
+        results[opt_kind] = {
+            "skipped": skipped,
+            "scales": scales,
+            "norms": norms,
+            "local_nonfinite": local,
+            "params": model_digest(model),
+            "optim": optim_digest(opt),
+        }
+    return results
+
+
+def everything(rank: int, world_size: int) -> dict[str, Any]:
+    """All scenarios in one spawn: starting processes is the expensive part."""
+    return {
+        "agreement": agreement(rank, world_size),
+        "clip_norms": clip_norms(rank, world_size),
+        "empty_rank": empty_rank(rank, world_size),
+        "ddp": ddp_end_to_end(rank, world_size),
+        "host_reads": host_reads(rank, world_size),
+        "collective_counts": collective_counts(rank, world_size),
+    }
