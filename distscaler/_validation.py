@@ -34,8 +34,8 @@ def check_factor(name: str, value: object, *, low: float, high: float | None) ->
         v = float(value)  # type: ignore[arg-type]
         ok = v > low and (high is None or v < high)
     if not ok:
-        valid = f"({low}, {high})" if high is not None else f"> {low} (and finite)"
-        raise ValueError(f"{name} must be in {valid}, got: {value!r}")
+        valid = f"in ({low}, {high})" if high is not None else f"a finite number > {low}"
+        raise ValueError(f"{name} must be {valid}, got: {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 

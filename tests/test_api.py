@@ -1,0 +1,459 @@
+"""Single process: call order, argument checks, state dicts, a disabled scaler, skip logging."""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import distscaler
+from _harness import HostReadSpy
+from _models import make_model, make_optimizer, optimizer_tensors, train
+
+
+def backward(scaler, model, *, fault=False):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if fault:
+        next(model.parameters()).grad.view(-1)[0] = math.inf
+
+
+# ----------------------------------------------------------------- call order, as torch words it
+
+
+def _unscale_twice(s, m, o):
+    backward(s, m)
+    s.unscale_(o)
+    s.unscale_(o)
+
+
+def _unscale_after_step(s, m, o):
+    backward(s, m)
+    s.step(o)
+    s.unscale_(o)
+
+
+def _step_twice(s, m, o):
+    backward(s, m)
+    s.step(o)
+    s.step(o)
+
+
+def _update_without_step(s, m, o):
+    backward(s, m)
+    s.update()
+
+
+def _step_before_scale(s, m, o):
+    s.step(o)
+
+
+def _closure(s, m, o):
+    backward(s, m)
+    s.step(o, closure=lambda: 0.0)
+
+
+def _fp16_grads(s, m, o):
+    m.half()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = m(torch.randn(4, 8, dtype=torch.float16)).float().sum()
+    s.scale(loss).backward()
+    s.step(o)
+
+
+CALL_ORDER = [
+    _unscale_twice,
+    _unscale_after_step,
+    _step_twice,
+    _update_without_step,
+    _step_before_scale,
+    _closure,
+    _fp16_grads,
+]
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "forloop"])
+@pytest.mark.parametrize("misuse", CALL_ORDER, ids=lambda f: f.__name__.strip("_"))
+def test_misuse_raises_what_torch_raises(misuse, opt_kind):
+    if misuse is _fp16_grads and opt_kind == "fused":
+        pytest.skip("fused optimizers accept fp16 gradients (no unscale pass)")
+    errors = []
+    for cls in (torch.amp.GradScaler, distscaler.GradScaler):
+        model = make_model()
+        with pytest.raises(Exception) as info:
+            misuse(cls("cpu"), model, make_optimizer(opt_kind, model.parameters()))
+        errors.append(info.value)
+    theirs, ours = errors
+    assert isinstance(ours, type(theirs)), (type(theirs), type(ours))
+    assert str(ours) == str(theirs)
+
+
+@pytest.mark.parametrize(
+    "misuse, match",
+    [
+        (lambda s, o: (s.step(o), s.clip_grad_norm_(o, 1.0)), r"clip_grad_norm_\(\) is being called after step"),
+        (lambda s, o: (s.clip_grad_norm_(o, 1.0), s.clip_grad_norm_(o, 1.0)), "has already been called"),
+    ],
+    ids=["clip_after_step", "clip_twice"],
+)
+def test_clip_grad_norm_call_order(misuse, match):
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    scaler = distscaler.GradScaler("cpu")
+    backward(scaler, model)
+    with pytest.raises(RuntimeError, match=match):
+        misuse(scaler, opt)
+
+
+def test_no_inf_check_error_is_both_runtime_and_assertion_error():
+    scaler = distscaler.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+
+
+def test_clip_after_explicit_unscale_clips_the_unscaled_gradients():
+    model = make_model()
+    opt = make_optimizer("forloop", model.parameters())
+    scaler = distscaler.GradScaler("cpu", init_scale=256.0)
+    backward(scaler, model)
+    scaler.unscale_(opt)
+    unscaled = [p.grad.clone() for p in model.parameters()]
+    ref = [p.clone() for p in unscaled]
+    ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
+    for p, g in zip(ref_params, ref):
+        p.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.01)
+    norm = scaler.clip_grad_norm_(opt, 0.01)
+    torch.testing.assert_close(norm, ref_norm)
+    for p, q in zip(model.parameters(), ref_params):
+        torch.testing.assert_close(p.grad, q.grad)
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.step_was_skipped
+
+
+# ----------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(growth_factor=1.0), ValueError, r"growth_factor must be a finite number > 1.0, got: 1.0"),
+        (dict(growth_factor=math.inf), ValueError, r"growth_factor must be a finite number > 1.0"),
+        (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 1.0"),
+        (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 0.0"),
+        (dict(backoff_factor=math.nan), ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+        (dict(init_scale=0.0), ValueError, r"init_scale must be a finite number > 0, got: 0.0"),
+        (dict(init_scale=-2.0), ValueError, r"init_scale must be a finite number > 0, got: -2.0"),
+        (dict(init_scale=math.inf), ValueError, r"init_scale must be a finite number > 0, got: inf"),
+        (dict(init_scale=math.nan), ValueError, r"init_scale must be a finite number > 0, got: nan"),
+        (dict(growth_interval=0), ValueError, r"growth_interval must be an integer >= 1, got: 0"),
+        (dict(growth_interval=2.5), ValueError, r"growth_interval must be an integer >= 1, got: 2.5"),
+        (dict(growth_interval=True), ValueError, r"growth_interval must be an integer >= 1, got: True"),
+        (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError, r"min_scale must be <= max_scale"),
+        (dict(min_scale=0.0), ValueError, r"min_scale must be a finite number > 0, got: 0.0"),
+        (dict(max_scale=1024.0), ValueError, r"init_scale must be in \[min_scale, max_scale\] = \[None, 1024.0\], got: 65536.0"),
+        (dict(grad_layout="diagonal"), ValueError, r"grad_layout must be one of \('replicated', 'sharded'\), got: 'diagonal'"),
+        (dict(policy="apex"), ValueError, r"policy must be one of \['torch'\], got: 'apex'"),
+        (dict(skip_log_interval=-1), ValueError, r"skip_log_interval must be an integer >= 0, got: -1"),
+        (dict(process_group="world"), TypeError, r"process_group must be a ProcessGroup or None, got: 'world'"),
+        (dict(enabled="yes"), TypeError, r"enabled must be a bool, got: 'yes'"),
+    ],
+)
+def test_bad_constructor_argument_is_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        distscaler.GradScaler("cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_norm=0.0), r"max_norm must be a finite number > 0, got: 0.0"),
+        (dict(max_norm=math.nan), r"max_norm must be a finite number > 0, got: nan"),
+        (dict(max_norm=1.0, norm_type=0.0), r"norm_type must be a number > 0 or math.inf, got: 0.0"),
+        (dict(max_norm=1.0, norm_type="fro"), r"norm_type must be a number > 0 or math.inf, got: 'fro'"),
+    ],
+)
+def test_bad_clip_argument_is_named_and_changes_nothing(kwargs, match):
+    model = make_model()
+    opt = make_optimizer("forloop", model.parameters())
+    scaler = distscaler.GradScaler("cpu")
+    backward(scaler, model)
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        scaler.clip_grad_norm_(opt, **kwargs)
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+    scaler.step(opt)  # the scaler is still usable: nothing was recorded
+    scaler.update()
+
+
+def test_setters_validate():
+    scaler = distscaler.GradScaler("cpu")
+    with pytest.raises(ValueError, match=r"new_factor must be a finite number > 1.0, got: 0.5"):
+        scaler.set_growth_factor(0.5)
+    with pytest.raises(ValueError, match=r"new_factor must be in \(0.0, 1.0\), got: 2.0"):
+        scaler.set_backoff_factor(2.0)
+    with pytest.raises(ValueError, match=r"new_interval must be an integer >= 1, got: 0"):
+        scaler.set_growth_interval(0)
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (3.0, 0.25)
+    assert scaler.get_growth_interval() == 7
+
+
+def test_update_with_new_scale():
+    scaler = distscaler.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=128.0)
+    assert scaler.get_scale() == 128.0
+    scaler.update(new_scale=torch.tensor(64.0))
+    assert scaler.get_scale() == 64.0
+    with pytest.raises(ValueError, match=r"new_scale must be a finite number > 0, got: -1.0"):
+        scaler.update(new_scale=-1.0)
+    with pytest.raises(ValueError, match=r"new_scale must be a float or a 1-element tensor"):
+        scaler.update(new_scale=torch.ones(2))
+    assert scaler.get_scale() == 64.0
+
+
+# ----------------------------------------------------------------- state dicts
+
+
+def test_state_dict_loads_into_torch_and_back():
+    ours = distscaler.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    train(ours, "fused", steps=4, faults={1: ("inf", 0)})
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.get_scale() == ours.get_scale()
+    assert theirs._get_growth_tracker() == ours._get_growth_tracker() == 2
+    assert theirs.get_growth_interval() == 3
+
+    again = distscaler.GradScaler("cpu")
+    again.load_state_dict(theirs.state_dict())
+    assert again.state_dict() | {"min_scale": None, "max_scale": None} == ours.state_dict()
+
+
+def test_resume_continues_the_same_trajectory(tmp_path):
+    faults = {2: ("nan", 3), 7: ("inf", 0)}
+    kw = dict(init_scale=2.0**12, growth_interval=2, min_scale=2.0**10)
+    model, opt, full = train(distscaler.GradScaler("cpu", **kw), "fused", steps=12, faults=faults)
+
+    scaler = distscaler.GradScaler("cpu", **kw)
+    model2, opt2, first = train(scaler, "fused", steps=6, faults=faults)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"scaler": scaler.state_dict(), "opt": opt2.state_dict(), "model": model2.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)
+    resumed = distscaler.GradScaler("cpu")
+    resumed.load_state_dict(ckpt["scaler"])
+    assert resumed.get_min_scale() == 2.0**10
+    model3 = make_model(seed=99)
+    model3.load_state_dict(ckpt["model"])
+    opt3 = make_optimizer("fused", model3.parameters())
+    opt3.load_state_dict(ckpt["opt"])
+    model3, opt3, rest = train(
+        resumed, "fused", steps=6, faults=faults, model=model3, optimizer=opt3, start=6
+    )
+    assert first + rest == full
+    for p, q in zip(model3.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    for s, t in zip(optimizer_tensors(opt3), optimizer_tensors(opt)):
+        assert torch.equal(s, t)
+
+
+GOOD_STATE = {
+    "scale": 1024.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 100,
+    "_growth_tracker": 3,
+}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(scale=None), r"missing key 'scale'"),
+        (dict(scale="big"), r"state_dict\['scale'\] must be a finite number > 0, got: 'big'"),
+        (dict(scale=math.nan), r"state_dict\['scale'\] must be a finite number > 0, got: nan"),
+        (dict(scale=-4.0), r"state_dict\['scale'\] must be a finite number > 0, got: -4.0"),
+        (dict(scale=0.0), r"state_dict\['scale'\] must be a finite number > 0, got: 0.0"),
+        (dict(growth_interval=0), r"state_dict\['growth_interval'\] must be an integer >= 1"),
+        (dict(_growth_tracker=-1), r"state_dict\['_growth_tracker'\] must be an integer >= 0"),
+        (dict(growth_factor=0.9), r"state_dict\['growth_factor'\] must be a finite number > 1.0"),
+        (dict(backoff_factor=None), r"missing key 'backoff_factor'"),
+    ],
+)
+def test_bad_state_dict_raises_and_leaves_scaler_unchanged(change, match):
+    scaler = distscaler.GradScaler("cpu", init_scale=4096.0, growth_interval=5)
+    train(scaler, "fused", steps=3)
+    before = scaler.state_dict()
+    state = {k: v for k, v in (GOOD_STATE | change).items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_bad_state_dict_reports_every_problem_at_once():
+    with pytest.raises(ValueError) as info:
+        distscaler.GradScaler("cpu").load_state_dict({"scale": -1.0, "growth_interval": 0})
+    message = str(info.value)
+    for part in ("'scale'", "'growth_interval'", "missing key 'growth_factor'", "'_growth_tracker'"):
+        assert part in message
+
+
+def test_empty_state_dict_uses_torch_wording():
+    with pytest.raises(RuntimeError, match="The source state dict is empty"):
+        distscaler.GradScaler("cpu").load_state_dict({})
+
+
+def test_pickle_round_trip():
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, min_scale=4.0)
+    train(scaler, "fused", steps=4, faults={0: ("inf", 1)})
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.state_dict() == scaler.state_dict()
+    buffer = io.BytesIO()
+    torch.save(scaler.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == scaler.state_dict()
+
+
+# ----------------------------------------------------------------- enabled=False, device="cuda"
+
+
+def test_disabled_scaler_is_a_true_no_op():
+    model = make_model()
+    opt = make_optimizer("forloop", model.parameters())
+    scaler = distscaler.GradScaler("cpu", enabled=False)
+    spy = HostReadSpy()
+    spy.exclude_optimizer(opt)
+    loss = model(torch.randn(4, 8)).sum()
+    with spy:
+        assert scaler.scale(loss) is loss
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert spy.reads == []
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "no step ran"
+    assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
+    assert not scaler.step_was_skipped and not scaler.is_enabled()
+    scaler.load_state_dict(GOOD_STATE)  # a no-op, as torch's
+
+
+def test_cuda_device_without_cuda_disables_like_torch():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler = distscaler.GradScaler()
+    assert not scaler.is_enabled()
+    assert any("CUDA is not available" in str(w.message) for w in caught)
+
+
+def test_is_a_torch_gradscaler():
+    assert isinstance(distscaler.GradScaler("cpu"), torch.amp.GradScaler)
+
+
+# ----------------------------------------------------------------- bounds, skip flag, logging
+
+
+def test_min_and_max_scale_bound_the_scale():
+    scaler = distscaler.GradScaler("cpu", init_scale=1024.0, min_scale=256.0, growth_interval=100)
+    faults = {s: ("inf", 0) for s in range(6)}
+    _, _, scales = train(scaler, "fused", steps=6, faults=faults)
+    assert scales == [512.0, 256.0, 256.0, 256.0, 256.0, 256.0]
+
+    scaler = distscaler.GradScaler("cpu", init_scale=1024.0, max_scale=4096.0, growth_interval=1)
+    _, _, scales = train(scaler, "fused", steps=4)
+    assert scales == [2048.0, 4096.0, 4096.0, 4096.0]
+
+
+def test_step_was_skipped_follows_the_verdict():
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    scaler = distscaler.GradScaler("cpu")
+    assert scaler.step_was_skipped is False
+    for fault in (False, True, False):
+        opt.zero_grad()
+        backward(scaler, model, fault=fault)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.step_was_skipped is fault
+
+
+def test_skips_are_logged_when_the_host_reads(caplog):
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**16, skip_log_interval=0)
+    caplog.set_level(logging.INFO, logger="distscaler")
+    for step in range(4):
+        opt.zero_grad()
+        backward(scaler, model, fault=step in (1, 2))
+        scaler.step(opt)
+        scaler.update()
+    assert not caplog.records, "logged without a host read"
+    assert scaler.get_scale() == 2.0**14
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "2 optimizer step(s) skipped" in message
+    assert "the last at step 3: loss scale 32768 -> 16384" in message
+    scaler.get_scale()
+    assert len(caplog.records) == 1, "a skip was reported twice"
+
+
+def test_skips_are_logged_every_interval(caplog):
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    scaler = distscaler.GradScaler("cpu", skip_log_interval=3)
+    caplog.set_level(logging.INFO, logger="distscaler")
+    spy = HostReadSpy()
+    spy.exclude_optimizer(opt)
+    reads = []
+    for step in range(6):
+        opt.zero_grad()
+        backward(scaler, model, fault=step == 0)
+        spy.reads.clear()
+        with spy:
+            scaler.step(opt)
+            scaler.update()
+        reads.append(len(spy.reads))
+    assert reads == [0, 0, 1, 0, 0, 1]
+    assert len(caplog.records) == 1 and "1 optimizer step(s) skipped" in caplog.records[0].getMessage()
+
+
+# ----------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("clip", [False, True])
+def test_fused_step_and_update_never_sync_on_cuda(clip):
+    model = make_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = distscaler.GradScaler("cuda", skip_log_interval=0)
+    for step in range(4):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(16, 8, device="cuda")).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if step == 2:
+            model[0].weight.grad[0, 0] = math.inf
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if clip:
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert scaler.step_was_skipped is (step == 2)

@@ -1,0 +1,137 @@
+"""Single process: distscaler.GradScaler is bit-for-bit torch.amp.GradScaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import distscaler
+from _models import FAULT_VALUES, make_model, optimizer_tensors, train
+
+OPTIMIZERS = ["fused", "foreach", "forloop", "sgd-fused", "sgd-forloop"]
+
+faults_strategy = st.dictionaries(
+    keys=st.integers(0, 23),
+    values=st.tuples(st.sampled_from(list(FAULT_VALUES)), st.integers(0, 5)),
+    max_size=8,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    faults=faults_strategy,
+    init_exp=st.integers(2, 30),
+    growth_interval=st.integers(1, 5),
+    growth_factor=st.sampled_from([2.0, 1.5, 4.0]),
+    backoff_factor=st.sampled_from([0.5, 0.25, 0.9]),
+    torch_clip=st.booleans(),
+)
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
+def test_matches_torch_gradscaler_bit_for_bit(
+    opt_kind, faults, init_exp, growth_interval, growth_factor, backoff_factor, torch_clip
+):
+    kwargs = dict(
+        init_scale=2.0**init_exp,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+    clip = "torch" if torch_clip else None
+    ref_model, ref_opt, ref_scales = train(
+        torch.amp.GradScaler("cpu", **kwargs), opt_kind, steps=24, faults=faults, clip=clip
+    )
+    model, opt, scales = train(
+        distscaler.GradScaler("cpu", **kwargs), opt_kind, steps=24, faults=faults, clip=clip
+    )
+    assert scales == ref_scales
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    for s, t in zip(optimizer_tensors(opt), optimizer_tensors(ref_opt)):
+        assert torch.equal(s, t)
+    # Guard: every injected fault was seen (the scale backed off right there).
+    previous = [kwargs["init_scale"], *scales]
+    for step in faults:
+        assert scales[step] < previous[step], f"fault at step {step} was not seen"
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "forloop", "sgd-forloop"])
+def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_kind):
+    faults = {3: ("inf", 1), 9: ("nan", 4)}
+    kwargs = dict(init_scale=2.0**12, growth_interval=4)
+    ref_model, _, ref_scales = train(
+        torch.amp.GradScaler("cpu", **kwargs), opt_kind, steps=16, faults=faults, clip="torch"
+    )
+    model, _, scales = train(
+        distscaler.GradScaler("cpu", **kwargs), opt_kind, steps=16, faults=faults, clip="ours"
+    )
+    assert scales == ref_scales
+    assert ref_scales[3] < ref_scales[2] and ref_scales[9] < ref_scales[8]
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_grad_norm_returns_norm_of_unscaled_gradients():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = distscaler.GradScaler("cpu", init_scale=512.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(16, 8)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    reference = [p.grad.double() / 512.0 for p in model.parameters()]
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in reference]))
+    norm = scaler.clip_grad_norm_(opt, max_norm=1e-3)
+    assert norm.dtype == torch.float32 and norm.shape == ()
+    torch.testing.assert_close(norm.double(), ref_norm, rtol=1e-6, atol=0)
+    # Non-fused optimizer: the gradients are now unscaled and clipped, as torch's clip leaves them.
+    coef = 1e-3 / (ref_norm + 1e-6)
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad.double(), g * coef, rtol=1e-5, atol=1e-9)
+
+
+def test_sparse_gradients_match_torch():
+    def run(scaler_cls):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(50, 6, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=2)
+        scales = []
+        for step in range(6):
+            opt.zero_grad()
+            idx = torch.tensor([1, 3, 3, 7, 1, step])  # repeated indices: an uncoalesced grad
+            scaler.scale(emb(idx).pow(2).sum()).backward()
+            assert emb.weight.grad.is_sparse
+            if step == 2:
+                emb.weight.grad._values()[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return emb.weight.detach(), scales
+
+    ref_w, ref_scales = run(torch.amp.GradScaler)
+    w, scales = run(distscaler.GradScaler)
+    assert scales == ref_scales and ref_scales[2] < ref_scales[1]
+    assert torch.equal(w, ref_w)
+
+
+def test_clip_grad_norm_coalesces_sparse_gradients():
+    emb = torch.nn.Embedding(20, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.0)
+    scaler = distscaler.GradScaler("cpu", init_scale=8.0)
+    idx = torch.tensor([2, 2, 2, 5])
+    scaler.scale(emb(idx).sum()).backward()
+    assert not emb.weight.grad.is_coalesced()
+    dense = emb.weight.grad.to_dense() / 8.0
+    norm = scaler.clip_grad_norm_(opt, max_norm=100.0)
+    torch.testing.assert_close(norm, dense.norm())
+
+
+def test_parameters_without_grad_are_skipped():
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    _, _, ours = train(distscaler.GradScaler("cpu"), "fused", steps=3, model=model)
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    _, _, ref = train(torch.amp.GradScaler("cpu"), "fused", steps=3, model=model)
+    assert ours == ref
