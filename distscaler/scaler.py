@@ -128,7 +128,9 @@ class GradScaler(torch.amp.GradScaler):
         policy_obj = get_policy(policy)
         skip_log_interval = V.check_int("skip_log_interval", skip_log_interval, minimum=0)
 
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
         # torch only sets these when enabled; keep them always so getters work on a disabled scaler.
         self._init_scale = init_scale
         self._growth_factor = growth_factor

@@ -12,7 +12,10 @@ FAULT_VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+        torch.nn.Linear(8, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.GELU(),
         torch.nn.Linear(32, 4),
     )
 

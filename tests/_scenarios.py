@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import HostReadSpy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _harness import HostReadSpy
 from distscaler import GradScaler
 
 OPTIMIZERS = ("fused", "foreach", "forloop")
@@ -117,7 +117,9 @@ def agreement(rank: int, world_size: int) -> dict[str, Any]:
         key = f"{opt_kind}-{fault}-{target}-{'clip' if clip else 'noclip'}"
         mk = dict(init_scale=2.0**8, growth_interval=2)
         results[key] = {
-            "ours": train_steps(rank, world_size, GradScaler("cpu", **mk), opt_kind, fault, target, clip),
+            "ours": train_steps(
+                rank, world_size, GradScaler("cpu", **mk), opt_kind, fault, target, clip
+            ),
             "torch": train_steps(
                 rank, world_size, torch.amp.GradScaler("cpu", **mk), opt_kind, fault, target, clip
             ),
@@ -168,7 +170,9 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
         scaler.update()
         # SGD(lr=1) moves each parameter by exactly its clipped gradient.
         moved = [(b - p.detach().double()) for b, p in zip(before, params)]
-        err = max(float((m - r).abs().max() / (r.abs().max() + 1e-12)) for m, r in zip(moved, ref_mine))
+        err = max(
+            float((m - r).abs().max() / (r.abs().max() + 1e-12)) for m, r in zip(moved, ref_mine)
+        )
         results[f"{layout}-{opt_kind}-p{norm_type}"] = {
             "norm": float(norm),
             "ref_norm": ref_norm,

@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 import torch
-
-import distscaler
 from _harness import HostReadSpy
 from _models import make_model, make_optimizer, optimizer_tensors, train
+
+import distscaler
 
 
 def backward(scaler, model, *, fault=False):
@@ -97,8 +97,14 @@ def test_misuse_raises_what_torch_raises(misuse, opt_kind):
 @pytest.mark.parametrize(
     "misuse, match",
     [
-        (lambda s, o: (s.step(o), s.clip_grad_norm_(o, 1.0)), r"clip_grad_norm_\(\) is being called after step"),
-        (lambda s, o: (s.clip_grad_norm_(o, 1.0), s.clip_grad_norm_(o, 1.0)), "has already been called"),
+        (
+            lambda s, o: (s.step(o), s.clip_grad_norm_(o, 1.0)),
+            r"clip_grad_norm_\(\) is being called after step",
+        ),
+        (
+            lambda s, o: (s.clip_grad_norm_(o, 1.0), s.clip_grad_norm_(o, 1.0)),
+            "has already been called",
+        ),
     ],
     ids=["clip_after_step", "clip_twice"],
 )
@@ -147,25 +153,65 @@ def test_clip_after_explicit_unscale_clips_the_unscaled_gradients():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(growth_factor=1.0), ValueError, r"growth_factor must be a finite number > 1.0, got: 1.0"),
+        (
+            dict(growth_factor=1.0),
+            ValueError,
+            r"growth_factor must be a finite number > 1.0, got: 1.0",
+        ),
         (dict(growth_factor=math.inf), ValueError, r"growth_factor must be a finite number > 1.0"),
         (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 1.0"),
         (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 0.0"),
         (dict(backoff_factor=math.nan), ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
         (dict(init_scale=0.0), ValueError, r"init_scale must be a finite number > 0, got: 0.0"),
         (dict(init_scale=-2.0), ValueError, r"init_scale must be a finite number > 0, got: -2.0"),
-        (dict(init_scale=math.inf), ValueError, r"init_scale must be a finite number > 0, got: inf"),
-        (dict(init_scale=math.nan), ValueError, r"init_scale must be a finite number > 0, got: nan"),
+        (
+            dict(init_scale=math.inf),
+            ValueError,
+            r"init_scale must be a finite number > 0, got: inf",
+        ),
+        (
+            dict(init_scale=math.nan),
+            ValueError,
+            r"init_scale must be a finite number > 0, got: nan",
+        ),
         (dict(growth_interval=0), ValueError, r"growth_interval must be an integer >= 1, got: 0"),
-        (dict(growth_interval=2.5), ValueError, r"growth_interval must be an integer >= 1, got: 2.5"),
-        (dict(growth_interval=True), ValueError, r"growth_interval must be an integer >= 1, got: True"),
-        (dict(min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError, r"min_scale must be <= max_scale"),
+        (
+            dict(growth_interval=2.5),
+            ValueError,
+            r"growth_interval must be an integer >= 1, got: 2.5",
+        ),
+        (
+            dict(growth_interval=True),
+            ValueError,
+            r"growth_interval must be an integer >= 1, got: True",
+        ),
+        (
+            dict(min_scale=8.0, max_scale=4.0, init_scale=4.0),
+            ValueError,
+            r"min_scale must be <= max_scale",
+        ),
         (dict(min_scale=0.0), ValueError, r"min_scale must be a finite number > 0, got: 0.0"),
-        (dict(max_scale=1024.0), ValueError, r"init_scale must be in \[min_scale, max_scale\] = \[None, 1024.0\], got: 65536.0"),
-        (dict(grad_layout="diagonal"), ValueError, r"grad_layout must be one of \('replicated', 'sharded'\), got: 'diagonal'"),
+        (
+            dict(max_scale=1024.0),
+            ValueError,
+            r"init_scale must be in \[min_scale, max_scale\] = \[None, 1024.0\], got: 65536.0",
+        ),
+        (
+            dict(grad_layout="diagonal"),
+            ValueError,
+            r"grad_layout must be one of \('replicated', 'sharded'\), got: 'diagonal'",
+        ),
         (dict(policy="apex"), ValueError, r"policy must be one of \['torch'\], got: 'apex'"),
-        (dict(skip_log_interval=-1), ValueError, r"skip_log_interval must be an integer >= 0, got: -1"),
-        (dict(process_group="world"), TypeError, r"process_group must be a ProcessGroup or None, got: 'world'"),
+        (
+            dict(skip_log_interval=-1),
+            ValueError,
+            r"skip_log_interval must be an integer >= 0, got: -1",
+        ),
+        (
+            dict(process_group="world"),
+            TypeError,
+            r"process_group must be a ProcessGroup or None, got: 'world'",
+        ),
         (dict(enabled="yes"), TypeError, r"enabled must be a bool, got: 'yes'"),
     ],
 )
@@ -179,8 +225,14 @@ def test_bad_constructor_argument_is_named(kwargs, error, match):
     [
         (dict(max_norm=0.0), r"max_norm must be a finite number > 0, got: 0.0"),
         (dict(max_norm=math.nan), r"max_norm must be a finite number > 0, got: nan"),
-        (dict(max_norm=1.0, norm_type=0.0), r"norm_type must be a number > 0 or math.inf, got: 0.0"),
-        (dict(max_norm=1.0, norm_type="fro"), r"norm_type must be a number > 0 or math.inf, got: 'fro'"),
+        (
+            dict(max_norm=1.0, norm_type=0.0),
+            r"norm_type must be a number > 0 or math.inf, got: 0.0",
+        ),
+        (
+            dict(max_norm=1.0, norm_type="fro"),
+            r"norm_type must be a number > 0 or math.inf, got: 'fro'",
+        ),
     ],
 )
 def test_bad_clip_argument_is_named_and_changes_nothing(kwargs, match):
@@ -251,7 +303,10 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     scaler = distscaler.GradScaler("cpu", **kw)
     model2, opt2, first = train(scaler, "fused", steps=6, faults=faults)
     path = tmp_path / "ckpt.pt"
-    torch.save({"scaler": scaler.state_dict(), "opt": opt2.state_dict(), "model": model2.state_dict()}, path)
+    torch.save(
+        {"scaler": scaler.state_dict(), "opt": opt2.state_dict(), "model": model2.state_dict()},
+        path,
+    )
     ckpt = torch.load(path, weights_only=True)
     resumed = distscaler.GradScaler("cpu")
     resumed.load_state_dict(ckpt["scaler"])
@@ -307,7 +362,12 @@ def test_bad_state_dict_reports_every_problem_at_once():
     with pytest.raises(ValueError) as info:
         distscaler.GradScaler("cpu").load_state_dict({"scale": -1.0, "growth_interval": 0})
     message = str(info.value)
-    for part in ("'scale'", "'growth_interval'", "missing key 'growth_factor'", "'_growth_tracker'"):
+    for part in (
+        "'scale'",
+        "'growth_interval'",
+        "missing key 'growth_factor'",
+        "'_growth_tracker'",
+    ):
         assert part in message
 
 
@@ -429,7 +489,9 @@ def test_skips_are_logged_every_interval(caplog):
             scaler.update()
         reads.append(len(spy.reads))
     assert reads == [0, 0, 1, 0, 0, 1]
-    assert len(caplog.records) == 1 and "1 optimizer step(s) skipped" in caplog.records[0].getMessage()
+    assert (
+        len(caplog.records) == 1 and "1 optimizer step(s) skipped" in caplog.records[0].getMessage()
+    )
 
 
 # ----------------------------------------------------------------- CUDA

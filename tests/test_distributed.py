@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 import _scenarios as S
+import pytest
 from _harness import spawn
 
 WORLD_SIZES = [

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import FAULT_VALUES, make_model, optimizer_tensors, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distscaler
-from _models import FAULT_VALUES, make_model, optimizer_tensors, train
 
 OPTIMIZERS = ["fused", "foreach", "forloop", "sgd-fused", "sgd-forloop"]
 
