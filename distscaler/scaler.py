@@ -566,9 +566,9 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return {}
-        if self._scale is None or self._growth_tracker is None:
-            scale, tracker = self._init_scale, self._init_growth_tracker
-        else:
+        scale: float = self._init_scale
+        tracker: float = self._init_growth_tracker
+        if self._scale is not None and self._growth_tracker is not None:
             scale, tracker = self._host_read(self._scale, self._growth_tracker)
         return {
             "scale": float(scale),
