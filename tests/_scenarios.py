@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _harness import HostReadSpy
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distscaler import GradScaler
@@ -165,9 +166,10 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
         fused = opt_kind == "fused"
         opt = torch.optim.SGD(params, lr=1.0, fused=fused, foreach=None if fused else False)
         before = [p.detach().double().clone() for p in params]
-        norm = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type=norm_type)
-        scaler.step(opt)
-        scaler.update()
+        with CommDebugMode() as comm:  # two dtype groups (fp32, fp64), still one collective
+            norm = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type=norm_type)
+            scaler.step(opt)
+            scaler.update()
         # SGD(lr=1) moves each parameter by exactly its clipped gradient.
         moved = [(b - p.detach().double()) for b, p in zip(before, params)]
         err = max(
@@ -180,6 +182,7 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
             "norm_shape": list(norm.shape),
             "rel_err_update": err,
             "skipped": scaler.step_was_skipped,
+            "all_reduces": comm.get_total_counts(),
         }
     return results
 
@@ -189,8 +192,6 @@ def step_costs(rank: int, world_size: int) -> dict[str, Any]:
 
     Rank 0 writes a NaN on step 2, so clean and overflowing steps are both measured.
     """
-    from torch.distributed.tensor.debug import CommDebugMode
-
     results = {}
     for opt_kind, clip, enabled in itertools.product(OPTIMIZERS, (False, True), (True, False)):
         model = make_model()

@@ -77,6 +77,7 @@ def test_clip_grad_norm_matches_torch_on_full_gradients(runs, layout, opt_kind, 
         # The optimizer moved each parameter by exactly torch's clipped gradient.
         assert res["rel_err_update"] < 1e-5
         assert not res["skipped"]
+        assert res["all_reduces"] == 1
 
 
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
