@@ -285,7 +285,6 @@ class GradScaler(torch.amp.GradScaler):
             raise CallOrderError(
                 "clip_grad_norm_() has already been called on this optimizer since the last update()."
             )
-        state["clipped"] = True
 
         if state["stage"] is OptState.UNSCALED:
             total_norm = self._clip_unscaled_(optimizer, max_norm, norm_type, sharded=sharded)
@@ -293,6 +292,7 @@ class GradScaler(torch.amp.GradScaler):
             nonfinite = total_norm.isfinite().logical_not().to(found_inf.device, torch.float32)
             found_inf = torch.maximum(found_inf, nonfinite)
             state["found_inf_per_device"] = {found_inf.device: found_inf}
+            state["clipped"] = True
             return total_norm
 
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
@@ -314,6 +314,7 @@ class GradScaler(torch.amp.GradScaler):
             _mul_groups_(groups, inv_scale * clip_coef)
             self._record_verdict(state, verdict, grad_scale=None)
         state["stage"] = OptState.UNSCALED
+        state["clipped"] = True
         return verdict.total_norm
 
     def _clip_unscaled_(

@@ -519,3 +519,20 @@ def test_fused_step_and_update_never_sync_on_cuda(clip):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert scaler.step_was_skipped is (step == 2)
+
+
+def test_fp16_gradients_in_clip_raise_and_leave_the_optimizer_ready():
+    model = make_model().half()
+    opt = make_optimizer("forloop", model.parameters())
+    scaler = distscaler.GradScaler("cpu", init_scale=4.0)
+    loss = model(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        scaler.clip_grad_norm_(opt, 1.0)
+    model.float()  # fix the cause; the same iteration can go on
+    for p in model.parameters():
+        p.grad = p.grad.float()
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.step_was_skipped
