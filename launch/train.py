@@ -22,14 +22,28 @@ Single process, no torch.distributed::
 
     python launch/train.py
 
+A seconds-long smoke run (tiny model; any text file)::
+
+    torchrun --standalone --nproc-per-node=2 launch/train.py --config configs/smoke.yaml \
+        --data launch/train.py --out runs/smoke
+
 Options (config values come from the ``TrainConfig`` defaults, then the YAML file, then the
 command line)::
 
     --config FILE   YAML config (default: configs/default.yaml next to this script)
-    --steps N       total number of optimizer steps
+    --steps N       total number of optimizer steps (the cosine decay ends there unless
+                    decay_steps is set)
     --out DIR       output folder (default: runs/default)
     --data PATH     text file or folder to train on instead of the stdlib sources
-    --resume        continue from DIR/ckpt.pt (same step, scale, RNG; appends to metrics.jsonl)
+    --resume        continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
+                    states; metrics.jsonl keeps the lines up to that step and grows from there.
+                    Every rank reads the checkpoint: across nodes DIR must be on a shared
+                    filesystem.
+
+With the default config the scaler is visibly at work: it starts at 2**20, backs off on the first
+steps' overflows (skipped on every rank), then grows every ``growth_interval`` clean steps until
+fp16 overflows again. ``inject_inf: {steps: [...], rank: R}`` writes an inf into one gradient on
+rank R only, after DDP's all-reduce, to show that every rank still skips that step.
 
 Outputs, written by rank 0 into ``--out``:
 
@@ -69,26 +83,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-try:  # TEMPORARY shim until distscaler exists; removed before hand-off.
-    from distscaler import GradScaler
-except ImportError:  # pragma: no cover
+from distscaler import GradScaler
 
-    class GradScaler(torch.amp.GradScaler):  # type: ignore[no-redef]
-        def clip_grad_norm_(self, optimizer, max_norm):
-            self.unscale_(optimizer)
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-        def update(self, new_scale=None):
-            before = self.get_scale()
-            super().update(new_scale)
-            self._was_skipped = self.get_scale() < before
-
-        @property
-        def step_was_skipped(self):
-            return self._was_skipped
-
-logger = logging.getLogger("distscaler.train")
+logger = logging.getLogger("train")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 CKPT_NAME = "ckpt.pt"
@@ -99,6 +96,14 @@ SUMMARY_NAME = "summary.json"
 # --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, reported together so that one pass fixes them all."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid config:\n" + "\n".join(f"- {p}" for p in problems))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,11 +120,14 @@ class InjectInf:
     """Global rank that injects; must be in [0, world_size)."""
 
     def __post_init__(self) -> None:
+        problems = []
         bad = [s for s in self.steps if s < 1]
         if bad:
-            raise ValueError(f"inject_inf.steps must be >= 1, got: {bad}")
+            problems.append(f"inject_inf.steps must be >= 1, got: {bad}")
         if self.rank < 0:
-            raise ValueError(f"inject_inf.rank must be >= 0, got: {self.rank}")
+            problems.append(f"inject_inf.rank must be >= 0, got: {self.rank}")
+        if problems:
+            raise ConfigError(problems)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,19 +135,21 @@ class TrainConfig:
     """Every setting of the job. YAML keys and ``--flags`` use these names."""
 
     # -- run --
-    steps: int = 600
+    steps: int = 500
     """Total number of optimizer steps (a resumed run continues up to this number)."""
     out: str = "runs/default"
     """Output folder for metrics.jsonl, ckpt.pt and summary.json."""
     seed: int = 1337
     """Seed for model init; rank r samples batches with seed + r."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: ``cuda:$LOCAL_RANK`` with NCCL where CUDA is available, else the CPU with gloo."""
     num_threads: int = 0
     """CPU threads per process; 0 = usable cores // processes on this node (at least 1)."""
     ckpt_interval: int = 200
     """Checkpoint interval, in steps (a checkpoint is also written at the end); 0 = only at end."""
     log_interval: int = 50
     """Interval, in steps, of the log lines (the progress bar updates every step)."""
-    eval_interval: int = 200
+    eval_interval: int = 100
     """Interval, in steps, of held-out evaluation (always done at the end); 0 = only at end."""
     eval_windows: int = 128
     """Number of fixed, evenly spaced held-out windows (of block_size bytes) per evaluation."""
@@ -167,8 +177,11 @@ class TrainConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 30
     """Linear warmup length, in steps."""
+    decay_steps: int = 0
+    """Step at which the cosine decay reaches min_lr; 0 = ``steps``. Fix it to resume a run
+    with a larger ``--steps`` on the same schedule."""
     weight_decay: float = 0.1
-    """AdamW weight decay, applied to matrices only (not to biases, norms, embeddings of pos)."""
+    """AdamW weight decay, applied to weight matrices and embeddings, not to biases and norms."""
     beta1: float = 0.9
     beta2: float = 0.95
     max_norm: float = 1.0
@@ -214,6 +227,7 @@ class TrainConfig:
         need(self.lr > 0, f"lr must be > 0, got: {self.lr}")
         need(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr], got: {self.min_lr}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got: {self.warmup_steps}")
+        need(self.decay_steps >= 0, f"decay_steps must be >= 0, got: {self.decay_steps}")
         need(self.max_norm > 0, f"max_norm must be > 0, got: {self.max_norm}")
         need(self.init_scale > 0, f"init_scale must be > 0, got: {self.init_scale}")
         need(self.growth_factor > 1, f"growth_factor must be > 1, got: {self.growth_factor}")
@@ -221,9 +235,11 @@ class TrainConfig:
             0 < self.backoff_factor < 1,
             f"backoff_factor must be in (0, 1), got: {self.backoff_factor}",
         )
-        need(self.growth_interval >= 1, f"growth_interval must be >= 1, got: {self.growth_interval}")
+        need(
+            self.growth_interval >= 1, f"growth_interval must be >= 1, got: {self.growth_interval}"
+        )
         if problems:
-            raise ValueError("invalid config:\n" + "\n".join(f"- {p}" for p in problems))
+            raise ConfigError(problems)
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -233,8 +249,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _coerce(key, value, non_none[0])
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        for arg in non_none:
             try:
                 return _coerce(key, value, arg)
             except (TypeError, ValueError) as e:
@@ -249,7 +268,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise TypeError(f"{key} must be a list, got: {value!r}")
         (item,) = typing.get_args(hint)
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise TypeError(f"{key} must be a mapping, got: {value!r}")
         return _from_dict(hint, value, prefix=f"{key}.")
@@ -287,14 +306,16 @@ def _from_dict(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in raw.items():
         if key not in names:
-            problems.append(f"unknown config key {prefix}{key!r}; valid keys: {', '.join(names)}")
+            problems.append(f"unknown config key '{prefix}{key}'; valid keys: {', '.join(names)}")
             continue
         try:
             kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+        except ConfigError as e:  # a nested dataclass: keep its list flat
+            problems.extend(e.problems)
         except (TypeError, ValueError) as e:
             problems.append(str(e))
     if problems:
-        raise ValueError("invalid config:\n" + "\n".join(f"- {p}" for p in problems))
+        raise ConfigError(problems)
     return cls(**kwargs)
 
 
@@ -308,7 +329,9 @@ def load_config(path: str | os.PathLike | None, **overrides: Any) -> TrainConfig
         with open(path, encoding="utf-8") as f:
             loaded = yaml.safe_load(f)
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a mapping, got: {type(loaded).__name__}")
+            raise ValueError(
+                f"config file {path} must hold a mapping, got: {type(loaded).__name__}"
+            )
         raw = dict(loaded or {})
     raw.update({k: v for k, v in overrides.items() if v is not None})
     return _from_dict(TrainConfig, raw)
@@ -322,7 +345,7 @@ def load_config(path: str | os.PathLike | None, **overrides: Any) -> TrainConfig
 def stdlib_files() -> list[Path]:
     """The ``*.py`` files of this interpreter's standard library, sorted, without site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Third-party packages live under the stdlib folder in many installs; they are not stdlib.
         dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
@@ -351,8 +374,8 @@ def load_corpus(cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
     need = cfg.block_size + 1
     if len(train) <= need or len(held_out) <= need:
         raise ValueError(
-            f"data too small: {len(data)} bytes in {len(files)} file(s) give {len(train)} train and "
-            f"{len(held_out)} held-out bytes; each needs more than block_size + 1 = {need}"
+            f"data too small: {len(data)} bytes in {len(files)} file(s) give {len(train)} train "
+            f"and {len(held_out)} held-out bytes; each needs more than block_size + 1 = {need}"
         )
     return train, held_out, len(files)
 
@@ -450,20 +473,21 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2)}
+    betas = (cfg.beta1, cfg.beta2)
     try:
         # Fused: the scaler hands the scale and the skip flag to the kernel, with no host sync.
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
     except (RuntimeError, ValueError) as e:
         logger.warning("fused AdamW unavailable on %s (%s); using the foreach one", device, e)
-        return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
     if step <= cfg.warmup_steps:
         return cfg.lr * step / max(1, cfg.warmup_steps)
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    decay_steps = cfg.decay_steps or cfg.steps
+    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -496,13 +520,24 @@ class Dist:
                 dist.barrier()
 
 
-def setup_distributed() -> Dist:
-    """Initializes the process group when launched by torchrun (RANK / WORLD_SIZE set)."""
-    use_cuda = torch.cuda.is_available()
+def setup_distributed(device_type: str) -> Dist:
+    """Picks the device and, when launched by torchrun (RANK / WORLD_SIZE set), initializes the
+    process group: NCCL on CUDA, gloo on the CPU."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
+    use_cuda = device_type == "cuda" or (device_type == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK must be in [0, {torch.cuda.device_count()}) (the visible GPUs) with "
+            f"device {device_type!r}, got: {local_rank}; start fewer processes per node or set "
+            "device: cpu"
+        )
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
         return Dist(device=device)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -651,11 +686,22 @@ def finite_or_none(x: float) -> float | None:
 
 
 def read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
-    """The records of ``path`` with step <= upto_step (later ones were not checkpointed)."""
+    """The records of ``path`` with step <= upto_step (later ones were not checkpointed).
+
+    A line that does not parse (a job killed while writing it) is dropped with a warning.
+    """
     if not path.is_file():
+        logger.warning("%s not found; the summary covers this run's steps only", path)
         return []
+    records = []
     with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        for num, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                logger.warning("%s:%d is not valid JSON; dropped: %r", path, num, line[:80])
     return [r for r in records if r["step"] <= upto_step]
 
 
@@ -684,6 +730,42 @@ def summarize(records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def inject_inf_(model: nn.Module) -> None:
+    """Writes an inf into the first gradient of ``model`` (this rank only)."""
+    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+    grad.view(-1)[0] = math.inf
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: TrainConfig,
+    *,
+    inject: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns the loss and the global unscaled gradient norm, on the device.
+
+    No host read here: with a fused optimizer the scaler's skip decision and clipping stay on the
+    device. ``inject``: the unwrapped model whose gradient gets an inf after backward.
+    """
+    with torch.autocast(x.device.type, dtype=torch.float16, enabled=cfg.amp):
+        logits = model(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    if inject is not None:
+        # After backward DDP has already all-reduced the gradients: only this rank sees the inf.
+        inject_inf_(inject)
+    # One collective gives every rank the same skip decision and the same global norm.
+    grad_norm = scaler.clip_grad_norm_(optimizer, cfg.max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach(), grad_norm
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Byte-level GPT trained with DDP, fp16 autocast and distscaler.GradScaler.",
@@ -703,22 +785,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    d = setup_distributed()
-    setup_logging(d.rank)
-    try:
-        return train(args, d, t_start)
-    finally:
-        if d.enabled:
-            dist.destroy_process_group()
-
-
-def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
+    setup_logging(int(os.environ.get("RANK", 0)))
     config_path = args.config
     if config_path is None and DEFAULT_CONFIG.is_file():
         config_path = DEFAULT_CONFIG
     elif config_path is None:
         logger.warning("%s not found; using the built-in defaults", DEFAULT_CONFIG)
-    cfg = load_config(config_path, steps=args.steps, out=args.out, data=args.data)
+    try:
+        cfg = load_config(config_path, steps=args.steps, out=args.out, data=args.data)
+    except ConfigError as e:
+        logger.error("%s: %s", config_path or "(built-in defaults)", e)
+        raise SystemExit(2) from None
+    d = setup_distributed(cfg.device)
+    # No teardown after an error: destroy_process_group is collective-like and would hang the
+    # ranks that are still running (torchrun stops them instead).
+    summary = train(cfg, d, config_path=config_path, resume=args.resume, t_start=t_start)
+    if d.enabled:
+        d.barrier()  # every rank is done communicating before any rank tears its connections down
+        dist.destroy_process_group()
+    return summary
+
+
+def train(
+    cfg: TrainConfig, d: Dist, *, config_path: str | Path | None, resume: bool, t_start: float
+) -> dict[str, Any]:
+    """Runs the job on an initialized ``d``; returns the summary (rank 0's records)."""
     if cfg.inject_inf is not None and cfg.inject_inf.rank >= d.world_size:
         raise ValueError(
             f"inject_inf.rank must be in [0, {d.world_size}) for this world size, "
@@ -733,9 +824,7 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
     ckpt_path, metrics_path = out / CKPT_NAME, out / METRICS_NAME
 
     train_data, held_out, num_files = load_corpus(cfg)
-    logger.info(
-        "config %s: %s", config_path or "(built-in defaults)", dataclasses.asdict(cfg)
-    )
+    logger.info("config %s: %s", config_path or "(built-in defaults)", dataclasses.asdict(cfg))
     logger.info(
         "world_size=%d device=%s backend=%s threads/rank=%d data: %d files, %.2f MB train, "
         "%.2f MB held out",
@@ -768,7 +857,7 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
     logger.info("model: %.2fM parameters", num_params / 1e6)
 
     start_step = 0
-    if args.resume:
+    if resume:
         start_step = load_checkpoint(
             ckpt_path,
             model=raw_model,
@@ -778,8 +867,10 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
             cfg=cfg,
             d=d,
         )
-        logger.info("resumed from %s at step %d, scale %g", ckpt_path, start_step, scaler.get_scale())
-    records = read_metrics(metrics_path, start_step) if d.is_main and args.resume else []
+        logger.info(
+            "resumed from %s at step %d, scale %g", ckpt_path, start_step, scaler.get_scale()
+        )
+    records = read_metrics(metrics_path, start_step) if d.is_main and resume else []
     metrics_file = None
     if d.is_main:
         # Rewrite rather than append: steps logged after the checkpoint will be run again.
@@ -795,6 +886,7 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
     eval_loss = None
     step = start_step
 
+    scale = scaler.get_scale()  # the scale the next step's gradients carry
     bar = tqdm(
         total=cfg.steps,
         initial=start_step,
@@ -815,22 +907,12 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
                     len(train_data) - cfg.block_size - 1, (cfg.batch_size,), generator=sampler
                 )
                 x, y = get_batch(train_data, starts, cfg.block_size, d.device)
-                with torch.autocast(d.device.type, dtype=torch.float16, enabled=cfg.amp):
-                    logits = model(x)  # (B, T, vocab)
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                if inject_here and step in inject_steps:
-                    # After backward, DDP has already all-reduced: only this rank sees the inf.
-                    next(p for p in raw_model.parameters() if p.grad is not None).grad.view(-1)[
-                        0
-                    ] = math.inf
-                scale = scaler.get_scale()  # the scale this step's gradients carry
-                grad_norm = scaler.clip_grad_norm_(optimizer, cfg.max_norm)
-                scaler.step(optimizer)
-                scaler.update()
+                inject = raw_model if inject_here and step in inject_steps else None
+                loss, grad_norm = train_step(model, optimizer, scaler, x, y, cfg, inject=inject)
+                # The step's host reads, all after it: metrics, the agreed skip flag, next scale.
+                loss_value, norm_value = torch.stack([loss.float(), grad_norm]).tolist()
                 skipped = scaler.step_was_skipped
-                loss_value, norm_value = loss.item(), grad_norm.item()
+                next_scale = scaler.get_scale()
                 dt = time.perf_counter() - t0
                 train_time += dt
                 if skipped:
@@ -849,18 +931,11 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
                     eval_loss = evaluate(raw_model, held_out, cfg, d)
                     record["eval_loss"] = eval_loss
                     logger.info("step %d: eval loss %.4f", step, eval_loss)
-                if d.is_main:
+                if metrics_file is not None:  # rank 0
                     records.append(record)
                     metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
                     bar.set_postfix(loss=f"{loss_value:.3f}", scale=f"{scale:g}", refresh=False)
                     bar.update()
-                    if skipped:
-                        logger.info(
-                            "step %d: inf/NaN gradients, step skipped on every rank; scale %g -> %g",
-                            step,
-                            scale,
-                            scaler.get_scale(),
-                        )
                     if cfg.log_interval and step % cfg.log_interval == 0:
                         logger.info(
                             "step %d/%d: loss %.4f scale %g grad_norm %.3f lr %.2e %.0f tok/s",
@@ -872,6 +947,7 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
                             lr,
                             tokens_per_step / dt,
                         )
+                scale = next_scale
                 if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < cfg.steps:
                     save_checkpoint(
                         ckpt_path,
@@ -935,8 +1011,8 @@ def train(args: argparse.Namespace, d: Dist, t_start: float) -> dict[str, Any]:
             summary["num_growths"],
             summary["num_backoffs"],
             final_scale,
-            summary["first_loss"] or math.nan,
-            summary["last_loss"] or math.nan,
+            math.nan if summary["first_loss"] is None else summary["first_loss"],
+            math.nan if summary["last_loss"] is None else summary["last_loss"],
             eval_loss,
             summary["tokens_per_s"] or 0.0,
             summary["wall_s"],

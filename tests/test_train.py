@@ -32,8 +32,16 @@ SMOKE = REPO / "configs" / "smoke.yaml"
 DEFAULT = REPO / "configs" / "default.yaml"
 JOB_TIMEOUT_S = 120
 METRIC_KEYS = {"step", "loss", "scale", "skipped", "grad_norm", "tokens_per_s"}
-
-pytestmark = pytest.mark.slow
+# Set by an enclosing launcher or test runner; the jobs must get their own.
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -61,12 +69,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-        and k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
@@ -83,6 +86,7 @@ def _standalone(nproc: int = 2) -> list[str]:
 def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIMEOUT_S) -> None:
     """Runs ``cmds`` concurrently; fails (killing all of them) if one fails or times out."""
     procs = []
+    timed_out = False
     try:
         for cmd, log in zip(cmds, logs, strict=True):
             with open(log, "w") as f:
@@ -98,8 +102,10 @@ def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIME
                 )
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
-            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # the others would wait for it at the next collective
+            if time.monotonic() > deadline:
+                timed_out = True
                 break
             time.sleep(0.2)
     finally:
@@ -108,9 +114,11 @@ def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIME
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     problems = [
-        f"job {i} ({' '.join(cmd[3:])}) exited {p.returncode}; log tail:\n"
-        + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        for i, (cmd, p, log) in enumerate(zip(cmds, procs, logs, strict=True))
+        f"job {' '.join(cmd)} exited {p.returncode}"
+        + (f" (killed after the {timeout} s timeout)" if timed_out else "")
+        + ", log tail:\n"
+        + "\n".join(log.read_text(errors="replace").replace("\r", "\n").splitlines()[-30:])
+        for cmd, p, log in zip(cmds, procs, logs, strict=True)
         if p.returncode != 0
     ]
     assert not problems, "\n\n".join(problems)
@@ -211,9 +219,36 @@ def test_unknown_or_bad_yaml_keys_are_all_reported_by_name(train_mod: Any, tmp_p
     assert "min_lr must be in [0, lr], got: 1.0" in str(e.value)
 
 
+def test_lr_warms_up_then_decays_to_min_lr(train_mod: Any) -> None:
+    cfg = train_mod.TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    lrs = [train_mod.lr_at(step, cfg) for step in range(1, 101)]
+    assert lrs[9] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
+    assert lrs[:10] == sorted(lrs[:10]) and lrs[9:] == sorted(lrs[9:], reverse=True)
+    fixed = train_mod.TrainConfig(steps=100, warmup_steps=10, decay_steps=50, min_lr=1e-4)
+    assert train_mod.lr_at(50, fixed) == train_mod.lr_at(80, fixed) == pytest.approx(1e-4)
+
+
+def test_resume_reads_metrics_up_to_the_checkpoint(train_mod: Any, tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": step}) + "\n" for step in range(1, 9)]
+    path.write_text("".join(lines) + '{"step": 9, "lo')  # torn by a kill mid-write
+    assert [r["step"] for r in train_mod.read_metrics(path, upto_step=6)] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint at .*ckpt.pt"):
+        train_mod.load_checkpoint(
+            tmp_path / "ckpt.pt",
+            model=None,
+            optimizer=None,
+            scaler=None,
+            sampler=None,
+            cfg=None,
+            d=None,
+        )
+
+
 # ------------------------------------------------------------------------------ torchrun jobs
 
 
+@pytest.mark.slow
 def test_two_ranks_write_metrics_and_resume_continues_bit_exact(
     tmp_path: Path, smoke_cpu: Path, small_text: Path
 ) -> None:
@@ -250,6 +285,7 @@ def test_two_ranks_write_metrics_and_resume_continues_bit_exact(
     assert _summary(first)["steps_this_run"] == 4
 
 
+@pytest.mark.slow
 def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
     # Default data (the stdlib sources): real input. The inf is written on rank 1 only, after
     # DDP's all-reduce, so only the scaler's own collective can make rank 0 skip as well.
@@ -268,6 +304,7 @@ def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
     assert summary["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_two_nodes_train_with_c10d_rendezvous(
     tmp_path: Path, smoke_cpu: Path, small_text: Path
 ) -> None:
@@ -293,6 +330,7 @@ def test_two_nodes_train_with_c10d_rendezvous(
     assert _summary(out)["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_plain_python_runs_a_single_process(
     tmp_path: Path, smoke_cpu: Path, small_text: Path
 ) -> None:
