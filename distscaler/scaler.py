@@ -561,9 +561,11 @@ class GradScaler(torch.amp.GradScaler):
         """The scaler's state as plain Python numbers (one host read).
 
         torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``), so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus
-        ``min_scale`` and ``max_scale`` (floats or None), which torch ignores. Safe under
-        ``torch.load(weights_only=True)``. Empty when disabled, as torch's.
+        ``_growth_tracker``), so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus keys
+        torch ignores: ``min_scale`` and ``max_scale`` (floats or None), ``num_updates`` (update()
+        calls so far) and ``num_skipped_steps`` (of those, the skipped ones), so the skip log of a
+        resumed run keeps counting. Safe under ``torch.load(weights_only=True)``. Empty when
+        disabled, as torch's.
         """
         if not self._enabled:
             return {}
@@ -571,6 +573,7 @@ class GradScaler(torch.amp.GradScaler):
         tracker: float = self._init_growth_tracker
         if self._scale is not None and self._growth_tracker is not None:
             scale, tracker = self._host_read(self._scale, self._growth_tracker)
+        record = self._skip_record
         return {
             "scale": float(scale),
             "growth_factor": self._growth_factor,
@@ -579,6 +582,8 @@ class GradScaler(torch.amp.GradScaler):
             "_growth_tracker": int(tracker),
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
+            "num_updates": record.num_updates,
+            "num_skipped_steps": record.num_skipped(record.host_values()),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -623,6 +628,9 @@ class GradScaler(torch.amp.GradScaler):
         for key in ("min_scale", "max_scale"):
             if state_dict.get(key) is not None:
                 check(key, V.check_positive_finite)
+        for key in ("num_updates", "num_skipped_steps"):
+            if key in state_dict:
+                check(key, V.check_int, minimum=0)
         if problems:
             raise ValueError("invalid GradScaler state_dict:\n- " + "\n- ".join(problems))
 
@@ -631,10 +639,15 @@ class GradScaler(torch.amp.GradScaler):
         self._backoff_factor = parsed["backoff_factor"]
         self._growth_interval = parsed["growth_interval"]
         self._init_growth_tracker = parsed["_growth_tracker"]
-        if "min_scale" in state_dict:
-            self._min_scale = parsed.get("min_scale")
-        if "max_scale" in state_dict:
-            self._max_scale = parsed.get("max_scale")
+        for key in ("min_scale", "max_scale"):
+            if key in state_dict and parsed.get(key) != getattr(self, f"_{key}"):
+                warnings.warn(
+                    f"load_state_dict: {key}={getattr(self, f'_{key}')} given to the constructor is "
+                    f"replaced by the checkpoint's {key}={parsed.get(key)}",
+                    stacklevel=2,
+                )
+                setattr(self, f"_{key}", parsed.get(key))
+        self._skip_record.restore(parsed.get("num_updates", 0), parsed.get("num_skipped_steps", 0))
         if self._scale is not None:
             self._scale.fill_(parsed["scale"])
         if self._growth_tracker is not None:

@@ -27,6 +27,7 @@ class SkipRecord:
     def __init__(self) -> None:
         self._record: torch.Tensor | None = None  # (4,) float64 on the scale's device
         self._num_reported = 0
+        self._init_num_skipped = 0  # restored from a checkpoint, folded in on the first update
         self.num_updates = 0  # host-side count of update() calls that consumed a verdict
 
     def record_(
@@ -37,6 +38,7 @@ class SkipRecord:
         device = found_inf.device
         if self._record is None:
             self._record = torch.zeros(4, dtype=torch.float64, device=device)
+            self._record[_NUM_SKIPPED] = self._init_num_skipped
         skipped = found_inf > 0
         candidate = torch.stack(
             [
@@ -76,5 +78,14 @@ class SkipRecord:
             values[_LAST_SCALE_AFTER],
         )
 
-    def state_dict(self) -> dict[str, int]:
-        return {"num_updates": self.num_updates}
+    def num_skipped(self, values: list[float] | None) -> int:
+        """Total skipped steps, from ``host_values()`` (or the restored count before any update)."""
+        return self._init_num_skipped if values is None else int(values[_NUM_SKIPPED])
+
+    def restore(self, num_updates: int, num_skipped: int) -> None:
+        """Continue the counts of a checkpointed run (step numbers in the log stay global)."""
+        self.num_updates = num_updates
+        self._init_num_skipped = num_skipped
+        self._num_reported = num_skipped
+        if self._record is not None:
+            self._record[_NUM_SKIPPED] = num_skipped

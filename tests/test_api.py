@@ -292,7 +292,10 @@ def test_state_dict_loads_into_torch_and_back():
 
     again = distscaler.GradScaler("cpu")
     again.load_state_dict(theirs.state_dict())
-    assert again.state_dict() | {"min_scale": None, "max_scale": None} == ours.state_dict()
+    ours_state = ours.state_dict()
+    assert (ours_state["num_updates"], ours_state["num_skipped_steps"]) == (4, 1)
+    torch_keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    assert {k: again.state_dict()[k] for k in torch_keys} == {k: ours_state[k] for k in torch_keys}
 
 
 def test_resume_continues_the_same_trajectory(tmp_path):
@@ -536,3 +539,36 @@ def test_fp16_gradients_in_clip_raise_and_leave_the_optimizer_ready():
     scaler.step(opt)
     scaler.update()
     assert not scaler.step_was_skipped
+
+
+def test_skip_log_keeps_counting_across_a_resume(caplog):
+    faults = {2: ("inf", 0), 8: ("nan", 1)}
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**10, skip_log_interval=0)
+    model, opt, _ = train(scaler, "fused", steps=6, faults=faults)
+    state = scaler.state_dict()
+    assert (state["num_updates"], state["num_skipped_steps"]) == (6, 1)
+
+    resumed = distscaler.GradScaler("cpu", skip_log_interval=0)
+    resumed.load_state_dict(state)
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="distscaler")
+    train(resumed, "fused", steps=4, faults=faults, model=model, optimizer=opt, start=6)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1, messages
+    assert "1 optimizer step(s) skipped" in messages[0]
+    assert "(2 skipped in 9 steps so far); the last at step 9" in messages[0]
+
+
+def test_loading_other_scale_bounds_warns():
+    source = distscaler.GradScaler("cpu", min_scale=1.0)
+    source.scale(torch.ones(()))
+    target = distscaler.GradScaler("cpu", min_scale=4.0)
+    with pytest.warns(
+        UserWarning,
+        match=r"min_scale=4.0 given to the constructor is replaced by the checkpoint's min_scale=1.0",
+    ):
+        target.load_state_dict(source.state_dict())
+    assert target.get_min_scale() == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.load_state_dict(source.state_dict())  # same bounds: silent
