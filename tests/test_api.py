@@ -312,7 +312,8 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     )
     ckpt = torch.load(path, weights_only=True)
     resumed = distscaler.GradScaler("cpu")
-    resumed.load_state_dict(ckpt["scaler"])
+    with pytest.warns(UserWarning, match="min_scale=None given to the constructor is replaced"):
+        resumed.load_state_dict(ckpt["scaler"])
     assert resumed.get_min_scale() == 2.0**10
     model3 = make_model(seed=99)
     model3.load_state_dict(ckpt["model"])
