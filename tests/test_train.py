@@ -1,4 +1,4 @@
-"""Tests of the reference training job, ``launch/train.py``, by running it.
+"""Tests of the reference training job, ``launch/train.py`` and its modules ``launch/lm/``.
 
 The jobs are real ``torchrun`` launches (gloo on CPU) of a tiny model (``configs/smoke.yaml``).
 Starting processes is the expensive part, so each test groups several checks per launch. Every
@@ -9,7 +9,6 @@ launch gets its own rendezvous (``--standalone``, or a c10d endpoint on a port p
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -28,6 +27,20 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "launch" / "train.py"
+# `python launch/train.py` puts launch/ on sys.path, which is how the script finds `lm`.
+sys.path.insert(0, str(TRAIN.parent))
+
+from lm.checkpoint import load_checkpoint  # noqa: E402
+from lm.config import (  # noqa: E402
+    DEFAULT_CONFIG,
+    ConfigError,
+    InjectInf,
+    TrainConfig,
+    load_config,
+)
+from lm.metrics import read_metrics  # noqa: E402
+from lm.optim import lr_at  # noqa: E402
+
 SMOKE = REPO / "configs" / "smoke.yaml"
 DEFAULT = REPO / "configs" / "default.yaml"
 JOB_TIMEOUT_S = 120
@@ -45,21 +58,6 @@ LAUNCHER_ENV = (
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def _load_train_module() -> Any:
-    """Imports launch/train.py (a script folder, not a package) as a module."""
-    spec = importlib.util.spec_from_file_location("distscaler_launch_train", TRAIN)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while processing the class
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def train_mod() -> Any:
-    return _load_train_module()
 
 
 def _free_port() -> int:
@@ -190,58 +188,110 @@ def smoke_cpu(tmp_path: Path) -> Path:
 # ------------------------------------------------------------------------ config, in process
 
 
-def test_default_yaml_matches_the_dataclass_defaults(train_mod: Any) -> None:
-    assert train_mod.load_config(DEFAULT) == train_mod.TrainConfig()
-    assert train_mod.DEFAULT_CONFIG == DEFAULT
-    train_mod.load_config(SMOKE)  # the shipped smoke config is valid too
+def test_default_yaml_matches_the_dataclass_defaults() -> None:
+    assert load_config(DEFAULT) == TrainConfig()
+    assert DEFAULT_CONFIG == DEFAULT
+    load_config(SMOKE)  # the shipped smoke config is valid too
 
 
-def test_cli_flags_override_yaml_which_overrides_defaults(train_mod: Any, tmp_path: Path) -> None:
+def test_cli_flags_override_yaml_which_overrides_defaults(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("steps: 7\nout: from_yaml\nlr: 1e-3\ninject_inf: {steps: [2, 3]}\n")
-    cfg = train_mod.load_config(path, steps=9, out=None, data="corpus.txt")
+    cfg = load_config(path, steps=9, out=None, data="corpus.txt")
     assert (cfg.steps, cfg.out, cfg.data) == (9, "from_yaml", "corpus.txt")
     assert cfg.lr == 1e-3  # PyYAML reads "1e-3" as a string; it is accepted as a number
-    assert cfg.inject_inf == train_mod.InjectInf(steps=[2, 3], rank=1)
-    assert cfg.d_model == train_mod.TrainConfig().d_model
+    assert cfg.inject_inf == InjectInf(steps=[2, 3], rank=1)
+    assert cfg.d_model == TrainConfig().d_model
 
 
-def test_unknown_or_bad_yaml_keys_are_all_reported_by_name(train_mod: Any, tmp_path: Path) -> None:
+def test_unknown_or_bad_yaml_keys_are_all_reported_by_name(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("stepz: 3\nn_layer: two\ninject_inf: {step: [1]}\n")
     with pytest.raises(ValueError, match="unknown config key 'stepz'") as e:
-        train_mod.load_config(path)
+        load_config(path)
     assert "n_layer must be an integer, got: 'two'" in str(e.value)
     assert "inject_inf.step" in str(e.value)
     path.write_text("d_model: 30\nn_head: 4\nmin_lr: 1.0\n")
     with pytest.raises(ValueError, match="d_model must be a multiple of n_head") as e:
-        train_mod.load_config(path)
+        load_config(path)
     assert "min_lr must be in [0, lr], got: 1.0" in str(e.value)
 
 
-def test_lr_warms_up_then_decays_to_min_lr(train_mod: Any) -> None:
-    cfg = train_mod.TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
-    lrs = [train_mod.lr_at(step, cfg) for step in range(1, 101)]
+def test_config_values_are_strictly_typed_and_all_listed(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    # YAML reads `yes` as true: a bool is neither an int nor a number here.
+    path.write_text(
+        "steps: yes\nlr: true\namp: 1\nblock_size: 2.0\ndevice: gpu\nout: 3\n"
+        "inject_inf: {steps: [0], rank: -1}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert sorted(e.value.problems) == sorted(
+        [
+            "steps must be an integer, got: True",
+            "lr must be a number, got: True",
+            "amp must be true or false, got: 1",
+            "block_size must be an integer, got: 2.0",
+            "device must be one of 'auto', 'cpu' or 'cuda', got: 'gpu'",
+            "out must be a string, got: 3",
+            # InjectInf's own range checks, listed with the type errors of the outer config
+            "inject_inf.steps must be >= 1, got: [0]",
+            "inject_inf.rank must be >= 0, got: -1",
+        ]
+    )
+    path.write_text("inject_inf: 5\nlr: 1e-2\nmin_lr: abc\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert sorted(e.value.problems) == [
+        "inject_inf must be a mapping, got: 5",
+        "min_lr must be a number, got: 'abc'",
+    ]
+    path.write_text("lr: 1e-2\ninit_scale: 1024\n")
+    cfg = load_config(path)
+    assert (cfg.lr, cfg.init_scale) == (1e-2, 1024.0) and isinstance(cfg.init_scale, float)
+
+
+def test_bad_config_exits_with_code_2_and_names_every_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("stepz: 3\nn_head: x\n")
+    job = subprocess.run(
+        [sys.executable, str(TRAIN), "--config", str(path), "--out", str(tmp_path / "out")],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert job.returncode == 2, job.stderr
+    assert "unknown config key 'stepz'" in job.stderr
+    assert "n_head must be an integer, got: 'x'" in job.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_lr_warms_up_then_decays_to_min_lr() -> None:
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    lrs = [lr_at(step, cfg) for step in range(1, 101)]
     assert lrs[9] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
     assert lrs[:10] == sorted(lrs[:10]) and lrs[9:] == sorted(lrs[9:], reverse=True)
-    fixed = train_mod.TrainConfig(steps=100, warmup_steps=10, decay_steps=50, min_lr=1e-4)
-    assert train_mod.lr_at(50, fixed) == train_mod.lr_at(80, fixed) == pytest.approx(1e-4)
+    fixed = TrainConfig(steps=100, warmup_steps=10, decay_steps=50, min_lr=1e-4)
+    assert lr_at(50, fixed) == lr_at(80, fixed) == pytest.approx(1e-4)
 
 
-def test_resume_reads_metrics_up_to_the_checkpoint(train_mod: Any, tmp_path: Path) -> None:
+def test_resume_reads_metrics_up_to_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": step}) + "\n" for step in range(1, 9)]
     path.write_text("".join(lines) + '{"step": 9, "lo')  # torn by a kill mid-write
-    assert [r["step"] for r in train_mod.read_metrics(path, upto_step=6)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(path, upto_step=6)] == [1, 2, 3, 4, 5, 6]
+    unused: Any = None  # the missing file is reported before any of these is touched
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint at .*ckpt.pt"):
-        train_mod.load_checkpoint(
+        load_checkpoint(
             tmp_path / "ckpt.pt",
-            model=None,
-            optimizer=None,
-            scaler=None,
-            sampler=None,
-            cfg=None,
-            d=None,
+            model=unused,
+            optimizer=unused,
+            scaler=unused,
+            sampler=unused,
+            cfg=unused,
+            d=unused,
         )
 
 

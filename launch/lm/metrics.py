@@ -1,0 +1,55 @@
+"""``metrics.jsonl`` (one JSON object per optimizer step) and ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METRICS_NAME", "SUMMARY_NAME", "finite_or_none", "read_metrics", "summarize"]
+
+logger = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+
+
+def finite_or_none(x: float) -> float | None:
+    """``x``, or None where it is inf / NaN (JSON has no such numbers)."""
+    return x if math.isfinite(x) else None
+
+
+def read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    """The records of ``path`` with step <= upto_step (later ones were not checkpointed).
+
+    A line that does not parse (a job killed while writing it) is dropped with a warning.
+    """
+    if not path.is_file():
+        logger.warning("%s not found; the summary covers this run's steps only", path)
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for num, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                logger.warning("%s:%d is not valid JSON; dropped: %r", path, num, line[:80])
+    return [r for r in records if r["step"] <= upto_step]
+
+
+def summarize(records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The figures of ``summary.json`` computed from the metrics records, plus ``extra``."""
+    scales = [r["scale"] for r in records]
+    return {
+        "steps": records[-1]["step"] if records else 0,
+        "skipped_steps": sum(r["skipped"] for r in records),
+        "num_growths": sum(b > a for a, b in zip(scales, scales[1:], strict=False)),
+        "num_backoffs": sum(b < a for a, b in zip(scales, scales[1:], strict=False)),
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        **extra,
+    }
