@@ -65,6 +65,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+
 from lm.config import DEFAULT_CONFIG, ConfigError, load_config
 from lm.distributed import setup_distributed
 from lm.loop import train

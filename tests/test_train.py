@@ -352,6 +352,15 @@ def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
     # Every rank skipped step 3 and ends with the same scale and bit-identical parameters.
     assert summary["ranks_consistent"] is True
     assert summary["world_size"] == 2
+    # The run's plot, and the standalone plotting script on the same run.
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    replot = tmp_path / "replot.png"
+    subprocess.run(
+        [sys.executable, str(REPO / "launch" / "plot_metrics.py"), str(out), "-o", str(replot)],
+        check=True,
+        timeout=120,
+    )
+    assert replot.stat().st_size > 10_000
 
 
 @pytest.mark.slow

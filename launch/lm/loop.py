@@ -30,6 +30,7 @@ from lm.evaluate import evaluate
 from lm.metrics import METRICS_NAME, SUMMARY_NAME, finite_or_none, read_metrics, summarize
 from lm.model import ByteGPT
 from lm.optim import lr_at, make_optimizer
+from lm.plot import PLOT_NAME, plot_metrics
 
 __all__ = ["inject_inf_", "params_digest", "train", "train_step"]
 
@@ -276,6 +277,10 @@ def train(
         with open(out / SUMMARY_NAME, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
+        if records:
+            plot_metrics(
+                records, out / PLOT_NAME, title=f"{len(records)} steps, {d.world_size} rank(s)"
+            )
         logger.info(
             "done: %d steps (%d this run, %d skipped; %d growths, %d backoffs), final scale %g, "
             "loss %.4f -> %.4f, eval loss %.4f, %.0f tok/s, wall %.1f s; ranks consistent: %s",
