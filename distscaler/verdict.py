@@ -15,7 +15,14 @@ import torch.distributed as dist
 
 from .layouts import GradGroups
 
-__all__ = ["VERDICT_NUMEL", "Verdict", "all_reduce_verdict", "check_and_unscale_", "local_verdict"]
+__all__ = [
+    "VERDICT_NUMEL",
+    "Verdict",
+    "all_reduce_verdict",
+    "check_and_unscale_",
+    "local_overflow_flag",
+    "local_verdict",
+]
 
 #: Elements in a verdict tensor: [non-finite flag, weighted sum of |g|**p (or max |g| for p = inf)].
 VERDICT_NUMEL = 2
@@ -29,27 +36,29 @@ def local_verdict(
     groups: GradGroups,
     *,
     inv_scale: torch.Tensor,
-    norm_type: float | None,
+    norm_type: float,
     weight: float,
 ) -> torch.Tensor:
-    """This rank's contribution, read-only over the gradients (each gradient byte is read once).
+    """This rank's contribution with a norm, read-only over the gradients (one read per byte).
 
     Args:
         groups: gradients grouped by (device, dtype), still multiplied by the loss scale.
         inv_scale: 0-dim float32 tensor ``1 / scale`` on the verdict device.
-        norm_type: ``p`` of the norm to fold in (``math.inf`` allowed), or None for the overflow flag
-            only (then the max-abs pass is used, which can never overflow in fp32).
+        norm_type: ``p`` of the norm to fold in (``math.inf`` allowed).
         weight: multiplier of this rank's ``sum |g|**p`` (``1 / replicas``); ignored for p = inf.
 
     Returns:
-        float32 tensor of shape ``(2,)`` on ``inv_scale.device``. Element 0 is 1.0 if any gradient
-        element is inf or NaN (or a per-tensor norm overflowed fp32) else 0.0.
+        float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
+        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)]. A norm is
+        non-finite when an element is inf/NaN, or (fp32/bf16 gradients only) when the scaled
+        values' sum of ``|g|**p`` exceeds the fp32 range: torch's clip_grad_norm_ would return a
+        non-finite norm there too, on values ``scale`` times smaller.
     """
     device = inv_scale.device
-    ord_ = math.inf if norm_type is None else float(norm_type)
+    ord_ = float(norm_type)
     parts = []
     for (_, dtype), grads in groups.items():
-        # Accumulate in fp32 at least (fp64 stays fp64), so a large finite fp16 value never overflows.
+        # Accumulate in fp32 at least (fp64 stays fp64): fp16 values never overflow it.
         acc_dtype = torch.promote_types(dtype, torch.float32)
         norms = torch._foreach_norm(grads, ord_, dtype=acc_dtype)
         parts.append(torch.stack(norms).to(device, torch.float32, non_blocking=True))
@@ -58,15 +67,50 @@ def local_verdict(
         return _new_verdict(device)
     per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
     flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
-    if norm_type is None:
-        stat = torch.zeros((), dtype=torch.float32, device=device)
+    unscaled = per_tensor * inv_scale  # (num_grads,) norms of the unscaled gradients
+    if ord_ == math.inf:
+        stat = unscaled.max()
     else:
-        unscaled = per_tensor * inv_scale  # (num_grads,) norms of the unscaled gradients
-        if ord_ == math.inf:
-            stat = unscaled.max()
-        else:
-            stat = unscaled.pow(ord_).sum() * weight
+        stat = unscaled.pow(ord_).sum() * weight
     return torch.stack([flag, stat])
+
+
+def local_overflow_flag(
+    groups: GradGroups, *, device: torch.device, read_only: bool | None = None
+) -> torch.Tensor:
+    """This rank's overflow flag alone, leaving every gradient value as it is.
+
+    Exact (an element is inf or NaN), never fooled by large finite values. On CUDA and other
+    accelerators: a read-only max-abs pass (``_foreach_norm(ord=inf)``). On CPU, where that kernel
+    is several times slower than the rest, torch's own check ``_amp_foreach_non_finite_check_and_
+    unscale_`` with a factor of exactly 1.0 (what ``torch.amp.GradScaler`` runs for fused
+    optimizers; the values written back are unchanged).
+
+    Args:
+        read_only: force the max-abs pass (True) or the check kernel (False) on every device;
+            None picks per device as above.
+
+    Returns:
+        float32 tensor of shape ``(2,)`` on ``device``: [flag, 0.0].
+    """
+
+    def use_max_abs(grad_device: torch.device) -> bool:
+        return grad_device.type != "cpu" if read_only is None else read_only
+
+    verdict = _new_verdict(device)
+    checked = {key: grads for key, grads in groups.items() if not use_max_abs(key[0])}
+    if checked:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        verdict += check_and_unscale_(checked, inv_scale=one)
+    max_abs = [
+        torch.stack(torch._foreach_norm(grads, math.inf)).to(device, torch.float32)
+        for key, grads in groups.items()
+        if use_max_abs(key[0])
+    ]
+    if max_abs:
+        per_tensor = max_abs[0] if len(max_abs) == 1 else torch.cat(max_abs)
+        verdict[0] += per_tensor.isfinite().all().logical_not().to(torch.float32)
+    return verdict
 
 
 def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""The per-rank kernels behind the verdict, checked against elementwise torch.isfinite."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distscaler.layouts import collect_grads
+from distscaler.verdict import check_and_unscale_, local_overflow_flag, local_verdict
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SPECIALS = [math.inf, -math.inf, math.nan, 6.0e4, -6.0e4, 1e30, 0.0]
+
+
+def _groups(tensors):
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in tensors]
+    for p, t in zip(params, tensors):
+        p.grad = t.clone()
+    # A parameter without a gradient is skipped (and keeps an empty rank's optimizer valid).
+    opt = torch.optim.SGD([*params, torch.nn.Parameter(torch.zeros(3))], lr=0.0)
+    return collect_grads(opt, allow_fp16=True, coalesce_sparse=False), params
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=0, max_size=4),
+    special=st.sampled_from(SPECIALS),
+    where=st.integers(0, 10_000),
+    read_only=st.sampled_from([None, True, False]),
+)
+def test_overflow_flag_is_exactly_elementwise_isfinite(dtypes, special, where, read_only):
+    gen = torch.Generator().manual_seed(where)
+    tensors = [(torch.randn(17 + i, generator=gen) * 100).to(d) for i, d in enumerate(dtypes)]
+    if tensors:
+        target = tensors[where % len(tensors)]
+        # 1e30 is finite in fp32/bf16/fp64 and inf in fp16: the expectation follows the dtype.
+        target.view(-1)[where % target.numel()] = special
+    expected = not all(bool(t.isfinite().all()) for t in tensors)
+    groups, params = _groups(tensors)
+    before = [p.grad.clone() for p in params]
+    verdict = local_overflow_flag(groups, device=torch.device("cpu"), read_only=read_only)
+    assert verdict.dtype == torch.float32 and verdict.shape == (2,)
+    assert verdict.tolist() == [float(expected), 0.0]
+    for p, b in zip(params, before):  # the gradients' values are unchanged
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_verdict_accumulates_wide_enough(dtype):
+    # 60000 is near fp16's max; its square overflows fp16 but not the fp32 accumulator.
+    grads = [torch.full((1000,), 6.0e4, dtype=dtype)]
+    groups, _ = _groups(grads)
+    inv_scale = torch.tensor(0.5)
+    verdict = local_verdict(groups, inv_scale=inv_scale, norm_type=2.0, weight=1.0)
+    flag, sum_sq = verdict.tolist()
+    assert flag == 0.0
+    expected = (grads[0].double() * 0.5).norm().item() ** 2
+    assert sum_sq == pytest.approx(expected, rel=1e-4)
+
+
+def test_check_and_unscale_matches_torch_kernel_and_flags():
+    grads = [torch.randn(33) * 1024, torch.randn(5, 7).half() * 64]
+    grads[1][2, 3] = math.nan
+    groups, params = _groups(grads)
+    verdict = check_and_unscale_(groups, inv_scale=torch.tensor(1 / 64))
+    assert verdict.tolist() == [1.0, 0.0]
+    ref = [g.clone() for g in grads]
+    found = torch.zeros(())
+    for group in (ref[:1], ref[1:]):
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.tensor(1 / 64))
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=0, equal_nan=True)
