@@ -284,7 +284,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return self._clip_unscaled_(optimizer, max_norm, norm_type, sharded=sharded)
 
-        self._check_scale_growth_tracker("clip_grad_norm_")
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("clip_grad_norm_() is being called after step().")
@@ -302,7 +302,6 @@ class GradScaler(torch.amp.GradScaler):
             state["clipped"] = True
             return total_norm
 
-        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         fused = self._uses_fused_scaling(optimizer)
         inv_scale = self._inv_scale()
         groups = collect_grads(optimizer, allow_fp16=fused, coalesce_sparse=True)
