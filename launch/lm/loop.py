@@ -161,6 +161,18 @@ def train(
     eval_loss = None
     step = start_step
 
+    def checkpoint(at_step: int) -> None:
+        save_checkpoint(
+            ckpt_path,
+            step=at_step,
+            model=raw_model,
+            optimizer=optimizer,
+            scaler=scaler,
+            sampler=sampler,
+            cfg=cfg,
+            d=d,
+        )
+
     scale = scaler.get_scale()  # the scale the next step's gradients carry
     bar = tqdm(
         total=cfg.steps,
@@ -224,31 +236,13 @@ def train(
                         )
                 scale = next_scale
                 if cfg.ckpt_interval and step % cfg.ckpt_interval == 0 and step < cfg.steps:
-                    save_checkpoint(
-                        ckpt_path,
-                        step=step,
-                        model=raw_model,
-                        optimizer=optimizer,
-                        scaler=scaler,
-                        sampler=sampler,
-                        cfg=cfg,
-                        d=d,
-                    )
+                    checkpoint(step)
     finally:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
 
-    save_checkpoint(
-        ckpt_path,
-        step=step,
-        model=raw_model,
-        optimizer=optimizer,
-        scaler=scaler,
-        sampler=sampler,
-        cfg=cfg,
-        d=d,
-    )
+    checkpoint(step)
     eval_loss = evaluate(raw_model, held_out, cfg, d)
     final_scale = scaler.get_scale()
 
