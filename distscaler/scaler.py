@@ -496,19 +496,24 @@ class GradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ host reads
 
-    def _host_read(self, *extra: torch.Tensor) -> list[float]:
-        """Read ``extra`` 0-dim tensors and the skip record in one host transfer; log new skips."""
+    def _host_read(self, *extra: torch.Tensor) -> tuple[list[float], list[float] | None]:
+        """Read ``extra`` 0-dim tensors and the skip record in one host transfer; log new skips.
+
+        Returns the values of ``extra`` and those of the skip record (None before any update).
+        """
         record = self._skip_record._record
         parts = [t.reshape(1).to(torch.float64) for t in extra]
         if record is not None:
             parts.append(record.to(parts[0].device) if parts else record)
         if not parts:
-            return []
+            return [], None
         values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        record_values = None
         if record is not None:
+            record_values = values[len(extra) :]
             _, world_size = self._group_and_world_size()
-            self._skip_record.report(values[len(extra) :], world_size)
-        return values[: len(extra)]
+            self._skip_record.report(record_values, world_size)
+        return values[: len(extra)], record_values
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Incurs one host read (sync)."""
@@ -516,14 +521,14 @@ class GradScaler(torch.amp.GradScaler):
             return 1.0
         if self._scale is None:
             return self._init_scale
-        return self._host_read(self._scale)[0]
+        return self._host_read(self._scale)[0][0]
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
             return 0
         if self._growth_tracker is None:
             return self._init_growth_tracker
-        return int(self._host_read(self._growth_tracker)[0])
+        return int(self._host_read(self._growth_tracker)[0][0])
 
     @property
     def step_was_skipped(self) -> bool:
@@ -534,7 +539,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled or self._last_found_inf is None:
             return False
-        return bool(self._host_read(self._last_found_inf)[0])
+        return bool(self._host_read(self._last_found_inf)[0][0])
 
     # ------------------------------------------------------------------ knobs
 
@@ -579,8 +584,10 @@ class GradScaler(torch.amp.GradScaler):
             return {}
         scale: float = self._init_scale
         tracker: float = self._init_growth_tracker
-        if self._scale is not None and self._growth_tracker is not None:
-            scale, tracker = self._host_read(self._scale, self._growth_tracker)
+        if self._scale is None or self._growth_tracker is None:  # not materialised yet
+            _, record_values = self._host_read()
+        else:
+            (scale, tracker), record_values = self._host_read(self._scale, self._growth_tracker)
         record = self._skip_record
         return {
             "scale": float(scale),
@@ -591,7 +598,7 @@ class GradScaler(torch.amp.GradScaler):
             "min_scale": self._min_scale,
             "max_scale": self._max_scale,
             "num_updates": record.num_updates,
-            "num_skipped_steps": record.num_skipped(record.host_values()),
+            "num_skipped_steps": record.num_skipped(record_values),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -575,3 +575,12 @@ def test_loading_other_scale_bounds_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         target.load_state_dict(source.state_dict())  # same bounds: silent
+
+
+def test_state_dict_reads_the_device_once():
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**10)
+    train(scaler, "fused", steps=3, faults={1: ("inf", 0)})
+    with HostReadSpy() as spy:
+        state = scaler.state_dict()
+    assert spy.reads == ["tolist"]
+    assert (state["scale"], state["num_updates"], state["num_skipped_steps"]) == (512.0, 3, 1)
