@@ -13,23 +13,25 @@ __all__ = [
     "check_factor",
     "check_int",
     "check_positive_finite",
+    "is_real",
 ]
 
 
-def _is_real(value: object) -> bool:
+def is_real(value: object) -> bool:
+    """A real number that is not a bool (True is an int to Python, not a value to us)."""
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def check_positive_finite(name: str, value: object) -> float:
     """Return ``value`` as a float if it is a finite real number > 0, else raise ValueError."""
-    if not _is_real(value) or not math.isfinite(float(value)) or float(value) <= 0.0:  # type: ignore[arg-type]
+    if not is_real(value) or not math.isfinite(float(value)) or float(value) <= 0.0:  # type: ignore[arg-type]
         raise ValueError(f"{name} must be a finite number > 0, got: {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 
 def check_factor(name: str, value: object, *, low: float, high: float | None) -> float:
     """Check an open-interval factor: ``low < value < high`` (``high=None`` means ``value > low``)."""
-    ok = _is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
+    ok = is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
     if ok:
         v = float(value)  # type: ignore[arg-type]
         ok = v > low and (high is None or v < high)

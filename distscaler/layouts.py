@@ -15,14 +15,14 @@ Supported here:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 __all__ = ["GradGroups", "GradLayout", "collect_grads", "replication_weight"]
 
 GradLayout = Literal["replicated", "sharded"]
-GRAD_LAYOUTS: tuple[str, ...] = ("replicated", "sharded")
+GRAD_LAYOUTS: tuple[str, ...] = get_args(GradLayout)
 
 #: Gradients of one optimizer grouped by (device, dtype), so that each group is one multi-tensor launch.
 GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]

@@ -15,7 +15,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
 from .errors import CallOrderError
-from .layouts import GRAD_LAYOUTS, GradGroups, collect_grads, replication_weight
+from .layouts import GRAD_LAYOUTS, GradGroups, GradLayout, collect_grads, replication_weight
 from .policies import get_policy
 from .telemetry import SkipRecord
 from .verdict import (
@@ -101,7 +101,7 @@ class GradScaler(torch.amp.GradScaler):
         enabled: bool = True,
         *,
         process_group: dist.ProcessGroup | None = None,
-        grad_layout: str = "replicated",
+        grad_layout: GradLayout = "replicated",
         min_scale: float | None = None,
         max_scale: float | None = None,
         policy: str = "torch",
@@ -275,7 +275,7 @@ class GradScaler(torch.amp.GradScaler):
                 :meth:`step`.
         """
         max_norm = V.check_positive_finite("max_norm", max_norm)
-        if not V._is_real(norm_type) or not float(norm_type) > 0:
+        if not V.is_real(norm_type) or not float(norm_type) > 0:
             raise ValueError(f"norm_type must be a number > 0 or math.inf, got: {norm_type!r}")
         norm_type = float(norm_type)
         _, world_size = self._group_and_world_size()
