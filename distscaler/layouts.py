@@ -1,64 +1,299 @@
 """How gradients are laid out across the ranks of the verdict group, and how they are gathered.
 
-The verdict sums per-rank contributions over the process group. A gradient held identically by ``r``
-ranks (DDP replicates every gradient over the data-parallel group) must contribute ``1 / r`` of its
-squared norm on each of them so that one SUM counts it exactly once.
+The verdict sums per-rank contributions over the process group. A gradient whose values are held
+identically by ``r`` ranks (DDP replicates every gradient over its data-parallel group; HSDP over the
+replicate mesh dimension; tensor parallelism replicates norms over the TP dimension) must contribute
+``1 / r`` of its ``sum |g|**p`` on each of them, so that one SUM counts it exactly once. Each
+gradient's weight comes from, in this order:
 
-Supported here:
+1. **The gradient itself.** A DTensor gradient (FSDP2 ``fully_shard``, HSDP, tensor parallelism)
+   carries its placements: the weight is ``1 / prod(mesh sizes of its Replicate dims)``; a
+   ``Partial`` placement is an error (the gradient is not reduced yet).
+2. **The wrapped model**, registered once with :meth:`GradScaler.register_model
+   <distscaler.GradScaler.register_model>`: DDP gives ``1 / size(ddp.process_group)``; FSDP1 gives
+   1 for its sharded strategies, ``1 / size(process_group)`` for ``NO_SHARD`` and ``1 / replicate
+   group size`` for ``HYBRID_SHARD``; an explicit ``grad_layout`` covers the rest of the module (a
+   pipeline stage). A DTensor gradient inside DDP gets both factors.
+3. **The scaler's ``grad_layout``** for every other plain tensor: ``"replicated"`` (weight
+   ``1 / world_size``) or ``"sharded"`` (weight 1).
 
-* ``"replicated"`` (default): every rank of the group holds the same gradients (DDP, or a single
-  process). Weight ``1 / world_size``.
-* ``"sharded"``: every rank holds different gradients (a manual shard, a pipeline stage, a tensor-
-  parallel slice with no replication inside the group). Weight ``1``.
+When none applies and the group has more than one rank, a norm would be a guess: it is an error
+(:class:`UnknownLayoutError`). FSDP1's flattened parameters are recognised by their marker, and
+without a registered FSDP module they are an error too, since the flat parameter does not say
+whether it is sharded, replicated (``NO_SHARD``) or both (``HYBRID_SHARD``).
+
+The overflow flag alone needs no weight: it is exact for every layout.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["GradGroups", "GradLayout", "collect_grads", "replication_weight"]
+__all__ = [
+    "GradGroups",
+    "GradLayout",
+    "GroupKey",
+    "LayoutResolver",
+    "UnknownLayoutError",
+    "collect_grads",
+    "replication_weight",
+]
 
 GradLayout = Literal["replicated", "sharded"]
 GRAD_LAYOUTS: tuple[str, ...] = get_args(GradLayout)
 
-#: Gradients of one optimizer grouped by (device, dtype), so that each group is one multi-tensor launch.
-GradGroups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+try:  # torch.distributed may be built without DTensor support
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+except ImportError:  # pragma: no cover
+    DTensor = Partial = Replicate = None  # type: ignore[assignment,misc]
+
+
+class GroupKey(NamedTuple):
+    """What gradients share to be checked in one multi-tensor launch and weighted alike."""
+
+    device: torch.device
+    dtype: torch.dtype
+    #: 1 / (number of ranks of the verdict group holding the same values); 1.0 when unused.
+    weight: float
+
+
+#: Local gradients of one optimizer grouped by :class:`GroupKey`, in parameter order.
+GradGroups = dict[GroupKey, list[torch.Tensor]]
+
+
+class UnknownLayoutError(ValueError):
+    """The layout of some gradients across the verdict group cannot be determined."""
+
+
+def replication_weight(layout: str, world_size: int) -> float:
+    """Weight of one rank's ``sum |g|**p`` in the group SUM: ``1 / world_size`` if replicated, else 1."""
+    if layout == "replicated":
+        return 1.0 / world_size
+    return 1.0
+
+
+def _is_fsdp1_flattened(param: torch.Tensor) -> bool:
+    # FSDP1 marks its FlatParameters and, with use_orig_params=True, the original parameters.
+    return bool(getattr(param, "_fsdp_flattened", False))
+
+
+def _fsdp1_replicas(fsdp_module: nn.Module) -> int | None:
+    """Ranks holding the same values of an FSDP1 module's gradients; None if it has no parameters."""
+    handle = getattr(fsdp_module, "_handle", None)
+    if handle is None:
+        return None
+    strategy = handle._sharding_strategy.name
+    if strategy == "NO_SHARD":
+        return dist.get_world_size(handle.process_group)
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return dist.get_world_size(fsdp_module._inter_node_pg)  # type: ignore[arg-type]
+    return 1  # FULL_SHARD, SHARD_GRAD_OP: each rank holds its own shard
+
+
+class LayoutResolver:
+    """Per-parameter replication weights for the norm of the verdict (see the module docstring).
+
+    Holds parameters weakly; caches each DTensor gradient's weight per (mesh, placements).
+    """
+
+    def __init__(self, default: GradLayout | None) -> None:
+        self.default = default
+        self._registered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> (weight, source)
+        self._dtensor: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> (mesh, placements, w)
+        self._checked_meshes: set[tuple[int, int]] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Registrations refer to live parameters: a copy (pickle, deepcopy) starts without them.
+        return {"default": self.default}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["default"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ registration
+
+    def register_model(self, model: nn.Module, grad_layout: GradLayout | None = None) -> int:
+        """Learn the layout of ``model``'s parameters from its wrappers. Returns how many it learnt.
+
+        DDP and FSDP1 modules anywhere in ``model`` give their parameters' replication; with
+        ``grad_layout`` every other parameter of ``model`` gets that layout's weight (for the
+        verdict group's world size, resolved when the norm is taken). FSDP2 needs nothing: its
+        gradients are DTensors. Later registrations of the same parameter win.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        learnt: dict[int, tuple[torch.Tensor, Any, str]] = {}
+        if grad_layout is not None:
+            for param in model.parameters():
+                learnt[id(param)] = (param, grad_layout, f"grad_layout={grad_layout!r}")
+        for module in model.modules():
+            if isinstance(module, DDP):
+                ddp_replicas = dist.get_world_size(module.process_group)
+                for param in module.module.parameters():
+                    learnt[id(param)] = (
+                        param,
+                        1.0 / ddp_replicas,
+                        f"DDP over {ddp_replicas} ranks",
+                    )
+            elif isinstance(module, FSDP):
+                fsdp_replicas = _fsdp1_replicas(module)
+                if fsdp_replicas is None:
+                    continue
+                handle: Any = module._handle
+                flat = handle.flat_param
+                source = f"FSDP1 {handle._sharding_strategy.name}"
+                for view in [flat, *(flat._params or []), *(flat._shared_params or [])]:
+                    learnt[id(view)] = (view, 1.0 / fsdp_replicas, source)
+        for tensor, weight, source in learnt.values():
+            self._registered[tensor] = (weight, source)
+        return len(learnt)
+
+    # ------------------------------------------------------------------ weights
+
+    def weight(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+    ) -> float | None:
+        """Weight of ``param``'s gradient on this rank, or None when its layout is unknown."""
+        registered = self._registered.get(param)
+        module_weight: float | None
+        if registered is None:
+            module_weight = None
+        elif isinstance(registered[0], str):
+            module_weight = replication_weight(registered[0], world_size)
+        else:
+            module_weight = registered[0]
+        if DTensor is not None and isinstance(grad, DTensor):
+            return self._dtensor_weight(param, grad, group) * (module_weight or 1.0)
+        if module_weight is not None:
+            return module_weight
+        if _is_fsdp1_flattened(param):
+            return None
+        if self.default is not None:
+            return replication_weight(self.default, world_size)
+        return None
+
+    def _dtensor_weight(
+        self, param: torch.Tensor, grad: Any, group: dist.ProcessGroup | None
+    ) -> float:
+        mesh, placements = grad.device_mesh, grad.placements
+        cached = self._dtensor.get(param)
+        if cached is not None and cached[0] is mesh and cached[1] == placements:
+            return cached[2]
+        if any(isinstance(p, Partial) for p in placements):
+            raise UnknownLayoutError(
+                f"a gradient of shape {tuple(grad.shape)} has placements {placements}: a Partial "
+                "gradient is not reduced yet, so its norm cannot be taken from local shards; "
+                "redistribute it (grad.redistribute(placements=...)) before the scaler step"
+            )
+        self._check_mesh_in_group(mesh, group)
+        replicas = 1
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Replicate):
+                replicas *= mesh.size(dim)
+        weight = 1.0 / replicas
+        self._dtensor[param] = (mesh, placements, weight)
+        return weight
+
+    def _check_mesh_in_group(self, mesh: Any, group: dist.ProcessGroup | None) -> None:
+        key = (id(mesh), id(group))
+        if key in self._checked_meshes:
+            return
+        group_ranks = set(dist.get_process_group_ranks(group or dist.group.WORLD))  # type: ignore[arg-type]
+        mesh_ranks = set(mesh.mesh.flatten().tolist())
+        if not mesh_ranks <= group_ranks:
+            raise UnknownLayoutError(
+                f"a DTensor gradient lives on a device mesh over ranks {sorted(mesh_ranks)}, but the "
+                f"verdict process_group has ranks {sorted(group_ranks)}: the norm would miss the "
+                "shards held outside it; pass a process_group that contains the whole mesh"
+            )
+        self._checked_meshes.add(key)
+
+
+def _unknown_layout_error(unknown: list[torch.Tensor], world_size: int) -> UnknownLayoutError:
+    fsdp1 = sum(_is_fsdp1_flattened(p) for p in unknown)
+    shapes = ", ".join(str(tuple(p.shape)) for p in unknown[:3])
+    more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+    hint = (
+        "call scaler.register_model(model) with the DDP/FSDP-wrapped model, or pass "
+        'grad_layout="replicated" (every rank holds the same gradients, as under DDP) or '
+        '"sharded" (each rank holds different gradients, as a pipeline stage does) to GradScaler '
+        "or to register_model"
+    )
+    if fsdp1:
+        hint = (
+            f"{fsdp1} of them are FSDP1 flat parameters, which do not tell their sharding "
+            "strategy: call scaler.register_model(fsdp_model) once after wrapping; or " + hint
+        )
+    return UnknownLayoutError(
+        f"cannot tell how the gradients of {len(unknown)} parameter(s) (shapes {shapes}{more}) are "
+        f"laid out across the {world_size} ranks of the verdict group, so a global norm would be "
+        f"a guess: {hint}"
+    )
 
 
 def collect_grads(
-    optimizer: torch.optim.Optimizer, *, allow_fp16: bool, coalesce_sparse: bool
+    optimizer: torch.optim.Optimizer,
+    *,
+    allow_fp16: bool,
+    coalesce_sparse: bool,
+    resolver: LayoutResolver | None = None,
+    world_size: int = 1,
+    group: dist.ProcessGroup | None = None,
 ) -> GradGroups:
-    """Group the optimizer's non-None gradients by device and dtype, in parameter order.
+    """Group the optimizer's non-None local gradients by device, dtype and weight, in parameter order.
 
-    Sparse gradients are handled as ``torch.amp.GradScaler`` does: fp16 ones are coalesced (``.grad`` is
-    replaced) and their ``_values()`` are checked. With ``coalesce_sparse`` every sparse gradient is
-    coalesced, which a norm needs (duplicate indices would otherwise be counted apart).
+    DTensor gradients contribute their local shard (``_local_tensor``: what this rank holds, no
+    communication). Sparse gradients are handled as ``torch.amp.GradScaler`` does: fp16 ones are
+    coalesced (``.grad`` is replaced) and their ``_values()`` are checked. With ``coalesce_sparse``
+    every sparse gradient is coalesced, which a norm needs (duplicate indices would otherwise be
+    counted apart).
+
+    Args:
+        resolver: when given (a norm is to be taken), each group key carries the gradients'
+            replication weight for a group of ``world_size`` ranks; otherwise every weight is 1.0.
 
     Raises:
         ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's "Attempting to unscale FP16
             gradients.").
+        UnknownLayoutError: ``resolver`` is given, ``world_size > 1`` and some gradients' layout is
+            unknown (nothing has been changed then, except that sparse gradients may be coalesced).
     """
     groups: GradGroups = defaultdict(list)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
+    unknown: list[torch.Tensor] = []
+    weigh = resolver is not None and world_size > 1
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
             grad = param.grad
             if grad is None:
                 continue
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
+            weight = 1.0
+            if weigh:
+                assert resolver is not None
+                found = resolver.weight(param, grad, world_size, group)
+                if found is None:
+                    unknown.append(param)
+                    continue
+                weight = found
+            if DTensor is not None and isinstance(grad, DTensor):
+                # The local shard itself (not a copy): in-place unscaling must reach the gradient.
+                grad = grad._local_tensor
             if grad.is_sparse:
                 if grad.dtype is torch.float16 or coalesce_sparse:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
-            groups[(grad.device, grad.dtype)].append(grad)
+            groups[GroupKey(grad.device, grad.dtype, weight)].append(grad)
+    if unknown:
+        raise _unknown_layout_error(unknown, world_size)
     return dict(groups)
-
-
-def replication_weight(layout: str, world_size: int) -> float:
-    """Weight of one rank's squared norm in the group SUM: ``1 / world_size`` if replicated, else 1."""
-    if layout == "replicated":
-        return 1.0 / world_size
-    return 1.0

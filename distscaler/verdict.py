@@ -37,15 +37,15 @@ def local_verdict(
     *,
     inv_scale: torch.Tensor,
     norm_type: float,
-    weight: float,
 ) -> torch.Tensor:
     """This rank's contribution with a norm, read-only over the gradients (one read per byte).
 
     Args:
-        groups: gradients grouped by (device, dtype), still multiplied by the loss scale.
+        groups: local gradients grouped by (device, dtype, weight), still multiplied by the loss
+            scale. ``weight`` multiplies the group's ``sum |g|**p`` (``1 / replicas``, see
+            :mod:`distscaler.layouts`); it is not needed for p = inf (a max ignores repeats).
         inv_scale: 0-dim float32 tensor ``1 / scale`` on the verdict device.
         norm_type: ``p`` of the norm to fold in (``math.inf`` allowed).
-        weight: multiplier of this rank's ``sum |g|**p`` (``1 / replicas``); ignored for p = inf.
 
     Returns:
         float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
@@ -57,11 +57,13 @@ def local_verdict(
     device = inv_scale.device
     ord_ = float(norm_type)
     parts = []
-    for (_, dtype), grads in groups.items():
+    weights = []
+    for key, grads in groups.items():
         # Accumulate in fp32 at least (fp64 stays fp64): fp16 values never overflow it.
-        acc_dtype = torch.promote_types(dtype, torch.float32)
+        acc_dtype = torch.promote_types(key.dtype, torch.float32)
         norms = torch._foreach_norm(grads, ord_, dtype=acc_dtype)
         parts.append(torch.stack(norms).to(device, torch.float32, non_blocking=True))
+        weights.append(key.weight)
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
         return _new_verdict(device)
@@ -70,8 +72,11 @@ def local_verdict(
     unscaled = per_tensor * inv_scale  # (num_grads,) norms of the unscaled gradients
     if ord_ == math.inf:
         stat = unscaled.max()
-    else:
-        stat = unscaled.pow(ord_).sum() * weight
+    elif all(w == weights[0] for w in weights):
+        stat = unscaled.pow(ord_).sum() * weights[0]
+    else:  # groups of different replication: weight each group's sum
+        sums = [(part * inv_scale).pow(ord_).sum() * w for part, w in zip(parts, weights)]
+        stat = torch.stack(sums).sum()
     return torch.stack([flag, stat])
 
 
@@ -123,7 +128,8 @@ def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.
     device = inv_scale.device
     verdict = _new_verdict(device)
     per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-    for (grad_device, _), grads in groups.items():
+    for key, grads in groups.items():
+        grad_device = key.device
         if grad_device not in per_device:
             if grad_device == device:
                 found = verdict[0]  # the kernel writes straight into the verdict buffer

@@ -1,6 +1,7 @@
 """Scenarios run inside spawned gloo ranks. Each returns plain data; the tests compare ranks.
 
-Nothing here asserts across ranks: every rank runs the same collectives in the same order whatever
+Every scenario takes ``device`` ("cpu" on gloo, the default; "cuda" on NCCL with one GPU per rank,
+see tests/_nccl.py), so the GPU runners repeat the same matrix. Nothing here asserts across ranks: every rank runs the same collectives in the same order whatever
 its values, so one rank's surprise can never hang the others. The parent process asserts.
 """
 
@@ -69,18 +70,19 @@ def train_steps(
     fault: str,
     target: str,
     clip: bool,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Identical data on every rank (replicated gradients, as after DDP); a fault on chosen ranks."""
-    model = make_model()
+    model = make_model().to(device)
     opt = make_optimizer(opt_kind, model.parameters())
     gen = torch.Generator().manual_seed(1)
     is_distscaler = isinstance(scaler, GradScaler)
     out: dict[str, list] = {"skipped": [], "scales": [], "norms": [], "local_nonfinite": []}
     out["unchanged"] = []
     for step in range(NUM_STEPS):
-        x = torch.randn(16, 8, generator=gen)
+        x = torch.randn(16, 8, generator=gen).to(device)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(torch.device(device).type, dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         if step in INJECT_STEPS and rank in target_ranks(target, world_size):
@@ -109,7 +111,7 @@ def train_steps(
     return out
 
 
-def agreement(rank: int, world_size: int) -> dict[str, Any]:
+def agreement(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """The core property over optimizers x faults x faulty ranks x clipping, plus torch's contrast."""
     results = {}
     for opt_kind, fault, target, clip in itertools.product(
@@ -119,27 +121,43 @@ def agreement(rank: int, world_size: int) -> dict[str, Any]:
         mk = dict(init_scale=2.0**8, growth_interval=2)
         results[key] = {
             "ours": train_steps(
-                rank, world_size, GradScaler("cpu", **mk), opt_kind, fault, target, clip
+                rank,
+                world_size,
+                GradScaler(device, **mk, grad_layout="replicated"),
+                opt_kind,
+                fault,
+                target,
+                clip,
+                device,
             ),
             "torch": train_steps(
-                rank, world_size, torch.amp.GradScaler("cpu", **mk), opt_kind, fault, target, clip
+                rank,
+                world_size,
+                torch.amp.GradScaler(device, **mk),
+                opt_kind,
+                fault,
+                target,
+                clip,
+                device,
             ),
         }
     return results
 
 
-def _shard_params(rank: int, dtypes: tuple[torch.dtype, ...]) -> list[torch.nn.Parameter]:
+def _shard_params(
+    rank: int, dtypes: tuple[torch.dtype, ...], device: str = "cpu"
+) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(100 + rank)
     params = []
     for i, dtype in enumerate(dtypes):
         # Zero parameters: after SGD(lr=1) a parameter is exactly minus its clipped gradient.
-        p = torch.nn.Parameter(torch.zeros(5 + 3 * i + rank, dtype=dtype))
-        p.grad = (torch.randn(p.shape, generator=gen) * (3.0 + rank)).to(dtype)
+        p = torch.nn.Parameter(torch.zeros(5 + 3 * i + rank, dtype=dtype, device=device))
+        p.grad = (torch.randn(p.shape, generator=gen) * (3.0 + rank)).to(device, dtype)
         params.append(p)
     return params
 
 
-def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
+def clip_norms(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """Norms and clipped gradients against torch.nn.utils.clip_grad_norm_ on the gathered gradients."""
     results = {}
     for layout, opt_kind, norm_type in itertools.product(
@@ -147,10 +165,11 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
     ):
         dtypes = (torch.float32, torch.float32, torch.float64)
         shard_rank = rank if layout == "sharded" else 0
-        params = _shard_params(shard_rank, dtypes)
-        scaler = GradScaler("cpu", init_scale=1024.0, grad_layout=layout)
-        scaler.scale(torch.ones(()))  # materialise the scale
-        unscaled = [p.grad.double() / 1024.0 for p in params]
+        params = _shard_params(shard_rank, dtypes, device)
+        scaler = GradScaler(device, init_scale=1024.0, grad_layout=layout)
+        scaler.scale(torch.ones((), device=device))  # materialise the scale
+        # The reference runs on CPU in fp64, whatever the device under test.
+        unscaled = [p.grad.double().cpu() / 1024.0 for p in params]
         # Reference: torch's clip over the full set of unscaled gradients (each shard once).
         gathered: list[list[torch.Tensor]] = [None] * world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, unscaled)
@@ -165,13 +184,13 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
 
         fused = opt_kind == "fused"
         opt = torch.optim.SGD(params, lr=1.0, fused=fused, foreach=None if fused else False)
-        before = [p.detach().double().clone() for p in params]
+        before = [p.detach().to("cpu", torch.float64, copy=True) for p in params]
         with CommDebugMode() as comm:  # two dtype groups (fp32, fp64), still one collective
             norm = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type=norm_type)
             scaler.step(opt)
             scaler.update()
         # SGD(lr=1) moves each parameter by exactly its clipped gradient.
-        moved = [(b - p.detach().double()) for b, p in zip(before, params)]
+        moved = [(b - p.detach().double().cpu()) for b, p in zip(before, params)]
         err = max(
             float((m - r).abs().max() / (r.abs().max() + 1e-12)) for m, r in zip(moved, ref_mine)
         )
@@ -187,23 +206,25 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-def step_costs(rank: int, world_size: int) -> dict[str, Any]:
+def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """Collectives (CommDebugMode) and host reads inside (clip_grad_norm_ +) step + update.
 
     Rank 0 writes a NaN on step 2, so clean and overflowing steps are both measured.
     """
     results = {}
     for opt_kind, clip, enabled in itertools.product(OPTIMIZERS, (False, True), (True, False)):
-        model = make_model()
+        model = make_model().to(device)
         opt = make_optimizer(opt_kind, model.parameters())
-        scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=3, enabled=enabled)
+        scaler = GradScaler(
+            device, init_scale=2.0**8, growth_interval=3, enabled=enabled, grad_layout="replicated"
+        )
         spy = HostReadSpy()
         spy.exclude_optimizer(opt)
         counts, reads = [], []
         for step in range(6):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(4, 8)).float().sum()
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = model(torch.randn(4, 8, device=device)).float().sum()
             scaler.scale(loss).backward()
             if step == 2 and rank == 0:
                 model[0].weight.grad[1, 1] = math.nan
@@ -225,18 +246,18 @@ def step_costs(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-def empty_rank(rank: int, world_size: int) -> dict[str, Any]:
+def empty_rank(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """The last rank has no gradients at all (a frozen stage); rank 0 overflows on step 1."""
     results = {}
     for opt_kind, clip in itertools.product(OPTIMIZERS, (False, True)):
-        model = make_model()
+        model = make_model().to(device)
         opt = make_optimizer(opt_kind, model.parameters())
-        scaler = GradScaler("cpu", init_scale=2.0**8, grad_layout="sharded")
+        scaler = GradScaler(device, init_scale=2.0**8, grad_layout="sharded")
         skipped, scales, norms = [], [], []
         for step in range(3):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(4, 8)).float().sum()
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = model(torch.randn(4, 8, device=device)).float().sum()
             scaled = scaler.scale(loss)
             if rank != world_size - 1:
                 scaled.backward()
@@ -256,19 +277,20 @@ def empty_rank(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-def ddp_end_to_end(rank: int, world_size: int) -> dict[str, Any]:
+def ddp_end_to_end(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """DDP, fp16 autocast, different data per rank, an inf injected after DDP's all-reduce."""
     results = {}
     for opt_kind in OPTIMIZERS:
-        model = DDP(make_model())
+        model = DDP(make_model().to(device))
         opt = make_optimizer(opt_kind, model.parameters())
-        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+        # DDP's gradients are replicated over its process group: learnt from the wrapper.
+        scaler = GradScaler(device, init_scale=2.0**10, growth_interval=3).register_model(model)
         gen = torch.Generator().manual_seed(10 + rank)
         skipped, scales, norms, local = [], [], [], []
         for step in range(8):
             opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(8, 8, generator=gen)).float().pow(2).mean()
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = model(torch.randn(8, 8, generator=gen).to(device)).float().pow(2).mean()
             scaler.scale(loss).backward()
             if step == 3 and rank == world_size - 1:
                 model.module[2].weight.grad[0, 0] = math.inf
@@ -289,12 +311,12 @@ def ddp_end_to_end(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
-def everything(rank: int, world_size: int) -> dict[str, Any]:
+def everything(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """All scenarios in one spawn: starting processes is the expensive part."""
     return {
-        "agreement": agreement(rank, world_size),
-        "clip_norms": clip_norms(rank, world_size),
-        "empty_rank": empty_rank(rank, world_size),
-        "ddp": ddp_end_to_end(rank, world_size),
-        "step_costs": step_costs(rank, world_size),
+        "agreement": agreement(rank, world_size, device),
+        "clip_norms": clip_norms(rank, world_size, device),
+        "empty_rank": empty_rank(rank, world_size, device),
+        "ddp": ddp_end_to_end(rank, world_size, device),
+        "step_costs": step_costs(rank, world_size, device),
     }

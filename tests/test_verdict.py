@@ -55,7 +55,7 @@ def test_norm_verdict_accumulates_wide_enough(dtype):
     grads = [torch.full((1000,), 6.0e4, dtype=dtype)]
     groups, _ = _groups(grads)
     inv_scale = torch.tensor(0.5)
-    verdict = local_verdict(groups, inv_scale=inv_scale, norm_type=2.0, weight=1.0)
+    verdict = local_verdict(groups, inv_scale=inv_scale, norm_type=2.0)
     flag, sum_sq = verdict.tolist()
     assert flag == 0.0
     expected = (grads[0].double() * 0.5).norm().item() ** 2

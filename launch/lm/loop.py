@@ -127,7 +127,7 @@ def train(
         backoff_factor=cfg.backoff_factor,
         growth_interval=cfg.growth_interval,
         enabled=cfg.amp,
-    )
+    ).register_model(model)  # DDP's replication, for the global norm of clip_grad_norm_
     num_params = sum(p.numel() for p in raw_model.parameters())
     logger.info("model: %.2fM parameters", num_params / 1e6)
 
