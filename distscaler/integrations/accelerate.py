@@ -1,0 +1,419 @@
+"""HuggingFace Accelerate: one call puts ``distscaler.GradScaler`` into an ``Accelerator``.
+
+::
+
+    from accelerate import Accelerator
+    from distscaler.integrations.accelerate import install
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    scaler = install(accelerator)            # before or after accelerator.prepare(...)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)           # scaler.scale(loss).backward()
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # folded into the verdict
+            optimizer.step()                     # every rank skips, or none does
+            optimizer.zero_grad()
+        if not accelerator.optimizer_step_was_skipped:
+            lr_scheduler.step()
+
+What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py``) does with its own
+``torch.amp.GradScaler`` and what changes here:
+
+* **Skip detection.** ``AcceleratedOptimizer.step`` swaps the wrapped optimizer's ``step`` for a
+  function that records whether it was called, and reports a skip when it was not. A fused optimizer
+  (``AdamW(fused=True)``) is always called (it receives ``found_inf`` and skips inside the kernel),
+  so Accelerate never sees its skips (accelerate issue 4242). Here the prepared optimizers become
+  :class:`ScaledAcceleratedOptimizer`, whose ``step`` calls ``scaler.step`` / ``scaler.update`` on the
+  wrapped optimizer *without* swapping its ``step``, and whose ``step_was_skipped`` is the scaler's
+  agreed verdict: right on every rank, for every kind of optimizer, including overflows that a
+  hysteresis policy absorbs (those skip the step too).
+* **Clipping.** ``accelerator.clip_grad_norm_`` unscales every optimizer and then calls torch's
+  ``clip_grad_norm_`` (a second pass and, when sharded, a second collective). Here it goes to
+  :meth:`GradScaler.clip_grad_norm_` of the optimizer that holds exactly those parameters: the
+  global norm of the unscaled gradients, computed in the step's one collective.
+* **CPU.** Accelerate creates no fp16 scaler and no autocast on the CPU (``mixed_precision="fp16"``
+  then silently trains in fp32). With ``install`` the CPU gets fp16 autocast (the accelerator's
+  ``native_amp`` is switched on, so ``prepare``'s forward wrapper and ``accelerator.autocast()``
+  use it) and the scaler; MULTI_CPU (gloo) jobs work like multi-GPU ones.
+* **FSDP2 ``load_state``.** Accelerate loads the scaler first and then lets
+  ``torch.distributed.checkpoint.set_optimizer_state_dict`` run a dummy optimizer step (zero
+  gradients, ``lr=0``) through ``AcceleratedOptimizer.step``, which calls ``scaler.update()``: the
+  restored growth tracker moves by one and the scale can grow (accelerate issue 4289). Here a
+  ``register_load_state_pre_hook`` hook, which Accelerate runs after the optimizers are loaded,
+  loads the saved scaler state again, so the restored scale, tracker and counters are the saved
+  ones exactly.
+
+``save_state`` / ``load_state`` store the scaler through ``accelerator.scaler`` as Accelerate does
+(``scaler.pt``, loadable by ``torch.amp.GradScaler`` too).
+
+Not supported: DeepSpeed and Megatron-LM plugins (they scale the loss themselves; to keep a DeepSpeed
+``fp16`` section's behaviour on FSDP, pass ``ScalerConfig.from_deepspeed(...)`` to :func:`install`),
+XLA, and MS-AMP's fp8 optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import (
+        DistributedType,
+        convert_outputs_to_fp32,
+        get_mixed_precision_context_manager,
+    )
+    from accelerate.utils.constants import SCALER_NAME
+except ImportError as e:  # pragma: no cover - exercised only without accelerate
+    raise ImportError(
+        "distscaler.integrations.accelerate needs HuggingFace Accelerate: pip install accelerate"
+    ) from e
+
+from ..scaler import GradScaler
+
+__all__ = ["ScaledAcceleratedOptimizer", "install", "installed_scaler", "uninstall"]
+
+_UNSUPPORTED = {
+    DistributedType.DEEPSPEED: "DeepSpeed scales the loss itself",
+    DistributedType.MEGATRON_LM: "Megatron-LM scales the loss itself",
+    DistributedType.XLA: "XLA is not supported",
+}
+
+_ATTR = "_distscaler_installation"
+
+
+class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
+    """An ``AcceleratedOptimizer`` whose step and skip flag come from distscaler's agreed verdict.
+
+    :func:`install` turns the accelerator's prepared optimizers into this class (same object, same
+    state; ``isinstance(opt, AcceleratedOptimizer)`` still holds). ``step()`` runs
+    ``scaler.step(wrapped)`` and ``scaler.update()`` when gradients are synchronized (not on
+    gradient-accumulation micro-steps), as Accelerate's does, but leaves the wrapped optimizer's
+    ``step`` alone. ``step_was_skipped`` is the agreed flag of this optimizer's last step.
+    """
+
+    # The agreed found_inf (0-dim float32 on the scale's device) of the last step; None before it.
+    _distscaler_found_inf: torch.Tensor | None = None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        scaler = self.scaler
+        if not isinstance(scaler, GradScaler):  # uninstalled: Accelerate's own behaviour
+            return super().step(closure)
+        if not self.gradient_state.sync_gradients:
+            return None
+        if closure is not None:
+            # torch.amp.GradScaler.step's wording; Accelerate would pass the closure there too.
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scaler.step(self.optimizer)
+        scaler.update()
+        # update() recorded the flag every rank agreed on; keep this optimizer's (no host read).
+        self._distscaler_found_inf = scaler._last_found_inf
+        return None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether this optimizer's last step was skipped, the same on every rank.
+
+        Reads the agreed device flag (one host read, the explicit sync). False before the first
+        step and with a disabled scaler.
+        """
+        if not isinstance(self.scaler, GradScaler):
+            return bool(self._is_overflow)
+        flag = self._distscaler_found_inf
+        return flag is not None and bool(flag.item())
+
+
+@dataclass(slots=True)
+class _Installation:
+    """What :func:`install` changed on one accelerator, so that :func:`uninstall` can undo it."""
+
+    scaler: GradScaler
+    old_scaler: Any
+    old_native_amp: bool
+    hook: Any = None
+    optimizers: list[tuple[AcceleratedOptimizer, type, Any]] = field(default_factory=list)
+    autocast_models: list[torch.nn.Module] = field(default_factory=list)
+    registered_models: list[torch.nn.Module] = field(default_factory=list)
+    warned_unmatched: bool = False
+
+
+def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
+    """Make ``accelerator`` scale, skip, clip and checkpoint with a ``distscaler.GradScaler``.
+
+    One call, before or after ``accelerator.prepare(...)``, on every rank. It sets
+    ``accelerator.scaler`` (Accelerate's own seam: ``backward`` scales the loss with it,
+    ``save_state`` / ``load_state`` store it), turns the prepared optimizers, and every optimizer
+    prepared later, into :class:`ScaledAcceleratedOptimizer`, routes ``accelerator.clip_grad_norm_``
+    to :meth:`GradScaler.clip_grad_norm_`, registers the prepared models' layouts with the scaler,
+    and adds a ``load_state`` hook that keeps FSDP2's dummy optimizer step from changing the restored
+    scale. On the CPU it also switches on fp16 autocast (see the module docstring). Undo with
+    :func:`uninstall`.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` (single process, MULTI_CPU, MULTI_GPU, FSDP1 or
+            FSDP2).
+        scaler: ``None`` (default): a new ``GradScaler`` on the accelerator's device type, with
+            the ``GradScalerKwargs`` given to the accelerator, if any; the state of a scaler
+            Accelerate already used is carried over. A ``distscaler.GradScaler``: used as given
+            (its device type must be the accelerator's). A ``distscaler.ScalerConfig`` (for
+            example ``ScalerConfig.from_deepspeed("ds_config.json")``): a scaler built from it.
+            Without ``mixed_precision="fp16"`` a scaler must be given explicitly.
+
+    Returns:
+        The installed scaler (also ``accelerator.scaler``).
+
+    Raises:
+        TypeError: ``accelerator`` is not an ``Accelerator``, or ``scaler`` is none of the above
+            (a ``torch.amp.GradScaler`` included: it decides per rank).
+        ValueError: the accelerator uses DeepSpeed, Megatron-LM, XLA or MS-AMP; ``scaler`` is None
+            and ``mixed_precision`` is not ``"fp16"``; the scaler's device type differs from the
+            accelerator's.
+        RuntimeError: distscaler is already installed on ``accelerator``.
+
+    Cost: no collective and no host read here. Per optimizer step afterwards: the scaler's (one
+    ``all_reduce`` of 2 float32; no host read with a fused optimizer); ``step_was_skipped`` /
+    ``accelerator.optimizer_step_was_skipped`` read one flag per optimizer on the host.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(
+            f"accelerator must be an accelerate.Accelerator, got: {type(accelerator).__name__}"
+        )
+    if getattr(accelerator, _ATTR, None) is not None:
+        raise RuntimeError(
+            "distscaler is already installed on this accelerator; call uninstall(accelerator) "
+            "before installing another scaler."
+        )
+    reason = _UNSUPPORTED.get(accelerator.distributed_type)
+    if reason is not None:
+        raise ValueError(
+            f"accelerator.distributed_type must not be {accelerator.distributed_type}: {reason}. "
+            "To keep a DeepSpeed fp16 section's loss-scale behaviour, train with FSDP or DDP and "
+            "install(accelerator, ScalerConfig.from_deepspeed(ds_config))."
+        )
+    if getattr(accelerator, "fp8_backend", None) is not None and "MSAMP" in str(
+        accelerator.fp8_backend
+    ):
+        raise ValueError("accelerator.fp8_backend MSAMP brings its own scaler; not supported")
+    device_type = accelerator.device.type
+    new_scaler = _resolve_scaler(accelerator, scaler, device_type)
+
+    # -- from here on, every change is recorded for uninstall() --
+    inst = _Installation(
+        scaler=new_scaler,
+        old_scaler=accelerator.scaler,
+        old_native_amp=accelerator.native_amp,
+    )
+    accelerator.scaler = new_scaler
+    if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:
+        # Accelerate leaves fp16 off on the CPU; native_amp is what its autocast paths test.
+        accelerator.native_amp = True
+        for model in accelerator._models:
+            _add_autocast(accelerator, model, inst)
+    for optimizer in accelerator._optimizers:
+        _adopt(optimizer, new_scaler, inst)
+    _register_models(accelerator, inst)
+    inst.hook = accelerator.register_load_state_pre_hook(_make_load_hook(accelerator))
+    # Instance attributes shadow the two methods; uninstall() deletes them again.
+    original_prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_optimizer(
+        optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        prepared = original_prepare_optimizer(optimizer, device_placement=device_placement)
+        _adopt(prepared, new_scaler, inst)
+        return prepared
+
+    accelerator.prepare_optimizer = prepare_optimizer  # type: ignore[method-assign]
+    accelerator.clip_grad_norm_ = _make_clip(accelerator, inst)  # type: ignore[method-assign]
+    setattr(accelerator, _ATTR, inst)
+    return new_scaler
+
+
+def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
+    """The scaler :func:`install` put into ``accelerator``, or None."""
+    inst = getattr(accelerator, _ATTR, None)
+    return None if inst is None else inst.scaler
+
+
+def uninstall(accelerator: Accelerator) -> GradScaler:
+    """Undo :func:`install`: restore Accelerate's scaler, optimizers, methods and autocast setting.
+
+    The optimizers go back to ``AcceleratedOptimizer`` with the scaler they had; models wrapped in
+    autocast by :func:`install` get their forward back. Returns the removed scaler.
+
+    Raises:
+        RuntimeError: distscaler is not installed on ``accelerator``.
+    """
+    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    if inst is None:
+        raise RuntimeError("distscaler is not installed on this accelerator")
+    for optimizer, cls, old_scaler in inst.optimizers:
+        optimizer.__class__ = cls
+        optimizer.scaler = old_scaler
+        optimizer.__dict__.pop("_distscaler_found_inf", None)
+    for model in inst.autocast_models:
+        model.forward = model.__dict__.pop("_original_forward")  # type: ignore[method-assign]
+    if inst.hook is not None:
+        inst.hook.remove()
+    for name in ("prepare_optimizer", "clip_grad_norm_"):
+        accelerator.__dict__.pop(name, None)
+    accelerator.scaler = inst.old_scaler
+    accelerator.native_amp = inst.old_native_amp
+    delattr(accelerator, _ATTR)
+    return inst.scaler
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> GradScaler:
+    if isinstance(scaler, GradScaler):
+        if scaler._device != device_type:
+            raise ValueError(
+                f"scaler's device type must be the accelerator's ({device_type!r}), got: "
+                f"{scaler._device!r}"
+            )
+        return scaler
+    config_cls = _scaler_config_class()
+    if config_cls is not None and isinstance(scaler, config_cls):
+        return GradScaler.from_config(scaler, device_type)
+    if scaler is not None:
+        raise TypeError(
+            "scaler must be None, a distscaler.GradScaler or a distscaler.ScalerConfig, got: "
+            f"{type(scaler).__module__}.{type(scaler).__qualname__}"
+        )
+    if accelerator.mixed_precision != "fp16":
+        raise ValueError(
+            "install(accelerator) without a scaler needs Accelerator(mixed_precision='fp16'), "
+            f"got: mixed_precision={accelerator.mixed_precision!r}; pass a GradScaler or "
+            "ScalerConfig to agree on non-finite steps without fp16"
+        )
+    handler = accelerator.scaler_handler
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    new = GradScaler(device_type, **kwargs)
+    old = accelerator.scaler
+    if isinstance(old, torch.amp.GradScaler) and getattr(old, "_scale", None) is not None:
+        new.load_state_dict(old.state_dict())  # Accelerate's scaler already ran: keep its state
+    return new
+
+
+def _scaler_config_class() -> Any:
+    try:
+        from ..config import ScalerConfig
+    except ImportError:
+        return None
+    return ScalerConfig
+
+
+def _adopt(optimizer: Any, scaler: GradScaler, inst: _Installation) -> None:
+    """Turn a prepared optimizer into a ScaledAcceleratedOptimizer that uses ``scaler``."""
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        return
+    if any(optimizer is o for o, _, _ in inst.optimizers):
+        optimizer.scaler = scaler
+        return
+    inst.optimizers.append((optimizer, type(optimizer), optimizer.scaler))
+    if type(optimizer) is AcceleratedOptimizer:
+        # Same instance layout (no new slots): only step and step_was_skipped change.
+        optimizer.__class__ = ScaledAcceleratedOptimizer
+    elif not isinstance(optimizer, ScaledAcceleratedOptimizer):
+        raise TypeError(
+            "cannot take over a subclass of AcceleratedOptimizer: "
+            f"{type(optimizer).__qualname__}; its step would not use distscaler's verdict"
+        )
+    optimizer.scaler = scaler
+
+
+def _add_autocast(accelerator: Accelerator, model: torch.nn.Module, inst: _Installation) -> None:
+    """Wrap an already prepared model's forward in fp16 autocast, as ``prepare_model`` would have."""
+    inner = accelerator.unwrap_model(model, keep_fp32_wrapper=True)
+    if hasattr(inner, "_original_forward"):
+        return
+    context = get_mixed_precision_context_manager(True, accelerator.autocast_handler)
+    inner._original_forward = inner.forward
+    inner.forward = convert_outputs_to_fp32(context(inner.forward))
+    inst.autocast_models.append(inner)
+
+
+def _register_models(accelerator: Accelerator, inst: _Installation) -> None:
+    """Tell the scaler how each prepared model's gradients lie across ranks, for the norm.
+
+    Accelerate keeps the *unwrapped* module in ``_models`` for DDP (MULTI_CPU, MULTI_GPU, ...):
+    its gradients are replicated over every rank. FSDP1 keeps the FSDP module, which the scaler
+    reads itself; FSDP2 gradients are DTensors and need nothing.
+    """
+    register = getattr(inst.scaler, "register_model", None)
+    if register is None:
+        return
+    ddp = str(accelerator.distributed_type.value).startswith("MULTI_")
+    for model in accelerator._models:
+        if not any(model is m for m in inst.registered_models):
+            register(model, grad_layout="replicated" if ddp else None)
+            inst.registered_models.append(model)
+
+
+def _make_clip(accelerator: Accelerator, inst: _Installation) -> Callable[..., torch.Tensor]:
+    original = type(accelerator).clip_grad_norm_
+
+    def clip_grad_norm_(
+        parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """``Accelerator.clip_grad_norm_`` through distscaler: the global norm of the unscaled
+        gradients, folded into the step's one collective (see ``GradScaler.clip_grad_norm_``)."""
+        params = list(parameters)
+        optimizer = _optimizer_holding(accelerator, params)
+        if optimizer is None:
+            if not inst.warned_unmatched:
+                warnings.warn(
+                    "accelerator.clip_grad_norm_: the parameters are not exactly those of one "
+                    "prepared optimizer, so clipping falls back to Accelerate's unscale_ + "
+                    "torch.nn.utils.clip_grad_norm_ (an extra pass and, when sharded, an extra "
+                    "collective); pass all of one optimizer's parameters to fold it into the verdict",
+                    stacklevel=2,
+                )
+                inst.warned_unmatched = True
+            return original(accelerator, params, max_norm, norm_type=norm_type)
+        _register_models(accelerator, inst)
+        return inst.scaler.clip_grad_norm_(optimizer.optimizer, max_norm, norm_type=norm_type)
+
+    return clip_grad_norm_
+
+
+def _optimizer_holding(
+    accelerator: Accelerator, params: list[torch.Tensor]
+) -> AcceleratedOptimizer | None:
+    """The prepared optimizer whose parameters with gradients are exactly those of ``params``."""
+    wanted = {id(p) for p in params if p.grad is not None}
+    for optimizer in accelerator._optimizers:
+        held = {
+            id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        }
+        if held == wanted and (held or len(accelerator._optimizers) == 1):
+            return optimizer
+    return None
+
+
+def _make_load_hook(accelerator: Accelerator) -> Callable[[list[Any], str], None]:
+    def restore_scaler(models: list[Any], input_dir: str) -> None:
+        # Accelerate runs load-state pre-hooks after the optimizers are loaded. Under FSDP2 that
+        # load ran a dummy optimizer step, whose scaler.update() moved the restored state.
+        inst: _Installation | None = getattr(accelerator, _ATTR, None)
+        if inst is None or not accelerator.is_fsdp2:
+            return
+        path = os.path.join(input_dir, SCALER_NAME)
+        if not os.path.isfile(path):
+            return
+        inst.scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        for optimizer, _, _ in inst.optimizers:
+            optimizer.__dict__.pop("_distscaler_found_inf", None)  # the dummy step's flag
+
+    return restore_scaler
