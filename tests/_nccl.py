@@ -1,0 +1,235 @@
+"""One process per GPU on NCCL, for the multi-GPU tests, and the scenarios only GPUs can run.
+
+``spawn_per_gpu`` is ``_harness.spawn`` for GPUs: rank ``r`` drives ``cuda:r``, the process group is
+NCCL, the rendezvous a FileStore in ``tmp_path``. With ``backend="gloo"`` it runs the very same
+scenarios on CPU, which is how the GPU scenarios are dry-run on machines without GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import itertools
+import json
+import math
+import os
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _scenarios as S
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor.debug import CommDebugMode
+
+from distscaler import GradScaler
+
+Scenarios = Callable[[int, int, str], dict[str, Any]]
+
+#: What torch.cuda.set_sync_debug_mode("warn") says for each synchronizing call.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def _worker(
+    rank: int, world_size: int, backend: str, init_file: str, out_dir: str, scenarios: Scenarios
+) -> None:
+    torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        # Every rank runs the same kernels on the same data and the tests compare parameters bit
+        # for bit across ranks: ask cuBLAS for its reproducible mode (must be set before it starts).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.cuda.set_device(rank)
+        device = "cuda"
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=300),
+        device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+    )
+    try:
+        try:
+            results = scenarios(rank, world_size, device)
+        except Exception:
+            results = {"__crash__": traceback.format_exc()}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_per_gpu(
+    scenarios: Scenarios, world_size: int, tmp_path: Path, *, backend: str = "nccl"
+) -> list[dict[str, Any]]:
+    """Run ``scenarios(rank, world_size, device)`` in ``world_size`` processes; return their dicts.
+
+    ``backend="nccl"``: rank ``r`` on ``cuda:r`` (needs ``world_size`` GPUs), ``device="cuda"``.
+    ``backend="gloo"``: CPU, ``device="cpu"``. ``scenarios`` must be a module-level function.
+    """
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got: {backend!r}")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"world_size must be at most the {torch.cuda.device_count()} visible GPUs, "
+            f"got: {world_size}"
+        )
+    out_dir = tmp_path / "results"
+    out_dir.mkdir()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(
+        _worker,
+        args=(world_size, backend, str(tmp_path / "rendezvous"), str(out_dir), scenarios),
+        nprocs=world_size,
+        join=True,
+    )
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    for r, res in enumerate(results):
+        assert "__crash__" not in res, f"rank {r} crashed:\n{res['__crash__']}"
+    return results
+
+
+# ----------------------------------------------------------------- scenarios
+
+
+def sync_free_fused_step(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """Host syncs inside (clip_grad_norm_ +) step + update of a fused AdamW, NCCL verdict included.
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` rather than ``"error"``: an error raised on one rank
+    in the middle of a step would leave the other ranks waiting in the collective, a warning is
+    counted and the step goes on. The last rank writes an inf on step 2, so a skipped step is
+    measured too. ``guard_syncs`` counts the warnings of one deliberate host read (``get_scale()``)
+    to prove the mode really reports syncs here.
+    """
+    results: dict[str, Any] = {}
+    for clip in (False, True):
+        model = S.make_model().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = GradScaler(device, skip_log_interval=0, grad_layout="replicated")
+        syncs, skipped = [], []
+        for step in range(4):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(torch.randn(16, 8, device=device)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 2 and rank == world_size - 1:
+                model[0].weight.grad[0, 0] = math.inf
+            with _sync_warnings() as caught:
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+            syncs.append(len(caught))
+            skipped.append(scaler.step_was_skipped)
+        with _sync_warnings() as guard:
+            scaler.get_scale()
+        results["clip" if clip else "noclip"] = {
+            "syncs": syncs,
+            "skipped": skipped,
+            "guard_syncs": len(guard),
+        }
+    return results
+
+
+class _sync_warnings:
+    """Collects the sync-debug warnings raised inside it (a list of messages)."""
+
+    def __enter__(self) -> list[str]:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._records = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.synchronize()  # work queued before the block is not counted
+        torch.cuda.set_sync_debug_mode("warn")
+        self.messages: list[str] = []
+        return self.messages
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        self.messages.extend(
+            str(w.message) for w in self._records if SYNC_WARNING in str(w.message)
+        )
+        self._catcher.__exit__(*exc)
+
+
+def _local_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().to_local().cpu().numpy().tobytes())  # type: ignore[operator]
+    return h.hexdigest()
+
+
+def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """FSDP2 ``fully_shard`` on a 1-D mesh with an fp16 ``MixedPrecisionPolicy``.
+
+    Each rank holds a different shard of every gradient (DTensor, ``Shard(0)``) and different data.
+    The last rank writes an inf into its shard on step 2. Records, per rank: whether the fault was
+    seen locally, skips, scales, the clipped norm next to a reference taken on the full gathered
+    unscaled gradients (fp64, CPU), whether a skipped step changed the local shards, and the
+    collectives inside clip + step + update.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(torch.device(device).type, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    results: dict[str, Any] = {}
+    for opt_kind, clip in itertools.product(("fused", "foreach"), (False, True)):
+        model = S.make_model().to(device)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = S.make_optimizer(opt_kind, model.parameters())
+        scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2)
+        gen = torch.Generator().manual_seed(10 + rank)  # different data on every rank
+        out: dict[str, list] = {
+            "local_nonfinite": [],
+            "skipped": [],
+            "scales": [],
+            "norms": [],
+            "ref_norms": [],
+            "unchanged": [],
+            "all_reduces": [],
+        }
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            loss = model(torch.randn(8, 8, generator=gen).to(device)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 2 and rank == world_size - 1:
+                shard = model[0].weight.grad.to_local()  # (16 / world_size, 8) rows of this rank
+                if shard.numel():
+                    shard.view(-1)[0] = math.inf
+            grads = [p.grad for p in model.parameters()]
+            out["local_nonfinite"].append(
+                not all(bool(g.to_local().isfinite().all()) for g in grads)
+            )
+            if clip:  # reference: every full gradient, gathered (a collective on every rank)
+                scale = scaler.get_scale()
+                full = [g.full_tensor().to("cpu", torch.float64) / scale for g in grads]
+                out["ref_norms"].append(
+                    float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
+                )
+            before = _local_digest(model)
+            with CommDebugMode() as comm:
+                if clip:
+                    out["norms"].append(float(scaler.clip_grad_norm_(opt, 1.0)))
+                scaler.step(opt)
+                scaler.update()
+            out["all_reduces"].append(comm.get_total_counts())
+            out["skipped"].append(scaler.step_was_skipped)
+            out["scales"].append(scaler.get_scale())
+            out["unchanged"].append(before == _local_digest(model))
+        results[f"{opt_kind}-{'clip' if clip else 'noclip'}"] = out
+    return results
+
+
+def everything_on_gpus(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """The gloo matrix of tests/_scenarios.py on this device, plus FSDP2 and (CUDA) sync checks."""
+    results = S.everything(rank, world_size, device)
+    results["fsdp2"] = fsdp2_agreement(rank, world_size, device)
+    if torch.device(device).type == "cuda":
+        results["sync_free"] = sync_free_fused_step(rank, world_size, device)
+    return results
