@@ -6,9 +6,18 @@ update are agreed by every rank in one collective per optimizer step.
 
 from __future__ import annotations
 
+from .config import ScalerConfig
 from .errors import CallOrderError
+from .policies import LossScaleAtMinimumError
 from .scaler import GradScaler, OptState
 
-__all__ = ["CallOrderError", "GradScaler", "OptState", "__version__"]
+__all__ = [
+    "CallOrderError",
+    "GradScaler",
+    "LossScaleAtMinimumError",
+    "OptState",
+    "ScalerConfig",
+    "__version__",
+]
 
 __version__ = "0.1.0"

@@ -201,9 +201,9 @@ def test_clip_after_explicit_unscale_clips_the_unscaled_gradients():
         (
             dict(grad_layout="diagonal"),
             ValueError,
-            r"grad_layout must be one of \('replicated', 'sharded'\), got: 'diagonal'",
+            r"grad_layout must be one of \('replicated', 'sharded'\) or None, got: 'diagonal'",
         ),
-        (dict(policy="apex"), ValueError, r"policy must be one of \['torch'\], got: 'apex'"),
+        (dict(policy="apex"), ValueError, r"policy must be one of \(.*'torch'.*\), got: 'apex'"),
         (
             dict(skip_log_interval=-1),
             ValueError,

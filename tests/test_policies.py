@@ -1,0 +1,494 @@
+"""Scale policies against the real implementations: DeepSpeed's DynamicLossScaler, Megatron's rule.
+
+DeepSpeed is the oracle itself (``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``, a test
+dependency); Megatron-LM's ``DynamicGradScaler`` hard-codes CUDA tensors, so its rule is restated
+below from DESIGN.md section 5 as an independent reference (and, where megatron-core's source is
+available, the real class runs on CPU under a device-rewriting mode: see
+``test_megatron_reference_matches_megatron_core``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import _policy_scenarios as PS
+import pytest
+import torch
+from _harness import HostReadSpy, spawn
+from _models import make_model, make_optimizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+import distscaler
+from distscaler import GradScaler, LossScaleAtMinimumError
+
+DS_PARITY_EXAMPLES = 400  # random overflow sequences of test_deepspeed_policy_matches_...
+_ds_examples_run: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def deepspeed_without_process_group(monkeypatch):
+    """DeepSpeed's update_scale asks ``deepspeed.comm.get_rank()`` (only to decide who logs)."""
+    ls = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+
+    class _Comm:
+        @staticmethod
+        def get_rank(group: Any = None) -> int:
+            return 0
+
+    monkeypatch.setattr(ls, "dist", _Comm)
+    return ls
+
+
+def deepspeed_scaler(init: float, window: int, min_scale: float, hyst: int, consec: bool, raise_):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    return DynamicLossScaler(
+        init_scale=init,
+        scale_window=window,
+        min_scale=min_scale,
+        delayed_shift=hyst,
+        consecutive_hysteresis=consec,
+        raise_error_at_min_scale=raise_,
+    )
+
+
+def ds_state(s: Any) -> tuple:
+    return (s.cur_scale, s.cur_hysteresis, s.cur_iter, s.last_overflow_iter)
+
+
+def our_state(s: GradScaler) -> tuple:
+    return (s.cur_scale, s.cur_hysteresis, s.cur_iter, s.last_overflow_iter)
+
+
+ds_params = st.fixed_dictionaries(
+    {
+        # m * 2**e: halving and doubling stay exact in float32 as in DeepSpeed's Python floats.
+        "init": st.builds(lambda m, e: m * 2.0**e, st.sampled_from([1, 3, 5]), st.integers(0, 12)),
+        "min_exp": st.integers(-3, 6),
+        "window": st.integers(1, 6),
+        "hyst": st.integers(1, 4),
+        "consec": st.booleans(),
+        "raise_": st.booleans(),
+    }
+)
+
+
+def build_pair(p: dict) -> tuple[Any, GradScaler]:
+    min_scale = min(2.0 ** p["min_exp"], p["init"])
+    args = (p["init"], p["window"], min_scale, p["hyst"], p["consec"], p["raise_"])
+    ours = GradScaler(
+        "cpu",
+        init_scale=p["init"],
+        growth_interval=p["window"],
+        policy="deepspeed",
+        hysteresis=p["hyst"],
+        consecutive_hysteresis=p["consec"],
+        min_scale=min_scale,
+        raise_error_at_min_scale=p["raise_"],
+    )
+    return deepspeed_scaler(*args), ours
+
+
+def update_scale_driver(scaler: GradScaler):
+    """Drive ``scaler`` through DeepSpeed's ``update_scale(overflow)`` API."""
+
+    def step(overflow: bool) -> GradScaler:
+        scaler.update_scale(overflow)
+        return scaler
+
+    return step
+
+
+def run_both(ref: Any, step_ours, overflows: list[bool]) -> dict[str, int]:
+    """Feed ``overflows`` to DeepSpeed and to ours; compare after every step, and the exception."""
+    seen = {"backoffs": 0, "absorbed": 0, "growths": 0, "raised": 0}
+    for i, overflow in enumerate(overflows):
+        before = ds_state(ref)
+        ref_error = our_error = None
+        try:
+            ref.update_scale(overflow)
+        except Exception as e:  # DeepSpeed raises a bare Exception
+            ref_error = str(e)
+        try:
+            ours = step_ours(overflow)
+        except LossScaleAtMinimumError as e:
+            our_error = str(e)
+        assert our_error == ref_error, f"step {i}"
+        if ref_error is not None:
+            seen["raised"] += 1
+            return seen
+        assert our_state(ours) == ds_state(ref), f"step {i}: overflows {overflows[: i + 1]}"
+        seen["backoffs"] += ref.cur_scale < before[0]
+        seen["growths"] += ref.cur_scale > before[0]
+        seen["absorbed"] += overflow and ref.cur_hysteresis < before[1]
+    return seen
+
+
+@settings(max_examples=DS_PARITY_EXAMPLES, deadline=None, derandomize=True)
+@given(p=ds_params, overflows=st.lists(st.booleans(), min_size=1, max_size=80))
+def test_deepspeed_policy_matches_dynamic_loss_scaler_update_scale(p, overflows):
+    ref, ours = build_pair(p)
+    run_both(ref, update_scale_driver(ours), overflows)
+    _ds_examples_run.append(1)
+
+
+def test_deepspeed_parity_ran_and_exercised_every_branch():
+    """Guard and record: how many random sequences ran, and that each rule branch was hit."""
+    seen = {"backoffs": 0, "absorbed": 0, "growths": 0, "raised": 0}
+    for seed in range(60):
+        gen = torch.Generator().manual_seed(seed)
+        draws = torch.rand(8, generator=gen).tolist()
+        p = {
+            "init": 2.0 ** int(draws[0] * 6),
+            "min_exp": int(draws[1] * 3) - 1,
+            "window": 1 + int(draws[2] * 3),
+            "hyst": 1 + int(draws[3] * 3),
+            "consec": draws[4] < 0.5,
+            "raise_": draws[5] < 0.5,
+        }
+        overflows = (torch.rand(60, generator=gen) < 0.35).tolist()
+        ref, ours = build_pair(p)
+        for key, n in run_both(ref, update_scale_driver(ours), overflows).items():
+            seen[key] += n
+    assert all(n > 0 for n in seen.values()), seen
+    print(f"DeepSpeed parity: {len(_ds_examples_run)} hypothesis sequences ran; branches {seen}")
+    if _ds_examples_run:  # the property test ran in this process (not deselected)
+        assert len(_ds_examples_run) == DS_PARITY_EXAMPLES
+
+
+def _inject(model: torch.nn.Module, value: float) -> None:
+    next(iter(model.parameters())).grad.view(-1)[0] = value
+
+
+def real_step_driver(scaler: GradScaler, opt_kind: str):
+    """Drive ``scaler`` through scale/backward/step/update, with an inf in a gradient on overflow."""
+    model = make_model()
+    opt = make_optimizer(opt_kind, model.parameters())
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    stats = {"skipped": 0, "overflows": 0}
+
+    def step(overflow: bool) -> GradScaler:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(data).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if overflow:
+            _inject(model, math.inf)
+        scaler.step(opt)
+        scaler.update()
+        stats["overflows"] += overflow
+        stats["skipped"] += scaler.step_was_skipped
+        return scaler
+
+    return step, stats
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    p=ds_params,
+    overflows=st.lists(st.booleans(), min_size=1, max_size=30),
+    opt_kind=st.sampled_from(["fused", "forloop"]),
+)
+def test_deepspeed_policy_matches_dynamic_loss_scaler_in_real_steps(p, overflows, opt_kind):
+    ref, ours = build_pair(p)
+    step, stats = real_step_driver(ours, opt_kind)
+    seen = run_both(ref, step, overflows)
+    # Every overflow skipped the step, including those hysteresis absorbed.
+    n = stats["overflows"] - seen["raised"]
+    assert stats["skipped"] == n
+
+
+# ----------------------------------------------------------------------------- Megatron
+
+
+class MegatronReference:
+    """DESIGN.md section 5's statement of Megatron's DynamicGradScaler rule, in plain Python."""
+
+    def __init__(self, init, min_scale, growth_factor, backoff_factor, interval, hysteresis):
+        self.scale, self.min_scale = init, min_scale
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.interval, self.hysteresis = interval, hysteresis
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.interval:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale *= self.growth_factor
+
+
+megatron_params = st.fixed_dictionaries(
+    {
+        "init": st.builds(lambda e: 2.0**e, st.integers(0, 16)),
+        "min_exp": st.integers(-2, 4),
+        "growth_factor": st.sampled_from([2.0, 4.0]),
+        "backoff_factor": st.sampled_from([0.5, 0.25]),
+        "interval": st.integers(1, 6),
+        "hyst": st.integers(1, 4),
+    }
+)
+
+
+def build_megatron(p: dict) -> tuple[MegatronReference, GradScaler]:
+    min_scale = min(2.0 ** p["min_exp"], p["init"])
+    ref = MegatronReference(
+        p["init"], min_scale, p["growth_factor"], p["backoff_factor"], p["interval"], p["hyst"]
+    )
+    ours = GradScaler(
+        "cpu",
+        init_scale=p["init"],
+        growth_factor=p["growth_factor"],
+        backoff_factor=p["backoff_factor"],
+        growth_interval=p["interval"],
+        policy="megatron",
+        hysteresis=p["hyst"],
+        min_scale=min_scale,
+    )
+    return ref, ours
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(p=megatron_params, overflows=st.lists(st.booleans(), min_size=1, max_size=60))
+def test_megatron_policy_matches_megatron_rule(p, overflows):
+    ref, ours = build_megatron(p)
+    backoffs = 0
+    for i, overflow in enumerate(overflows):
+        before = ref.scale
+        ref.update(overflow)
+        ours.update_scale(overflow)
+        backoffs += ref.scale < before
+        state = ours.state_dict()
+        got = (state["scale"], state["_growth_tracker"], state["hysteresis_tracker"])
+        assert got == (ref.scale, ref.growth_tracker, ref.hysteresis_tracker), f"step {i}"
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    p=megatron_params,
+    overflows=st.lists(st.booleans(), min_size=1, max_size=25),
+    opt_kind=st.sampled_from(["fused", "foreach"]),
+)
+def test_megatron_policy_in_real_steps(p, overflows, opt_kind):
+    ref, ours = build_megatron(p)
+    step, stats = real_step_driver(ours, opt_kind)
+    for overflow in overflows:
+        ref.update(overflow)
+        step(overflow)
+        assert ours.get_scale() == ref.scale
+        assert ours.cur_hysteresis == ref.hysteresis_tracker
+    assert stats["skipped"] == stats["overflows"]
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device='cuda'`` in factory calls and ``.cuda()``: Megatron's class on CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _megatron_grad_scaler_source() -> Path | None:
+    env = os.environ.get("DISTSCALER_MEGATRON_GRAD_SCALER")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), "core/optimizer/grad_scaler.py")
+    return path if path.exists() else None
+
+
+def test_megatron_reference_matches_megatron_core():
+    """Where megatron-core's grad_scaler.py exists (installed, or the path in
+    DISTSCALER_MEGATRON_GRAD_SCALER), the restated rule above is checked against the real class."""
+    source = _megatron_grad_scaler_source()
+    if source is None:
+        pytest.skip("megatron-core is not installed (its rule is tested through the reference)")
+    spec = importlib.util.spec_from_file_location("_megatron_grad_scaler", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        args = (2.0**12, 2.0 ** (trial % 4), 2.0, 0.5, 1 + trial % 5, 1 + trial % 3)
+        ref = MegatronReference(*args)
+        ours = GradScaler(
+            "cpu",
+            init_scale=args[0],
+            min_scale=args[1],
+            growth_interval=args[4],
+            policy="megatron",
+            hysteresis=args[5],
+        )
+        with _CudaToCpu():
+            real = module.DynamicGradScaler(*args)
+            for overflow in (torch.rand(50, generator=gen) < 0.4).tolist():
+                real.update(overflow)
+                ref.update(overflow)
+                ours.update_scale(overflow)
+                state = real.state_dict()
+                expected = (state["scale"].item(), state["hysteresis_tracker"])
+                assert (ref.scale, ref.hysteresis_tracker) == expected
+                assert (ours.get_scale(), ours.cur_hysteresis) == expected
+
+
+# ----------------------------------------------------------------------------- static, bf16
+
+
+def test_static_scale_never_moves_and_skips_every_overflow():
+    scaler = GradScaler("cpu", init_scale=128.0, policy="static")
+    step, stats = real_step_driver(scaler, "fused")
+    for i in range(12):
+        step(i in (2, 3, 7))
+        assert scaler.get_scale() == 128.0
+    assert stats["skipped"] == 3 == scaler.state_dict()["num_skipped_steps"]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(skip, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    scaler = GradScaler("cpu", init_scale=1.0, policy="static", skip_nonfinite=skip)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    loss = model(x).float().pow(2).mean()
+    scaled = scaler.scale(loss)
+    assert torch.equal(scaled, loss)  # scale 1.0: the loss is unchanged
+    scaled.backward()
+    model.weight.grad[0, 0] = math.nan
+    before = model.weight.detach().clone()
+    caplog.set_level("INFO", logger="distscaler")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 1.0
+    assert scaler.step_was_skipped is skip
+    assert torch.equal(model.weight, before) is skip
+    assert scaler.state_dict()["num_skipped_steps"] == int(skip)
+    assert ("1 optimizer step(s) skipped" in caplog.text) is skip  # get_scale() reported it
+
+
+# ----------------------------------------------------------------------------- costs, errors
+
+
+@pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron", "static"])
+def test_update_reads_nothing_on_the_host_for_every_policy(policy):
+    hyst = 2 if policy in ("deepspeed", "megatron") else 1
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy, hysteresis=hyst)
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    scales = set()
+    for i in range(6):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+        if i in (1, 2):
+            _inject(model, math.inf)
+        with HostReadSpy() as spy:
+            scaler.step(opt)
+            scaler.update()
+        assert spy.reads == [], (i, spy.reads)
+        scales.add(scaler.get_scale())
+    assert (len(scales) > 1) is (policy != "static")  # the rule really ran
+
+
+def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message():
+    scaler = GradScaler(
+        "cpu",
+        init_scale=4.0,
+        min_scale=2.0,
+        policy="deepspeed",
+        hysteresis=1,
+        raise_error_at_min_scale=True,
+    )
+    step, _ = real_step_driver(scaler, "fused")
+    with HostReadSpy() as spy:
+        step(True)  # 4 -> 2
+    assert scaler.get_scale() == 2.0
+    # step_was_skipped (one read) inside the driver, plus the raise check (one read).
+    assert len(spy.reads) == 2, spy.reads
+    with pytest.raises(Exception, match="^Current loss scale already at minimum - cannot decrease"):
+        step(True)
+    assert isinstance(LossScaleAtMinimumError("x"), RuntimeError)
+    assert scaler.get_scale() == 2.0 and scaler.cur_iter == 1  # nothing moved, as DeepSpeed
+
+
+def test_without_raise_the_scale_clamps_at_min_scale():
+    scaler = GradScaler("cpu", init_scale=4.0, min_scale=2.0, policy="deepspeed", hysteresis=1)
+    for _ in range(3):
+        scaler.update_scale(True)
+    assert scaler.get_scale() == 2.0 and scaler.last_overflow_iter == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(policy="apex"), r"policy must be one of .*'deepspeed'.*, got: 'apex'"),
+        (dict(hysteresis=0, policy="deepspeed"), r"hysteresis must be an integer >= 1, got: 0"),
+        (dict(hysteresis=2), r"hysteresis must be 1 for policy='torch'"),
+        (dict(consecutive_hysteresis=True, policy="megatron"), r"needs policy='deepspeed'"),
+        (dict(raise_error_at_min_scale=True), r"raise_error_at_min_scale=True needs min_scale"),
+        (dict(skip_nonfinite=False), r"skip_nonfinite=False needs policy='static'"),
+    ],
+)
+def test_bad_policy_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradScaler("cpu", **kwargs)
+
+
+def test_deepspeed_attributes_need_the_deepspeed_policy():
+    scaler = GradScaler("cpu")
+    with pytest.raises(AttributeError, match="policy='torch'"):
+        scaler.cur_iter  # noqa: B018
+    assert not hasattr(scaler, "cur_hysteresis")
+    assert scaler.cur_scale == scaler.loss_scale == 2.0**16
+    with pytest.raises(TypeError, match="overflow must be a bool"):
+        scaler.update_scale(1)
+
+
+# ----------------------------------------------------------------------------- multi-rank
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory):
+    return spawn(PS.policies_on_ranks, 2, tmp_path_factory.mktemp("policies"))
+
+
+@pytest.mark.xdist_group("policies2")
+@pytest.mark.parametrize("policy", PS.POLICY_KWARGS)
+def test_policies_stay_identical_across_ranks_with_overflows_on_one_rank(rank_runs, policy):
+    runs = [r[policy] for r in rank_runs]
+    # Guard: the inf was seen on one rank only, at the injected steps.
+    for rank, run in enumerate(runs):
+        assert run["local_nonfinite"] == [
+            step in PS.INJECT and PS.INJECT[step] == rank for step in range(PS.NUM_STEPS)
+        ]
+    for run in runs:
+        assert run["skipped"] == [step in PS.INJECT for step in range(PS.NUM_STEPS)]
+    assert runs[0]["trajectory"] == runs[1]["trajectory"]
+    assert runs[0]["params"] == runs[1]["params"]
+    # The agreed trajectory is the single-process rule applied to the agreed overflow sequence.
+    reference = GradScaler("cpu", **PS.POLICY_KWARGS[policy])
+    expected = []
+    for step in range(PS.NUM_STEPS):
+        reference.update_scale(step in PS.INJECT)
+        expected.append(PS.snapshot(reference))
+    assert runs[0]["trajectory"] == expected
+
+
+def test_public_names():
+    assert distscaler.ScalerConfig is not None and distscaler.LossScaleAtMinimumError
