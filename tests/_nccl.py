@@ -7,6 +7,7 @@ scenarios on CPU, which is how the GPU scenarios are dry-run on machines without
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import itertools
@@ -15,7 +16,7 @@ import math
 import os
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,24 +136,19 @@ def sync_free_fused_step(rank: int, world_size: int, device: str) -> dict[str, A
     return results
 
 
-class _sync_warnings:
-    """Collects the sync-debug warnings raised inside it (a list of messages)."""
-
-    def __enter__(self) -> list[str]:
-        self._catcher = warnings.catch_warnings(record=True)
-        self._records = self._catcher.__enter__()
+@contextlib.contextmanager
+def _sync_warnings() -> Iterator[list[str]]:
+    """Collects the sync-debug warnings raised inside it (their messages, filled on exit)."""
+    messages: list[str] = []
+    with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         torch.cuda.synchronize()  # work queued before the block is not counted
         torch.cuda.set_sync_debug_mode("warn")
-        self.messages: list[str] = []
-        return self.messages
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        self.messages.extend(
-            str(w.message) for w in self._records if SYNC_WARNING in str(w.message)
-        )
-        self._catcher.__exit__(*exc)
+        try:
+            yield messages
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    messages.extend(str(w.message) for w in records if SYNC_WARNING in str(w.message))
 
 
 def _local_digest(model: torch.nn.Module) -> str:
