@@ -355,10 +355,11 @@ class GradScaler(torch.amp.GradScaler):
 
         if state["stage"] is OptState.UNSCALED:
             total_norm = self._clip_unscaled_(optimizer, max_norm, norm_type)
-            (found_inf,) = state["found_inf_per_device"].values()
-            nonfinite = total_norm.isfinite().logical_not().to(found_inf.device, torch.float32)
-            found_inf = torch.maximum(found_inf, nonfinite)
-            state["found_inf_per_device"] = {found_inf.device: found_inf}
+            if self._skip_nonfinite:  # a non-finite norm skips, as an inf gradient does
+                (found_inf,) = state["found_inf_per_device"].values()
+                nonfinite = total_norm.isfinite().logical_not().to(found_inf.device, torch.float32)
+                found_inf = torch.maximum(found_inf, nonfinite)
+                state["found_inf_per_device"] = {found_inf.device: found_inf}
             state["clipped"] = True
             return total_norm
 

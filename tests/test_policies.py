@@ -360,8 +360,9 @@ def test_static_scale_never_moves_and_skips_every_overflow():
     assert stats["skipped"] == 3 == scaler.state_dict()["num_skipped_steps"]
 
 
+@pytest.mark.parametrize("path", ["step", "unscale_then_clip"])
 @pytest.mark.parametrize("skip", [True, False])
-def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(skip, caplog):
+def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(skip, path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -374,6 +375,9 @@ def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(ski
     model.weight.grad[0, 0] = math.nan
     before = model.weight.detach().clone()
     caplog.set_level("INFO", logger="distscaler")
+    if path == "unscale_then_clip":  # the norm is NaN too: it must not skip either
+        scaler.unscale_(opt)
+        assert not scaler.clip_grad_norm_(opt, 1.0).isfinite()
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 1.0
