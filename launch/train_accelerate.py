@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, gather_object
 
-from distscaler import GradScaler
+from distscaler import GradScaler, ScalerConfig
 from distscaler.integrations.accelerate import install
 from lm.config import DEFAULT_CONFIG, ConfigError, TrainConfig, load_config
 from lm.data import get_batch, load_corpus
@@ -111,8 +111,6 @@ def make_scaler(cfg: TrainConfig, args: argparse.Namespace, device_type: str) ->
     if not cfg.amp:
         return GradScaler(device_type, enabled=False)
     if args.ds_config:
-        from distscaler import ScalerConfig  # type: ignore[attr-defined]
-
         return ScalerConfig.from_deepspeed(args.ds_config)
     return None  # install() builds it from the accelerator's GradScalerKwargs
 

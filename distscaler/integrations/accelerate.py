@@ -78,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without accelerate
         "distscaler.integrations.accelerate needs HuggingFace Accelerate: pip install accelerate"
     ) from e
 
+from ..config import ScalerConfig
 from ..scaler import GradScaler
 
 __all__ = ["ScaledAcceleratedOptimizer", "install", "installed_scaler", "uninstall"]
@@ -283,8 +284,7 @@ def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> 
                 f"{scaler._device!r}"
             )
         return scaler
-    config_cls = _scaler_config_class()
-    if config_cls is not None and isinstance(scaler, config_cls):
+    if isinstance(scaler, ScalerConfig):
         return GradScaler.from_config(scaler, device_type)
     if scaler is not None:
         raise TypeError(
@@ -304,14 +304,6 @@ def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> 
     if isinstance(old, torch.amp.GradScaler) and getattr(old, "_scale", None) is not None:
         new.load_state_dict(old.state_dict())  # Accelerate's scaler already ran: keep its state
     return new
-
-
-def _scaler_config_class() -> Any:
-    try:
-        from ..config import ScalerConfig
-    except ImportError:
-        return None
-    return ScalerConfig
 
 
 def _adopt(optimizer: Any, scaler: GradScaler, inst: _Installation) -> None:
@@ -351,13 +343,10 @@ def _register_models(accelerator: Accelerator, inst: _Installation) -> None:
     its gradients are replicated over every rank. FSDP1 keeps the FSDP module, which the scaler
     reads itself; FSDP2 gradients are DTensors and need nothing.
     """
-    register = getattr(inst.scaler, "register_model", None)
-    if register is None:
-        return
     ddp = str(accelerator.distributed_type.value).startswith("MULTI_")
     for model in accelerator._models:
         if not any(model is m for m in inst.registered_models):
-            register(model, grad_layout="replicated" if ddp else None)
+            inst.scaler.register_model(model, grad_layout="replicated" if ddp else None)
             inst.registered_models.append(model)
 
 
