@@ -202,6 +202,28 @@ def test_save_and_load_state_round_trip_the_scaler_exactly(make_accelerator, tmp
     assert resumed.state_dict() == saved
 
 
+def test_gradient_accumulation_steps_and_updates_once_per_sync(make_accelerator):
+    accelerator = make_accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
+    scaler = install(accelerator, GradScaler("cpu", init_scale=1024.0, growth_interval=1))
+    flags, scales = [], []
+    for micro in range(6):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+            if micro == 2:  # first micro-step of the second optimizer step
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        flags.append(accelerator.optimizer_step_was_skipped)
+        scales.append(scaler.get_scale())
+    # The scaler runs on the syncing micro-steps only (1, 3, 5): grow, back off, grow.
+    assert scales == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0]
+    assert flags == [False, False, False, True, True, False]
+
+
 def test_deepspeed_fp16_section_in_one_call(make_accelerator):
     ds_config = {
         "train_batch_size": 8,
