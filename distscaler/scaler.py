@@ -593,6 +593,10 @@ class GradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ policy state
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        # Idempotent: integrations (Accelerate's FSDP2 load_state) call it on a scaler in use,
+        # where torch's version fails with "_growth_tracker initialized before _scale".
+        if self._scale is not None and self._growth_tracker is not None:
+            return
         super()._lazy_init_scale_growth_tracker(dev)
         self._policy_state = None
         self._materialised_policy_state()
@@ -759,6 +763,16 @@ class GradScaler(torch.amp.GradScaler):
         if self._growth_tracker is None:
             return self._init_growth_tracker
         return int(self._host_read(self._growth_tracker)[0][0])
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The agreed overflow flag of the last :meth:`update`, without reading it on the host.
+
+        0-dim float32 on the scale's device, > 0 when that iteration's step(s) were skipped;
+        identical on every rank. None before the first update and when disabled. The tensor is
+        replaced (not mutated) by the next update, so a caller may keep it.
+        """
+        return self._last_found_inf if self._enabled else None
 
     @property
     def step_was_skipped(self) -> bool:

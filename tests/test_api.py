@@ -584,3 +584,26 @@ def test_state_dict_reads_the_device_once():
         state = scaler.state_dict()
     assert spy.reads == ["tolist"]
     assert (state["scale"], state["num_updates"], state["num_skipped_steps"]) == (512.0, 3, 1)
+
+
+def test_found_inf_is_the_agreed_flag_on_the_device_without_a_host_read():
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**10)
+    assert scaler.found_inf is None  # before the first update
+    model, opt, _ = train(scaler, "fused", steps=1, faults={0: ("nan", 1)})
+    flags = [scaler.found_inf]
+    train(scaler, "fused", steps=1, model=model, optimizer=opt, start=1)
+    with HostReadSpy() as spy:
+        flags.append(scaler.found_inf)
+    assert spy.reads == []
+    assert [float(f) for f in flags] == [1.0, 0.0]  # kept tensors are not overwritten later
+    assert scaler.step_was_skipped is False
+    assert distscaler.GradScaler("cpu", enabled=False).found_inf is None
+
+
+def test_lazy_init_is_idempotent_on_a_scaler_in_use():
+    # Accelerate's FSDP2 load_state calls it on a scaler that has already run.
+    scaler = distscaler.GradScaler("cpu", init_scale=2.0**10)
+    train(scaler, "foreach", steps=2, faults={0: ("inf", 0)})
+    scale = scaler._scale
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert scaler._scale is scale and scaler.get_scale() == 2.0**9

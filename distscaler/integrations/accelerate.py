@@ -117,7 +117,7 @@ class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
         scaler.step(self.optimizer)
         scaler.update()
         # update() recorded the flag every rank agreed on; keep this optimizer's (no host read).
-        self._distscaler_found_inf = scaler._last_found_inf
+        self._distscaler_found_inf = scaler.found_inf
         return None
 
     @property
