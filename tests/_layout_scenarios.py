@@ -211,8 +211,8 @@ def _dtensor_clip(model: nn.Module) -> Callable[[float], torch.Tensor]:
 
 def build_fsdp1(rank: int, world_size: int, opt_kind: str, *, strategy: str, orig: bool) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     kwargs: dict[str, Any] = {}
