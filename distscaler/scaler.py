@@ -485,17 +485,30 @@ class GradScaler(torch.amp.GradScaler):
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             (found_inf,) = state["found_inf_per_device"].values()
+            # A grad_scale the user set stays a factor (torch's rule); None, as torch's own
+            # scaler leaves it after an unscale_() step, means none.
+            prior = {
+                k: optimizer.__dict__[k]
+                for k in ("grad_scale", "found_inf")
+                if k in vars(optimizer)
+            }
+            user_scale = prior.get("grad_scale")
             if state["grad_scale"] is None:  # gradients already unscaled in place
-                grad_scale = getattr(optimizer, "grad_scale", None)
+                grad_scale = user_scale
+            elif user_scale is None:
+                grad_scale = state["grad_scale"]
             else:
-                grad_scale = state["grad_scale"] * getattr(optimizer, "grad_scale", 1)
+                grad_scale = state["grad_scale"] * user_scale
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+            finally:  # leave the optimizer's attributes as they were
+                for key in ("grad_scale", "found_inf"):
+                    if key in prior:
+                        setattr(optimizer, key, prior[key])
+                    else:
+                        delattr(optimizer, key)
             state["stage"] = OptState.STEPPED
             return retval
 

@@ -607,3 +607,27 @@ def test_lazy_init_is_idempotent_on_a_scaler_in_use():
     scale = scaler._scale
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     assert scaler._scale is scale and scaler.get_scale() == 2.0**9
+
+
+def test_fused_step_leaves_the_optimizers_attributes_as_they_were():
+    # torch's scaler leaves optimizer.grad_scale = None behind when a fused step raises after
+    # unscale_() (it deletes the attributes only on success); ours must read None as "no user
+    # factor", step, and put back what was there.
+    model = make_model()
+    opt = make_optimizer("fused", model.parameters())
+    leftover = torch.zeros(())
+    opt.grad_scale, opt.found_inf = None, leftover
+    ours = distscaler.GradScaler("cpu", init_scale=4.0)
+    ours.scale(model(torch.randn(4, 8)).sum()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    ours.step(opt)
+    ours.update()
+    assert not ours.step_was_skipped
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert opt.grad_scale is None and opt.found_inf is leftover  # as they were
+    del opt.grad_scale, opt.found_inf
+    opt.zero_grad()
+    ours.scale(model(torch.randn(4, 8)).sum()).backward()
+    ours.step(opt)
+    ours.update()
+    assert "grad_scale" not in vars(opt) and "found_inf" not in vars(opt)
