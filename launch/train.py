@@ -69,6 +69,7 @@ import torch.distributed as dist
 from lm.config import DEFAULT_CONFIG, ConfigError, load_config
 from lm.distributed import setup_distributed
 from lm.loop import train
+from lm.parallel import check_parallelism
 
 logger = logging.getLogger("train")
 
@@ -93,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help="output folder (default: runs/default)")
     parser.add_argument("--data", help="text file or folder (default: the stdlib *.py sources)")
     parser.add_argument(
+        "--parallelism",
+        choices=["ddp", "fsdp1", "fsdp2", "hsdp", "tp", "pp"],
+        help="how the model is laid out over the ranks (default: the config's, ddp)",
+    )
+    parser.add_argument(
         "--resume", action="store_true", help="continue from OUT/ckpt.pt and append to metrics"
     )
     return parser.parse_args(argv)
@@ -108,7 +114,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif config_path is None:
         logger.warning("%s not found; using the built-in defaults", DEFAULT_CONFIG)
     try:
-        cfg = load_config(config_path, steps=args.steps, out=args.out, data=args.data)
+        cfg = load_config(
+            config_path,
+            steps=args.steps,
+            out=args.out,
+            data=args.data,
+            parallelism=args.parallelism,
+        )
+        # From the launcher's environment, before any process group exists: a layout that does
+        # not fit the world size exits here rather than hang in a collective.
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
+        problems = check_parallelism(cfg, world_size, launched=launched)
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as e:
         logger.error("%s: %s", config_path or "(built-in defaults)", e)
         raise SystemExit(2) from None

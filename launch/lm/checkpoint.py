@@ -1,4 +1,12 @@
-"""``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state."""
+"""``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state.
+
+For ``ddp`` (and a single process) ``ckpt.pt`` holds everything, written by rank 0. For the
+sharded and model-parallel layouts the model and optimizer state go to
+torch.distributed.checkpoint (DCP) in ``ckpt_dcp/step-N/`` (every rank writes its shards; DCP's
+``get_state_dict`` / ``set_state_dict`` handle FSDP1, FSDP2, HSDP, DTensor and pipeline-stage
+modules alike, a stage's parameter names being unique), and ``ckpt.pt`` (rank 0) holds the rest
+and the folder's name. Resuming needs the same layout and world size.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import dataclasses
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +25,19 @@ from distscaler import GradScaler
 from lm.config import TrainConfig
 from lm.distributed import Dist, gather_objects
 
-__all__ = ["CKPT_NAME", "load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+__all__ = [
+    "CKPT_NAME",
+    "DCP_DIR",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 logger = logging.getLogger(__name__)
 
 CKPT_NAME = "ckpt.pt"
+DCP_DIR = "ckpt_dcp"
 
 
 def rng_state(sampler: torch.Generator) -> dict[str, Any]:
@@ -52,14 +69,31 @@ def save_checkpoint(
     sampler: torch.Generator,
     cfg: TrainConfig,
     d: Dist,
+    sharded: bool = False,
 ) -> None:
-    """Rank 0 writes ``path`` atomically; every rank must call this (it gathers RNG states)."""
+    """Rank 0 writes ``path`` atomically; every rank must call this (it gathers RNG states).
+
+    ``sharded``: model and optimizer go to DCP first (every rank writes), then ``path`` names
+    the new folder, then older folders are removed: a crash leaves the last complete checkpoint.
+    """
     rngs = gather_objects(rng_state(sampler), d)
+    dcp_dir = None
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        dcp_dir = f"{DCP_DIR}/step-{step:08d}"
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state}, checkpoint_id=path.parent / dcp_dir
+        )
     if d.is_main:
         state = {
             "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": None if sharded else model.state_dict(),
+            "optimizer": None if sharded else optimizer.state_dict(),
+            "dcp": dcp_dir,
+            "parallelism": cfg.parallelism,
             "scaler": scaler.state_dict(),
             "rng": rngs,  # indexed by global rank
             "world_size": d.world_size,
@@ -68,6 +102,10 @@ def save_checkpoint(
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
+        if dcp_dir is not None:
+            for old in (path.parent / DCP_DIR).iterdir():
+                if old.name != Path(dcp_dir).name:
+                    shutil.rmtree(old, ignore_errors=True)
     d.barrier()
 
 
@@ -85,8 +123,40 @@ def load_checkpoint(
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    saved_as = state.get("parallelism", "ddp")
+    if saved_as != cfg.parallelism or (state.get("dcp") and len(state["rng"]) != d.world_size):
+        raise ValueError(
+            f"--resume: {path} was saved with parallelism {saved_as!r} on {len(state['rng'])} "
+            f"ranks; resume with the same layout and world size (now: {cfg.parallelism!r} on "
+            f"{d.world_size})"
+        )
+    if state.get("dcp"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer)
+        # DCP brings back the tensors; the hyperparameters are this run's (built from the config,
+        # lr set every step): param-group values such as `betas` do not come back for every
+        # layout (FSDP1's flat-parameter groups lose them).
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        loaded = {"model": model_state, "optimizer": optim_state}
+        dcp.load(loaded, checkpoint_id=path.parent / state["dcp"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optimizer"],
+        )
+        if len(hyper) != len(optimizer.param_groups):
+            raise ValueError(
+                f"--resume: {path} has {len(optimizer.param_groups)} optimizer param groups, "
+                f"this run has {len(hyper)}"
+            )
+        for group, values in zip(optimizer.param_groups, hyper, strict=True):
+            group.update(values)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     if d.rank < len(state["rng"]):
         set_rng_state(state["rng"][d.rank], sampler)

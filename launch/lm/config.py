@@ -91,7 +91,7 @@ class TrainConfig:
     out: StrictStr = "runs/default"
     """Output folder for metrics.jsonl, ckpt.pt and summary.json."""
     seed: StrictInt = 1337
-    """Seed for model init; rank r samples batches with seed + r."""
+    """Seed for model init; data-parallel replica r samples batches with seed + r."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: ``cuda:$LOCAL_RANK`` with NCCL where CUDA is available, else the CPU with gloo."""
     num_threads: StrictInt = 0
@@ -113,7 +113,28 @@ class TrainConfig:
     block_size: StrictInt = 128
     """Context length, in bytes (tokens)."""
     batch_size: StrictInt = 16
-    """Sequences per rank per step."""
+    """Sequences per data-parallel replica per step (the ranks of one tensor-parallel group or
+    one pipeline share a batch; every rank is a replica under ddp, fsdp1, fsdp2 and hsdp)."""
+
+    # -- layout over the ranks (launch/lm/parallel.py) --
+    parallelism: Literal["ddp", "fsdp1", "fsdp2", "hsdp", "tp", "pp"] = "ddp"
+    """How the model is laid out over the ranks: ``ddp`` (replicated), ``fsdp1``
+    (FullyShardedDataParallel, FULL_SHARD, use_orig_params), ``fsdp2`` (``fully_shard`` per block
+    and the root, 1-D mesh), ``hsdp`` (``fully_shard`` on a 2-D (replicate, shard) mesh), ``tp``
+    (tensor parallel over the attention and MLP linears; with more ranks than ``tp_size``, FSDP2
+    over the data-parallel dimension of a 2-D (dp, tp) mesh), ``pp`` (``pp_stages`` pipeline
+    stages; with more ranks, DDP over each stage's data-parallel replicas)."""
+    hsdp_shard_size: StrictInt = 2
+    """``hsdp``: ranks per shard group (the mesh's inner dimension); the world size must be a
+    multiple of it with at least 2 replicas."""
+    tp_size: StrictInt = 2
+    """``tp``: ranks per tensor-parallel group; the world size must be a multiple of it."""
+    pp_stages: StrictInt = 2
+    """``pp``: number of pipeline stages; the world size must be a multiple of it."""
+    pp_microbatches: StrictInt = 2
+    """``pp``: micro-batches per step; must divide batch_size."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    """``pp``: ``ScheduleGPipe`` or ``Schedule1F1B`` of torch.distributed.pipelining."""
 
     # -- model --
     n_layer: StrictInt = 4
@@ -173,6 +194,17 @@ class TrainConfig:
             self.d_model % self.n_head == 0,
             f"d_model must be a multiple of n_head, got: d_model={self.d_model}, "
             f"n_head={self.n_head}",
+        )
+        for name in ("hsdp_shard_size", "tp_size", "pp_microbatches"):
+            value = getattr(self, name)
+            need(value >= 1, f"{name} must be >= 1, got: {value}")
+        need(self.pp_stages >= 2, f"pp_stages must be >= 2, got: {self.pp_stages}")
+        need(
+            self.parallelism != "pp"
+            or self.pp_microbatches < 1
+            or self.batch_size % self.pp_microbatches == 0,
+            f"batch_size must be a multiple of pp_microbatches, got: batch_size="
+            f"{self.batch_size}, pp_microbatches={self.pp_microbatches}",
         )
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got: {self.dropout}")
         need(self.lr > 0, f"lr must be > 0, got: {self.lr}")

@@ -1,37 +1,51 @@
-"""Held-out evaluation: the mean per-byte loss over fixed windows, split across ranks."""
+"""Held-out evaluation: the mean per-byte loss over fixed windows, split across replicas."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from lm.config import TrainConfig
 from lm.data import get_batch
 from lm.distributed import Dist
 
+if TYPE_CHECKING:
+    from lm.parallel import Parallel
+
 __all__ = ["evaluate"]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, held_out: torch.Tensor, cfg: TrainConfig, d: Dist) -> float:
+def evaluate(par: Parallel, held_out: torch.Tensor, cfg: TrainConfig, d: Dist) -> float:
     """Mean per-byte loss over ``eval_windows`` fixed windows of the held-out split.
 
-    The windows do not depend on the world size; ranks split them and sum with one all_reduce.
+    The windows do not depend on the layout: data-parallel replicas split them, the ranks of one
+    replica (a tensor-parallel group, a pipeline) evaluate the same ones. Every rank runs the same
+    number of full batches (sharded layouts gather parameters in each forward, a pipeline needs
+    fixed shapes): a replica's last batch is padded with its first window, masked out. One
+    all_reduce sums (loss, tokens) over the ranks that hold a loss; replicas' duplicates scale
+    both alike, so the mean is exact.
     """
-    was_training = model.training
-    model.eval()
+    was_training = par.model.training
+    par.model.eval()
     last = len(held_out) - cfg.block_size - 1
-    starts = torch.linspace(0, last, cfg.eval_windows).long()[d.rank :: d.world_size]
+    all_starts = torch.linspace(0, last, cfg.eval_windows).long()
+    starts = all_starts[par.dp_rank :: par.dp_size]
+    per_replica = -(-cfg.eval_windows // par.dp_size)  # the most any replica gets
+    num_batches = -(-per_replica // cfg.batch_size)
+    padded = torch.full((num_batches * cfg.batch_size,), int(all_starts[0]))
+    padded[: len(starts)] = starts
+    valid = torch.zeros(len(padded), dtype=torch.float64, device=d.device)
+    valid[: len(starts)] = 1.0
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # (sum of losses, tokens)
-    for chunk in starts.split(cfg.batch_size):
+    for chunk, mask in zip(padded.split(cfg.batch_size), valid.split(cfg.batch_size), strict=True):
         x, y = get_batch(held_out, chunk, cfg.block_size, d.device)
-        with torch.autocast(d.device.type, dtype=torch.float16, enabled=cfg.amp):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-        totals += torch.stack([loss.double(), torch.tensor(y.numel(), device=d.device)])
+        sums = par.loss_sums(x, y, cfg)  # (B,) or None
+        if sums is not None:
+            totals += torch.stack([(sums.double() * mask).sum(), mask.sum() * cfg.block_size])
     if d.enabled:
         dist.all_reduce(totals)
-    model.train(was_training)
+    par.model.train(was_training)
     return (totals[0] / totals[1]).item()

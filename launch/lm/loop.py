@@ -9,15 +9,16 @@ import logging
 import math
 import os
 import random
+import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.tensor.debug import CommDebugMode
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -28,8 +29,8 @@ from lm.data import get_batch, load_corpus
 from lm.distributed import Dist, gather_objects
 from lm.evaluate import evaluate
 from lm.metrics import METRICS_NAME, SUMMARY_NAME, finite_or_none, read_metrics, summarize
-from lm.model import ByteGPT
 from lm.optim import lr_at, make_optimizer
+from lm.parallel import Parallel, build_parallel
 from lm.plot import PLOT_NAME, plot_metrics
 
 __all__ = ["inject_inf_", "params_digest", "train", "train_step"]
@@ -38,39 +39,88 @@ logger = logging.getLogger(__name__)
 
 
 def inject_inf_(model: nn.Module) -> None:
-    """Writes an inf into the first gradient of ``model`` (this rank only)."""
-    grad = next(p.grad for p in model.parameters() if p.grad is not None)
-    grad.view(-1)[0] = math.inf
+    """Writes an inf into the first gradient of ``model`` that this rank holds (this rank only).
+
+    A DTensor gradient (FSDP2, HSDP, tensor parallel) gets it in its local shard; gradients with
+    no element here (an empty shard) are passed over.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            grad = grad._local_tensor
+        if grad is not None and grad.numel() > 0:
+            grad.view(-1)[0] = math.inf
+            return
+    raise RuntimeError("inject_inf: this rank holds no gradient element to write an inf into")
+
+
+class _PhaseTimer:
+    """Wall time of the scaler phase; CUDA events on GPUs so that timing adds no host sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: tuple[Any, Any] | None = None
+        self._t0 = 0.0
+        self._dt = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._dt = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """Read after the step's own host reads (on CUDA it waits for the end event)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._dt
 
 
 def train_step(
-    model: nn.Module,
+    par: Parallel,
     optimizer: torch.optim.Optimizer,
     scaler: GradScaler,
     x: torch.Tensor,
     y: torch.Tensor,
     cfg: TrainConfig,
     *,
-    inject: nn.Module | None = None,
+    inject: bool = False,
+    timer: _PhaseTimer | None = None,
+    comm: CommDebugMode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns the loss and the global unscaled gradient norm, on the device.
 
     No host read here: with a fused optimizer the scaler's skip decision and clipping stay on the
-    device. ``inject``: the unwrapped model whose gradient gets an inf after backward.
+    device. ``inject``: write an inf into this rank's first gradient after backward. ``timer`` and
+    ``comm`` (CommDebugMode) cover the scaler phase: clip_grad_norm_ + step + update.
     """
-    with torch.autocast(x.device.type, dtype=torch.float16, enabled=cfg.amp):
-        logits = model(x)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    if inject is not None:
-        # After backward DDP has already all-reduced the gradients: only this rank sees the inf.
-        inject_inf_(inject)
-    # One collective gives every rank the same skip decision and the same global norm.
-    grad_norm = scaler.clip_grad_norm_(optimizer, cfg.max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    return loss.detach(), grad_norm
+    loss = par.forward_backward(x, y, optimizer, scaler, cfg)
+    if inject:
+        # After backward the gradients are already reduced (DDP, FSDP): only this rank sees it.
+        inject_inf_(par.state_module)
+    if timer is not None:
+        timer.start()
+    with comm if comm is not None else nullcontext():
+        # One collective gives every rank the same skip decision and the same global norm.
+        grad_norm = scaler.clip_grad_norm_(optimizer, cfg.max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+    if timer is not None:
+        timer.stop()
+    return loss, grad_norm
 
 
 def params_digest(model: nn.Module) -> str:
@@ -85,12 +135,6 @@ def train(
     cfg: TrainConfig, d: Dist, *, config_path: str | Path | None, resume: bool, t_start: float
 ) -> dict[str, Any]:
     """Runs the job on an initialized ``d``; returns the summary (rank 0's records)."""
-    if cfg.inject_inf is not None and cfg.inject_inf.rank >= d.world_size:
-        raise ValueError(
-            f"inject_inf.rank must be in [0, {d.world_size}) for this world size, "
-            f"got: {cfg.inject_inf.rank}"
-        )
-
     if d.device.type == "cpu":
         threads = cfg.num_threads or max(1, len(os.sched_getaffinity(0)) // d.local_world_size)
         torch.set_num_threads(threads)
@@ -112,14 +156,13 @@ def train(
         len(held_out) / 1e6,
     )
 
-    torch.manual_seed(cfg.seed)  # identical init on every rank (DDP broadcasts rank 0's anyway)
-    random.seed(cfg.seed + d.rank)
-    sampler = torch.Generator().manual_seed(cfg.seed + d.rank)
-    raw_model = ByteGPT(cfg).to(d.device)
-    model: nn.Module = raw_model
-    if d.enabled:
-        model = DDP(raw_model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    optimizer = make_optimizer(raw_model, cfg, d.device)
+    # The same initial model on every rank, laid out as cfg.parallelism (lm.parallel).
+    par = build_parallel(cfg, d)
+    # The ranks of one data-parallel replica (a TP group, a pipeline) draw the same batches.
+    random.seed(cfg.seed + par.dp_rank)
+    sampler = torch.Generator().manual_seed(cfg.seed + par.dp_rank)
+    logger.info("parallelism %s: %s", cfg.parallelism, par.describe)
+    optimizer = make_optimizer(par.state_module, cfg, d.device)
     scaler = GradScaler(
         d.device.type,
         init_scale=cfg.init_scale,
@@ -127,15 +170,18 @@ def train(
         backoff_factor=cfg.backoff_factor,
         growth_interval=cfg.growth_interval,
         enabled=cfg.amp,
-    ).register_model(model)  # DDP's replication, for the global norm of clip_grad_norm_
-    num_params = sum(p.numel() for p in raw_model.parameters())
+    )
+    # The gradients' layout (DDP's replication, FSDP1's sharding, a pipeline stage), for the
+    # global norm of clip_grad_norm_; DTensor gradients carry theirs.
+    par.setup_scaler(scaler)
+    num_params = par.num_params
     logger.info("model: %.2fM parameters", num_params / 1e6)
 
     start_step = 0
     if resume:
         start_step = load_checkpoint(
             ckpt_path,
-            model=raw_model,
+            model=par.state_module,
             optimizer=optimizer,
             scaler=scaler,
             sampler=sampler,
@@ -155,7 +201,13 @@ def train(
 
     inject_steps = set(cfg.inject_inf.steps) if cfg.inject_inf else set()
     inject_here = cfg.inject_inf is not None and cfg.inject_inf.rank == d.rank
-    tokens_per_step = cfg.batch_size * cfg.block_size * d.world_size
+    tokens_per_step = cfg.batch_size * cfg.block_size * par.dp_size
+    # CommDebugMode counts the collectives of the scaler phase on one step after warm-up (the
+    # second of this run, or the only one); that step is left out of the timing median.
+    measure_step = start_step + min(2, cfg.steps - start_step)
+    comm_counts: dict[str, int] = {}
+    scaler_times: list[float] = []
+    timer = _PhaseTimer(d.device)
     skipped_steps: list[int] = []  # this rank's view, checked against the others at the end
     train_time = 0.0
     eval_loss = None
@@ -165,12 +217,13 @@ def train(
         save_checkpoint(
             ckpt_path,
             step=at_step,
-            model=raw_model,
+            model=par.state_module,
             optimizer=optimizer,
             scaler=scaler,
             sampler=sampler,
             cfg=cfg,
             d=d,
+            sharded=par.sharded_checkpoint,
         )
 
     scale = scaler.get_scale()  # the scale the next step's gradients carry
@@ -194,10 +247,24 @@ def train(
                     len(train_data) - cfg.block_size - 1, (cfg.batch_size,), generator=sampler
                 )
                 x, y = get_batch(train_data, starts, cfg.block_size, d.device)
-                inject = raw_model if inject_here and step in inject_steps else None
-                loss, grad_norm = train_step(model, optimizer, scaler, x, y, cfg, inject=inject)
+                comm = CommDebugMode() if step == measure_step else None
+                loss, grad_norm = train_step(
+                    par,
+                    optimizer,
+                    scaler,
+                    x,
+                    y,
+                    cfg,
+                    inject=inject_here and step in inject_steps,
+                    timer=timer,
+                    comm=comm,
+                )
                 # The step's host reads, all after it: metrics, the agreed skip flag, next scale.
                 loss_value, norm_value = torch.stack([loss.float(), grad_norm]).tolist()
+                if comm is not None:
+                    comm_counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+                else:
+                    scaler_times.append(timer.seconds())
                 skipped = scaler.step_was_skipped
                 next_scale = scaler.get_scale()
                 dt = time.perf_counter() - t0
@@ -215,7 +282,7 @@ def train(
                     "tokens_per_s": tokens_per_step / dt,
                 }
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.steps:
-                    eval_loss = evaluate(raw_model, held_out, cfg, d)
+                    eval_loss = evaluate(par, held_out, cfg, d)
                     record["eval_loss"] = eval_loss
                     logger.info("step %d: eval loss %.4f", step, eval_loss)
                 if metrics_file is not None:  # rank 0
@@ -243,15 +310,21 @@ def train(
             metrics_file.close()
 
     checkpoint(step)
-    eval_loss = evaluate(raw_model, held_out, cfg, d)
+    eval_loss = evaluate(par, held_out, cfg, d)
     final_scale = scaler.get_scale()
 
     # Every rank must have skipped the same steps and hold the same scale and parameters.
-    views = gather_objects((skipped_steps, final_scale, params_digest(raw_model)), d)
-    consistent = all(v == views[0] for v in views)
+    # Parameters are compared in full (DTensors gathered, FSDP1 unsharded) between the ranks that
+    # hold the same ones: all of them, or the replicas of each pipeline stage.
+    digest = par.params_digest()
+    views = gather_objects((skipped_steps, final_scale, par.replica_key, digest), d)
+    first_of_replica = {}  # replica key -> digest of the first rank holding those parameters
+    for _, _, key, dig in views:
+        first_of_replica.setdefault(key, dig)
+    consistent = all(v[:2] == views[0][:2] and v[3] == first_of_replica[v[2]] for v in views)
     if not consistent:
         for r, v in enumerate(views):
-            logger.error("rank %d: skipped steps %s, scale %g, params %s", r, *v)
+            logger.error("rank %d: skipped steps %s, scale %g, replica %d, params %s", r, *v)
         raise RuntimeError("ranks disagree on skipped steps, scale or parameters (see above)")
 
     steps_run = step - start_step
@@ -266,6 +339,11 @@ def train(
         device=str(d.device),
         num_params=num_params,
         ranks_consistent=consistent,
+        parallelism=cfg.parallelism,
+        layout=par.describe,
+        scaler_collectives_per_step=sum(comm_counts.values()) if comm_counts else None,
+        scaler_collectives=comm_counts,
+        scaler_phase_ms_median=1e3 * statistics.median(scaler_times) if scaler_times else None,
     )
     if d.is_main:
         with open(out / SUMMARY_NAME, "w", encoding="utf-8") as f:
@@ -277,7 +355,8 @@ def train(
             )
         logger.info(
             "done: %d steps (%d this run, %d skipped; %d growths, %d backoffs), final scale %g, "
-            "loss %.4f -> %.4f, eval loss %.4f, %.0f tok/s, wall %.1f s; ranks consistent: %s",
+            "loss %.4f -> %.4f, eval loss %.4f, %.0f tok/s, wall %.1f s; ranks consistent: %s; "
+            "scaler phase (clip_grad_norm_ + step + update): %s collective(s) %s, median %.3f ms",
             summary["steps"],
             steps_run,
             summary["skipped_steps"],
@@ -290,5 +369,8 @@ def train(
             summary["tokens_per_s"] or 0.0,
             summary["wall_s"],
             consistent,
+            summary["scaler_collectives_per_step"],
+            comm_counts,
+            summary["scaler_phase_ms_median"] or math.nan,
         )
     return summary

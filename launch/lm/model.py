@@ -16,19 +16,22 @@ __all__ = ["Block", "ByteGPT", "CausalSelfAttention"]
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_size = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # Under tensor parallelism qkv is column-sharded and returns this rank's heads only:
+        # (B, T, 3 * nh_local * hs), its rows ordered q, k, v per rank (lm.parallel).
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        nh = q.shape[-1] // self.head_size
+        q, k, v = (t.view(B, T, nh, self.head_size).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, nh * self.head_size))
 
 
 class Block(nn.Module):
