@@ -1,0 +1,280 @@
+"""What the scaler phase costs in each layout, distscaler beside torch's own scaler, in one run.
+
+For every ``--parallelism`` asked for, the reference model (``launch/lm``) is laid out as the
+training job lays it out, one forward/backward makes real scaled fp16-autocast gradients, and then
+the same gradients are handed, interleaved (A B C A B C ...), to:
+
+* **distscaler**: ``scaler.clip_grad_norm_`` + ``scaler.step`` + ``scaler.update``;
+* **torch**: torch's recipe for that layout: ``unscale_`` + clip + ``step`` + ``update`` with
+  ``torch.amp.GradScaler`` (DDP, pipeline) or ``ShardedGradScaler`` (FSDP1, FSDP2, HSDP, TP), and
+  the clip that layout needs: ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware for FSDP2/HSDP/TP),
+  FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``, and for pipeline stages the local norm
+  plus the all_reduce over the stages that torchtitan adds;
+* **optimizer alone**: ``optimizer.step()`` on the same gradients, to show what is the optimizer's.
+
+It reports per layout: collectives per step inside the phase (``CommDebugMode``), and the median
+wall time of the phase over ``--repeats`` rounds. The scaler's share is the phase minus the
+optimizer alone. Run it with torchrun (gloo on CPU, NCCL on GPUs); ``hsdp`` needs 4 ranks::
+
+    torchrun --standalone --nproc-per-node=2 launch/layout_costs.py --parallelism ddp fsdp1 fsdp2 tp pp
+    torchrun --standalone --nproc-per-node=4 launch/layout_costs.py --parallelism hsdp
+
+Rank 0 prints a markdown table and writes ``--out`` (JSON, one record per layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from distscaler import GradScaler  # noqa: E402
+from lm.config import load_config  # noqa: E402
+from lm.distributed import Dist, setup_distributed  # noqa: E402
+from lm.optim import make_optimizer  # noqa: E402
+from lm.parallel import Parallel, build_parallel  # noqa: E402
+
+LAYOUTS = ("ddp", "fsdp1", "fsdp2", "hsdp", "tp", "pp")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parallelism", nargs="+", choices=LAYOUTS, default=["ddp", "fsdp2"])
+    parser.add_argument(
+        "--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+    )
+    parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks (default 8)")
+    parser.add_argument("--d-model", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    parser.add_argument("--max-norm", type=float, default=1.0)
+    parser.add_argument("--out", default="runs/layout_costs.json")
+    return parser.parse_args(argv)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Contender:
+    """One way of running the scaler phase; ``run`` does clip + step + update once."""
+
+    def __init__(self, name: str, run: Any) -> None:
+        self.name = name
+        self.run = run
+        self.times: list[float] = []
+        self.collectives: Counter[str] = Counter()
+
+
+def _torch_recipe(par: Parallel, parallelism: str, optimizer: Any, device: torch.device, cfg: Any):
+    """torch's own scaler and clip for this layout (what a torch user writes today)."""
+    if parallelism in ("ddp", "pp"):
+        scaler: Any = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale)
+    else:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device.type, init_scale=cfg.init_scale)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def clip(max_norm: float) -> None:
+        if parallelism == "fsdp1":
+            par.model.clip_grad_norm_(max_norm)  # FSDP1's own: all-reduces the sharded norms
+        elif parallelism == "pp":
+            # torchtitan's pipeline clip: local norm, then all_reduce of norm**2 over the stages.
+            local = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            total = local.pow(2)
+            dist.all_reduce(total)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.sqrt())
+        else:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def run(max_norm: float) -> None:
+        scaler.unscale_(optimizer)
+        clip(max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return scaler, run
+
+
+def _contenders(
+    par: Parallel, parallelism: str, cfg: Any, d: Dist, optimizers: dict[str, Any]
+) -> list[_Contender]:
+    contenders = []
+    for kind, optimizer in optimizers.items():
+        ours = par.setup_scaler(GradScaler(d.device.type, init_scale=cfg.init_scale))
+        ours.materialize(d.device)  # pipeline stages without the loss scale nothing themselves
+
+        def ours_run(max_norm: float, ours: GradScaler = ours, optimizer: Any = optimizer) -> None:
+            ours.clip_grad_norm_(optimizer, max_norm)
+            ours.step(optimizer)
+            ours.update()
+
+        torch_scaler, torch_run = _torch_recipe(par, parallelism, optimizer, d.device, cfg)
+        torch_scaler.scale(torch.ones((), device=d.device))  # creates its scale
+        contenders += [
+            _Contender(f"distscaler/{kind}", ours_run),
+            _Contender(f"torch/{kind}", torch_run),
+            _Contender(f"optimizer/{kind}", lambda _, o=optimizer: o.step()),
+        ]
+    return contenders
+
+
+def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, Any]:
+    cfg = load_config(
+        args.config,
+        parallelism=parallelism,
+        n_layer=args.n_layer,
+        d_model=args.d_model,
+        init_scale=2.0**10,
+    )
+    par = build_parallel(cfg, d)
+    fused = make_optimizer(par.state_module, cfg, d.device)
+    foreach = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in fused.param_groups],
+        foreach=True,
+    )
+    optimizers = {"fused": fused, "foreach": foreach}
+
+    gen = torch.Generator().manual_seed(cfg.seed + par.dp_rank)
+    x = torch.randint(0, 256, (cfg.batch_size, cfg.block_size), generator=gen).to(d.device)
+    warm = par.setup_scaler(GradScaler(d.device.type, init_scale=cfg.init_scale))
+    par.forward_backward(x, x.roll(-1, 1), fused, warm, cfg)
+    params = [p for g in fused.param_groups for p in g["params"]]
+    saved = [None if p.grad is None else _local(p.grad).detach().clone() for p in params]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, g in zip(params, saved):
+                if g is not None and p.grad is not None:
+                    _local(p.grad).copy_(g)
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    contenders, failed = [], {}
+    for c in _contenders(par, parallelism, cfg, d, optimizers):
+        restore()  # one counted round each; a recipe torch cannot run is reported, not timed
+        try:
+            with CommDebugMode() as comm:
+                c.run(args.max_norm)
+        except RuntimeError as e:
+            failed[c.name] = str(e).splitlines()[0]
+            for optimizer in optimizers.values():  # what torch's scaler leaves behind on error
+                for key in ("grad_scale", "found_inf"):
+                    vars(optimizer).pop(key, None)
+            continue
+        for op, n in comm.get_comm_counts().items():
+            c.collectives[str(op).split(".")[-1]] += n
+        contenders.append(c)
+    for i in range(args.warmup + args.repeats):
+        for c in contenders:
+            restore()
+            d.barrier()
+            _sync(d.device)
+            t0 = time.perf_counter()
+            c.run(args.max_norm)
+            _sync(d.device)
+            if i >= args.warmup:
+                c.times.append(time.perf_counter() - t0)
+    # Every rank's median; the slowest rank sets the pace of a step.
+    medians = torch.tensor([statistics.median(c.times) for c in contenders], dtype=torch.float64)
+    if d.enabled:
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    ms = dict(zip([c.name for c in contenders], (medians * 1e3).tolist()))
+    scaler_ms = {
+        name: ms[name] - ms[f"optimizer/{name.split('/')[1]}"]
+        for name in ms
+        if not name.startswith("optimizer/")
+    }
+    return {
+        "parallelism": parallelism,
+        "layout": par.describe,
+        "world_size": d.world_size,
+        "num_params": par.num_params,
+        "device": str(d.device.type),
+        "collectives": {
+            c.name: dict(c.collectives) for c in contenders if not c.name.startswith("optimizer/")
+        },
+        "median_ms": ms,
+        "scaler_phase_ms": scaler_ms,
+        "failed": failed,
+        "repeats": args.repeats,
+    }
+
+
+def _fmt_counts(counts: dict[str, int] | None) -> str:
+    if counts is None:
+        return "-"
+    total = sum(counts.values())
+    detail = ", ".join(f"{n} {op}" for op, n in sorted(counts.items()))
+    return f"{total} ({detail})" if total else "0"
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown: collectives per step, and the scaler phase (phase minus optimizer alone) in ms."""
+    lines = [
+        "| layout | ranks | params | collectives/step distscaler | collectives/step torch "
+        "| scaler ms, fused AdamW: distscaler / torch | scaler ms, foreach AdamW: distscaler / torch "
+        "| optimizer alone ms, fused / foreach |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pair(r: dict[str, Any], kind: str) -> str:
+        share = r["scaler_phase_ms"]
+        ours, theirs = share.get(f"distscaler/{kind}"), share.get(f"torch/{kind}")
+        if theirs is None:
+            return f"{ours:.1f} / fails*"
+        return f"{ours:.1f} / {theirs:.1f}"
+
+    for r in records:
+        ms, coll = r["median_ms"], r["collectives"]
+        lines.append(
+            f"| {r['parallelism']} | {r['world_size']} | {r['num_params'] / 1e6:.1f}M "
+            f"| {_fmt_counts(coll.get('distscaler/fused'))} "
+            f"| {_fmt_counts(coll.get('torch/foreach'))} "
+            f"| {pair(r, 'fused')} | {pair(r, 'foreach')} "
+            f"| {ms['optimizer/fused']:.1f} / {ms['optimizer/foreach']:.1f} |"
+        )
+    failures = {f"{r['parallelism']} {k}": v for r in records for k, v in r["failed"].items()}
+    for name, why in failures.items():
+        lines.append(f"\n\\* {name}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    d = setup_distributed(load_config(args.config).device)
+    records = [measure(parallelism, args, d) for parallelism in args.parallelism]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records, indent=2))
+        print(table(records))
+        print(f"(medians of {args.repeats} rounds, slowest rank; written to {out})")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
