@@ -1,5 +1,5 @@
-"""Reference training job for distscaler: a byte-level GPT trained with DDP, fp16 autocast and
-``distscaler.GradScaler``.
+"""Reference training job for distscaler: a byte-level GPT trained with fp16 autocast and
+``distscaler.GradScaler``, laid out over the ranks by ``--parallelism`` (DDP by default).
 
 By default it trains on the Python standard library sources of the running interpreter (every
 ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` in sorted path order, ``site-packages``
@@ -18,6 +18,20 @@ Two nodes, one process each, c10d rendezvous (run on each node; HOST is the firs
     torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29500 --rdzv-id=job1 launch/train.py
 
+Other layouts (``lm/parallel.py``; each also runs on GPUs, one process per GPU)::
+
+    torchrun --standalone --nproc-per-node=2 launch/train.py --parallelism fsdp1  # FULL_SHARD
+    torchrun --standalone --nproc-per-node=2 launch/train.py --parallelism fsdp2  # fully_shard
+    torchrun --standalone --nproc-per-node=4 launch/train.py --parallelism hsdp   # 2 x 2 mesh
+    torchrun --standalone --nproc-per-node=2 launch/train.py --parallelism tp     # tensor par.
+    torchrun --standalone --nproc-per-node=4 launch/train.py --parallelism tp     # FSDP2 x TP
+    torchrun --standalone --nproc-per-node=2 launch/train.py --parallelism pp     # 2 stages
+    torchrun --standalone --nproc-per-node=4 launch/train.py --parallelism pp     # 2 x DDP 2
+
+A layout that does not fit the world size (hsdp on 2 ranks with hsdp_shard_size 2, tp or pp on
+a world size that is not a multiple of tp_size / pp_stages) exits with code 2 and says why,
+before any process group is created.
+
 Single process, no torch.distributed::
 
     python launch/train.py
@@ -35,6 +49,7 @@ command line)::
                     decay_steps is set)
     --out DIR       output folder (default: runs/default)
     --data PATH     text file or folder to train on instead of the stdlib sources
+    --parallelism L ddp | fsdp1 | fsdp2 | hsdp | tp | pp (config key ``parallelism``)
     --resume        continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
                     states; metrics.jsonl keeps the lines up to that step and grows from there.
                     Every rank reads the checkpoint: across nodes DIR must be on a shared
@@ -43,7 +58,8 @@ command line)::
 With the default config the scaler is visibly at work: it starts at 2**20, backs off on the first
 steps' overflows (skipped on every rank), then grows every ``growth_interval`` clean steps until
 fp16 overflows again. ``inject_inf: {steps: [...], rank: R}`` writes an inf into one gradient on
-rank R only, after DDP's all-reduce, to show that every rank still skips that step.
+rank R only (its local shard under FSDP/TP, its stage under pp), after the gradients are reduced,
+to show that every rank still skips that step.
 
 Outputs, written by rank 0 into ``--out``:
 
@@ -51,8 +67,13 @@ Outputs, written by rank 0 into ``--out``:
   micro-batch), ``scale`` (the loss scale used for that step), ``skipped``, ``grad_norm`` (global
   norm of the unscaled gradients before clipping; ``null`` when non-finite), ``lr``,
   ``tokens_per_s`` (all ranks), and ``eval_loss`` on evaluation steps.
-* ``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state.
-* ``summary.json``: the figures of the final summary.
+* ``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state; for every
+  layout but ddp the model and optimizer are in ``ckpt_dcp/step-N/`` (torch.distributed.checkpoint,
+  every rank writes its shards). ``--resume`` needs the same layout and world size.
+* ``summary.json``: the figures of the final summary, among them what the scaler phase
+  (``clip_grad_norm_`` + ``step`` + ``update``) costs: ``scaler_collectives_per_step`` and
+  ``scaler_collectives`` (counted with CommDebugMode on the second step of the run) and
+  ``scaler_phase_ms_median`` (median wall time over the other steps; CUDA events on GPUs).
 """
 
 from __future__ import annotations
@@ -85,7 +106,8 @@ def setup_logging(rank: int) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Byte-level GPT trained with DDP, fp16 autocast and distscaler.GradScaler.",
+        description="Byte-level GPT trained with fp16 autocast and distscaler.GradScaler, "
+        "laid out by --parallelism (DDP, FSDP1, FSDP2, HSDP, tensor or pipeline parallel).",
     )
     parser.add_argument(
         "--config", help=f"YAML config file (default: {DEFAULT_CONFIG}, if it exists)"

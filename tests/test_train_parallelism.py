@@ -46,7 +46,7 @@ from lm.config import TrainConfig  # noqa: E402
 from lm.parallel import check_parallelism  # noqa: E402
 from lm.pipeline import stage_blocks  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_parallelism")]
+pytestmark = pytest.mark.xdist_group("train_parallelism")
 
 INJECT_STEP = 3
 STEPS = 5
@@ -99,6 +99,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,parallelism,nproc", JOBS_2 + JOBS_4, ids=lambda v: str(v))
 def test_inf_on_one_rank_skips_step_on_every_rank_with_one_collective(
     runs: dict[str, Path], name: str, parallelism: str, nproc: int
@@ -124,6 +125,7 @@ def test_inf_on_one_rank_skips_step_on_every_rank_with_one_collective(
     assert math.isfinite(summary["eval_loss"])
 
 
+@pytest.mark.slow
 def test_data_parallel_layouts_train_identically(runs: dict[str, Path]) -> None:
     """FSDP1, FSDP2 (2 ranks) and FSDP2 x TP (2 x 2 ranks) are one training run: 2 replicas,
     the same batches and the same function; their losses and global norms must agree."""
@@ -141,6 +143,7 @@ def test_data_parallel_layouts_train_identically(runs: dict[str, Path]) -> None:
     assert _summary(runs["tp4"])["layout"] == "FSDP2 x tensor parallel, mesh (dp=2, tp=2)"
 
 
+@pytest.mark.slow
 def test_pipeline_trains_like_data_parallel(runs: dict[str, Path]) -> None:
     """pp on 2 x 2 ranks sees the batches of the 2-replica runs and starts from the same function;
     only its untied head (a copy of the embedding) makes it drift, slightly. A stage that got no
@@ -151,6 +154,7 @@ def test_pipeline_trains_like_data_parallel(runs: dict[str, Path]) -> None:
     assert _summary(runs["pp4"])["layout"].endswith("x DDP over 2 replicas, 2 micro-batches")
 
 
+@pytest.mark.slow
 def test_fsdp2_resume_from_dcp_continues_bit_exact(runs: dict[str, Path]) -> None:
     resumed, straight = _metrics(runs["fsdp2_resumed"]), _metrics(runs["fsdp2_straight"])
     assert [r["step"] for r in resumed] == list(range(1, RESUME_STEPS + 1))
