@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -565,10 +566,15 @@ def layout_matrix(rank: int, world_size: int, only: set[str] | None = None) -> d
             continue
         for i, opt_kind in enumerate(OPTIMIZERS):
             schedule = schedule_for(name, i)
+            start = time.perf_counter()
+            ours = run_ours(name, rank, world_size, opt_kind, schedule)
+            middle = time.perf_counter()
+            ref = run_torch(name, rank, world_size, opt_kind, schedule)
             results[f"{name}-{opt_kind}"] = {
                 "schedule": schedule,
-                "ours": run_ours(name, rank, world_size, opt_kind, schedule),
-                "torch": run_torch(name, rank, world_size, opt_kind, schedule),
+                "ours": ours,
+                "torch": ref,
+                "seconds": [middle - start, time.perf_counter() - middle],
             }
     return results
 
