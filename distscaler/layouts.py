@@ -8,7 +8,11 @@ gradient's weight comes from, in this order:
 
 1. **The gradient itself.** A DTensor gradient (FSDP2 ``fully_shard``, HSDP, tensor parallelism)
    carries its placements: the weight is ``1 / prod(mesh sizes of its Replicate dims)``; a
-   ``Partial`` placement is an error (the gradient is not reduced yet).
+   ``Partial`` placement is an error (the gradient is not reduced yet). When its mesh covers only
+   part of the verdict group, the gradient cannot say what the other ranks hold: copies (a layer
+   left out of a tensor-parallel plan, sharded on the dp sub-mesh only) or other parameters
+   (pipeline stages). That takes a registered ``grad_layout`` (``"replicated"``: copies on the
+   ``world_size / mesh size`` ranks outside; ``"sharded"``: other parameters), else it is an error.
 2. **The wrapped model**, registered once with :meth:`GradScaler.register_model
    <distscaler.GradScaler.register_model>`: DDP gives ``1 / size(ddp.process_group)``; FSDP1 gives
    1 for its sharded strategies, ``1 / size(process_group)`` for ``NO_SHARD`` and ``1 / replicate
@@ -163,32 +167,45 @@ class LayoutResolver:
         world_size: int,
         group: dist.ProcessGroup | None,
     ) -> float | None:
-        """Weight of ``param``'s gradient on this rank, or None when its layout is unknown."""
+        """Weight of ``param``'s gradient on this rank, or None when its layout is unknown.
+
+        Raises:
+            UnknownLayoutError: a DTensor gradient is ``Partial``, lies on a mesh reaching outside
+                the group, or on a mesh over only part of the group with nothing saying what the
+                other ranks hold.
+        """
         registered = self._registered.get(param)
-        module_weight: float | None
-        if registered is None:
-            module_weight = None
-        elif isinstance(registered[0], str):
-            module_weight = replication_weight(registered[0], world_size)
-        else:
-            module_weight = registered[0]
+        layout = registered[0] if registered is not None else self.default
         if DTensor is not None and isinstance(grad, DTensor):
-            return self._dtensor_weight(param, grad, group) * (module_weight or 1.0)
-        if module_weight is not None:
-            return module_weight
-        if _is_fsdp1_flattened(param):
+            weight, mesh_size = self._dtensor_weight(param, grad, group)
+            if mesh_size == world_size:
+                # The mesh is the whole group: placements say everything (DDP on top of it, were
+                # it so, multiplies).
+                return weight * (layout if isinstance(layout, float) else 1.0)
+            # A sub-mesh: the ranks outside it hold copies (FSDP2 + TP with a layer left out of
+            # the TP plan) or other parameters (pipeline stages). Only the user can tell.
+            if layout is None:
+                raise _sub_mesh_error(grad, mesh_size, world_size)
+            if isinstance(layout, float):
+                return weight * layout
+            copies = world_size / mesh_size if layout == "replicated" else 1.0
+            return weight / copies
+        if isinstance(layout, float):
+            return layout
+        if registered is None and _is_fsdp1_flattened(param):
             return None
-        if self.default is not None:
-            return replication_weight(self.default, world_size)
+        if layout is not None:
+            return replication_weight(layout, world_size)
         return None
 
     def _dtensor_weight(
         self, param: torch.Tensor, grad: Any, group: dist.ProcessGroup | None
-    ) -> float:
+    ) -> tuple[float, int]:
+        """(1 / replicas within the mesh, number of ranks of the mesh)."""
         mesh, placements = grad.device_mesh, grad.placements
         cached = self._dtensor.get(param)
         if cached is not None and cached[0] is mesh and cached[1] == placements:
-            return cached[2]
+            return cached[2], cached[3]
         if any(isinstance(p, Partial) for p in placements):
             raise UnknownLayoutError(
                 f"a gradient of shape {tuple(grad.shape)} has placements {placements}: a Partial "
@@ -200,9 +217,9 @@ class LayoutResolver:
         for dim, placement in enumerate(placements):
             if isinstance(placement, Replicate):
                 replicas *= mesh.size(dim)
-        weight = 1.0 / replicas
-        self._dtensor[param] = (mesh, placements, weight)
-        return weight
+        weight, mesh_size = 1.0 / replicas, mesh.size()
+        self._dtensor[param] = (mesh, placements, weight, mesh_size)
+        return weight, mesh_size
 
     def _check_mesh_in_group(self, mesh: Any, group: dist.ProcessGroup | None) -> None:
         key = (id(mesh), id(group))
@@ -217,6 +234,17 @@ class LayoutResolver:
                 "shards held outside it; pass a process_group that contains the whole mesh"
             )
         self._checked_meshes.add(key)
+
+
+def _sub_mesh_error(grad: Any, mesh_size: int, world_size: int) -> UnknownLayoutError:
+    return UnknownLayoutError(
+        f"a DTensor gradient of shape {tuple(grad.shape)} lies on a device mesh of {mesh_size} of "
+        f"the verdict group's {world_size} ranks (mesh {grad.device_mesh}), and nothing says "
+        "whether the other ranks hold copies of it (a layer left out of a tensor-parallel plan) or "
+        "other parameters (pipeline stages): put the parameter on the full mesh (Replicate on the "
+        "other dimensions, as torchtitan does), or call scaler.register_model(module, "
+        'grad_layout="replicated") for copies, or grad_layout="sharded" for other parameters'
+    )
 
 
 def _unknown_layout_error(unknown: list[torch.Tensor], world_size: int) -> UnknownLayoutError:

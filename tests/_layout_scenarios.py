@@ -292,7 +292,8 @@ def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> B
         if variant == "tp":  # every layer tensor-parallel: every gradient lives on the 2-D mesh
             plan["4"] = ColwiseParallel(output_layouts=Replicate())
         # "tp-partial": the last Linear is left out of the plan, so FSDP shards it on the 1-D dp
-        # sub-mesh and its gradient does not say that the tp ranks hold copies of it.
+        # sub-mesh and its gradient does not say that the tp ranks hold copies of it: the test
+        # registers it as replicated (without that, clip_grad_norm_ raises; see unknown_layouts).
         parallelize_module(model, mesh["tp"], plan)
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -307,6 +308,7 @@ def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> B
         backward=_mse_backward(model, dp_seed),
         pieces=_dtensor_pieces(model),
         torch_clip=_dtensor_clip(model),
+        register=[(model[4], "replicated")] if variant == "tp-partial" else [],
     )
 
 
@@ -593,23 +595,37 @@ def _expect_unknown(record: dict[str, Any]) -> Iterator[None]:
         record["error"] = None
 
 
+UNKNOWN_CASES = ("fsdp1-unregistered", "plain-no-grad-layout", "fsdp2-sub-mesh")
+
+
 def unknown_layouts(rank: int, world_size: int) -> dict[str, Any]:
     """clip_grad_norm_ without a known layout raises on every rank, changes nothing, hangs nothing."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     results: dict[str, Any] = {}
-    for case in ("fsdp1-unregistered", "plain-no-grad-layout"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for case in UNKNOWN_CASES:
         if case == "fsdp1-unregistered":
             model: nn.Module = FSDP(mlp(0), device_id=torch.device(DEVICE))
+        elif case == "fsdp2-sub-mesh":  # sharded over a 1-rank dp sub-mesh: copies on the tp ranks
+            model = mlp(0)
+            mesh = init_device_mesh(DEVICE, (1, world_size), mesh_dim_names=("dp", "tp"))
+            fully_shard(model, mesh=mesh["dp"])
         else:
             model = mlp(0)
         opt = make_optimizer("fused", model.parameters())
         scaler = GradScaler(DEVICE, init_scale=INIT_SCALE)
+        copies = case == "fsdp2-sub-mesh"  # the tp ranks of one replica see the same batch
         with torch.autocast(DEVICE, dtype=torch.float16):
-            loss = model(_data(rank, 0)).float().pow(2).mean()
+            loss = model(_data(0 if copies else rank, 0)).float().pow(2).mean()
         scaler.scale(loss).backward()
         grads_before = digest([p.grad for p in model.parameters()])
         record: dict[str, Any] = {}
+        if copies:  # every rank holds the whole gradient: the global norm is the local one
+            local = [_local(p.grad).double() / INIT_SCALE for p in model.parameters()]
+            record["local_norm"] = math.sqrt(sum(float(g.pow(2).sum()) for g in local))
         with CommDebugMode() as comm, _expect_unknown(record):
             scaler.clip_grad_norm_(opt, MAX_NORM)
         record["collectives"] = comm.get_total_counts()
@@ -622,6 +638,8 @@ def unknown_layouts(rank: int, world_size: int) -> dict[str, Any]:
         # After registering (or naming the layout), the same scaler works.
         if case == "fsdp1-unregistered":
             scaler.register_model(model)
+        elif case == "fsdp2-sub-mesh":
+            scaler.register_model(model, grad_layout="replicated")
         else:
             scaler.register_model(model, grad_layout="sharded")
         record["norm_after_fix"] = float(scaler.clip_grad_norm_(opt, MAX_NORM))
