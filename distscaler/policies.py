@@ -115,7 +115,19 @@ def _overflowed(found_inf: torch.Tensor) -> torch.Tensor:
     return found_inf > 0
 
 
-class TorchPolicy:
+class _NoExtraState:
+    """Policies whose whole state is torch's ``scale`` and growth tracker."""
+
+    state_keys: tuple[str, ...] = ()
+
+    def initial_state(self) -> dict[str, int]:
+        return {}
+
+    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
+        return {}
+
+
+class TorchPolicy(_NoExtraState):
     """torch's rule, via the same kernel ``torch.amp.GradScaler.update`` uses (bit-identical).
 
     On overflow: ``scale *= backoff_factor`` and the growth tracker resets to 0. Otherwise the tracker
@@ -124,13 +136,6 @@ class TorchPolicy:
     """
 
     name = "torch"
-    state_keys: tuple[str, ...] = ()
-
-    def initial_state(self) -> dict[str, int]:
-        return {}
-
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
-        return {}
 
     def update_(
         self,
@@ -159,20 +164,13 @@ class TorchPolicy:
         return _overflowed(found_inf) & (scale <= min_scale)
 
 
-class StaticPolicy:
+class StaticPolicy(_NoExtraState):
     """A fixed scale: overflows are skipped (unless the scaler is told not to) but change nothing.
 
     DeepSpeed's static ``loss_scale > 0``, and bf16/fp32 training at a scale of 1.0.
     """
 
     name = "static"
-    state_keys: tuple[str, ...] = ()
-
-    def initial_state(self) -> dict[str, int]:
-        return {}
-
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
-        return {}
 
     def update_(
         self,
