@@ -222,10 +222,73 @@ def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
     return results
 
 
+def fsdp1_cpu_offload(rank: int, world_size: int, device: str) -> dict[str, Any]:
+    """FSDP1 FULL_SHARD with ``CPUOffload(offload_params=True)``: sharded gradients on the CPU.
+
+    torch 2.13 only offloads with an accelerator (it pins memory), so this runs on GPUs only. The
+    last rank writes an inf into its flat gradient shard on step 2. Records skips, scales, norms
+    (next to the gathered reference), the devices of the gradients, collectives, and host reads
+    per step (``HostReadSpy``; the optimizer's own excluded): a constant, not one per gradient.
+    """
+    from _harness import HostReadSpy
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    results: dict[str, Any] = {}
+    for opt_kind in ("fused", "foreach"):
+        model = FSDP(
+            S.make_model(),
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            cpu_offload=CPUOffload(offload_params=True),
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            device_id=torch.device(device),
+        )
+        opt = S.make_optimizer(opt_kind, model.parameters())  # over the CPU flat shards
+        scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2).register_model(model)
+        spy = HostReadSpy()
+        spy.exclude_optimizer(opt)
+        gen = torch.Generator().manual_seed(10 + rank)
+        out: dict[str, list] = {
+            "grad_devices": [],
+            "skipped": [],
+            "scales": [],
+            "norms": [],
+            "ref_norms": [],
+            "all_reduces": [],
+            "host_reads": [],
+        }
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            loss = model(torch.randn(8, 8, generator=gen).to(device)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if step == 2 and rank == world_size - 1 and grads[0].numel():
+                grads[0].view(-1)[0] = math.inf
+            out["grad_devices"].append(sorted({g.device.type for g in grads}))
+            scale = scaler.get_scale()
+            local = torch.stack([g.double().pow(2).sum() for g in grads]).sum().to(device)
+            dist.all_reduce(local)  # FULL_SHARD: every gradient value lives on exactly one rank
+            out["ref_norms"].append(math.sqrt(float(local)) / scale)
+            with CommDebugMode() as comm, spy:
+                out["norms"].append(scaler.clip_grad_norm_(opt, 1.0))
+                scaler.step(opt)
+                scaler.update()
+            out["norms"][-1] = float(out["norms"][-1])
+            out["all_reduces"].append(comm.get_total_counts())
+            out["host_reads"].append(len(spy.reads))
+            spy.reads.clear()
+            out["skipped"].append(scaler.step_was_skipped)
+            out["scales"].append(scaler.get_scale())
+        results[opt_kind] = out
+    return results
+
+
 def everything_on_gpus(rank: int, world_size: int, device: str) -> dict[str, Any]:
     """The gloo matrix of tests/_scenarios.py on this device, plus FSDP2 and (CUDA) sync checks."""
     results = S.everything(rank, world_size, device)
     results["fsdp2"] = fsdp2_agreement(rank, world_size, device)
     if torch.device(device).type == "cuda":
         results["sync_free"] = sync_free_fused_step(rank, world_size, device)
+        results["fsdp1_cpu_offload"] = fsdp1_cpu_offload(rank, world_size, device)
     return results

@@ -73,3 +73,23 @@ def test_fused_step_and_update_never_sync_on_nccl(runs, clip):
         assert run["guard_syncs"] >= 1, "sync debug mode reported nothing: the check is blind"
         assert run["syncs"] == [0] * 4
         assert run["skipped"] == [step == 2 for step in range(4)]
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "foreach"])
+def test_fsdp1_cpu_offload_agrees_with_one_collective_and_no_per_gradient_host_reads(
+    runs, opt_kind
+):
+    world_size, results = runs
+    per_rank = [r["fsdp1_cpu_offload"][opt_kind] for r in results]
+    expected = [step == 2 for step in range(4)]
+    for run in per_rank:
+        assert run["grad_devices"] == [["cpu"]] * 4  # guard: the gradients really were offloaded
+        assert run["skipped"] == expected
+        assert run["scales"] == per_rank[0]["scales"]
+        assert run["norms"] == per_rank[0]["norms"]
+        assert run["all_reduces"] == [1] * 4
+        # 0 with a fused optimizer, the agreed flag's 1 otherwise: not one per gradient.
+        assert run["host_reads"][1:] == [0 if opt_kind == "fused" else 1] * 3
+        for norm, ref, skipped in zip(run["norms"], run["ref_norms"], expected):
+            if not skipped:
+                assert norm == pytest.approx(ref, rel=1e-5)
