@@ -31,13 +31,13 @@ The overflow flag alone needs no weight: it is exact for every layout.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "GradGroups",
@@ -100,6 +100,34 @@ def _fsdp1_replicas(fsdp_module: nn.Module) -> int | None:
     return 1  # FULL_SHARD, SHARD_GRAD_OP: each rank holds its own shard
 
 
+class _ParamTable:
+    """A map from live tensors to values that holds the tensors weakly.
+
+    Looked up once per gradient per step, so it avoids ``WeakIdKeyDictionary``'s per-lookup
+    object creation: a plain dict by ``id`` whose entries check that the id still names the same
+    tensor, and drop themselves when it dies.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, tensor: torch.Tensor) -> Any:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1]
+
+    def set(self, tensor: torch.Tensor, value: Any) -> None:
+        key = id(tensor)
+        entries = self._entries
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if key in entries and entries[key][0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(tensor, forget), value)
+
+
 class LayoutResolver:
     """Per-parameter replication weights for the norm of the verdict (see the module docstring).
 
@@ -108,8 +136,8 @@ class LayoutResolver:
 
     def __init__(self, default: GradLayout | None) -> None:
         self.default = default
-        self._registered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> (weight, source)
-        self._dtensor: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> (mesh, placements, w)
+        self._registered = _ParamTable()  # param -> (layout or weight, source)
+        self._dtensor = _ParamTable()  # param -> (mesh, placements, weight, mesh size)
         self._checked_meshes: set[tuple[int, int]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -155,7 +183,7 @@ class LayoutResolver:
                 for view in [flat, *(flat._params or []), *(flat._shared_params or [])]:
                     learnt[id(view)] = (view, 1.0 / fsdp_replicas, source)
         for tensor, weight, source in learnt.values():
-            self._registered[tensor] = (weight, source)
+            self._registered.set(tensor, (weight, source))
         return len(learnt)
 
     # ------------------------------------------------------------------ weights
@@ -218,7 +246,7 @@ class LayoutResolver:
             if isinstance(placement, Replicate):
                 replicas *= mesh.size(dim)
         weight, mesh_size = 1.0 / replicas, mesh.size()
-        self._dtensor[param] = (mesh, placements, weight, mesh_size)
+        self._dtensor.set(param, (mesh, placements, weight, mesh_size))
         return weight, mesh_size
 
     def _check_mesh_in_group(self, mesh: Any, group: dist.ProcessGroup | None) -> None:
