@@ -224,7 +224,8 @@ def test_gradient_accumulation_steps_and_updates_once_per_sync(make_accelerator)
     assert flags == [False, False, False, True, True, False]
 
 
-def test_deepspeed_fp16_section_in_one_call(make_accelerator):
+@pytest.mark.parametrize("given", ["config", "dict", "json_path"])
+def test_deepspeed_fp16_section_in_one_call(make_accelerator, given, tmp_path):
     ds_config = {
         "train_batch_size": 8,
         "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 2, "min_loss_scale": 1},
@@ -232,7 +233,14 @@ def test_deepspeed_fp16_section_in_one_call(make_accelerator):
     accelerator = make_accelerator(mixed_precision="fp16")
     model = _model()
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
-    scaler = install(accelerator, ScalerConfig.from_deepspeed(ds_config))
+    if given == "config":
+        scaler = install(accelerator, ScalerConfig.from_deepspeed(ds_config))
+    elif given == "dict":
+        scaler = install(accelerator, ds_config)
+    else:
+        path = tmp_path / "ds_config.json"
+        path.write_text(json.dumps(ds_config))
+        scaler = install(accelerator, str(path))
     assert accelerator.scaler is scaler and scaler.get_scale() == 1024.0
     res = _run(accelerator, model, optimizer, steps=3, inject={1})
     assert [s[0] for s in res] == [False, True, False]  # DeepSpeed's hysteresis: absorbed, skipped

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +166,10 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
             the ``GradScalerKwargs`` given to the accelerator, if any; the state of a scaler
             Accelerate already used is carried over. A ``distscaler.GradScaler``: used as given
             (its device type must be the accelerator's). A ``distscaler.ScalerConfig`` (for
-            example ``ScalerConfig.from_deepspeed("ds_config.json")``): a scaler built from it.
+            example ``ScalerConfig.from_deepspeed("ds_config.json")``): a scaler built from it. A
+            DeepSpeed config itself (a dict, its ``"fp16"`` section, or a path to its JSON file):
+            the same, through ``ScalerConfig.from_deepspeed``, so a DeepSpeed user moving to FSDP
+            keeps the loss-scale behaviour in one call.
             Without ``mixed_precision="fp16"`` a scaler must be given explicitly.
 
     Returns:
@@ -284,11 +287,15 @@ def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> 
                 f"{scaler._device!r}"
             )
         return scaler
+    if isinstance(scaler, (Mapping, str, os.PathLike)):
+        # A DeepSpeed config (dict, its "fp16" section, or a JSON path): DeepSpeed's semantics.
+        scaler = ScalerConfig.from_deepspeed(scaler)
     if isinstance(scaler, ScalerConfig):
         return GradScaler.from_config(scaler, device_type)
     if scaler is not None:
         raise TypeError(
-            "scaler must be None, a distscaler.GradScaler or a distscaler.ScalerConfig, got: "
+            "scaler must be None, a distscaler.GradScaler, a distscaler.ScalerConfig or a "
+            "DeepSpeed config (dict or JSON path), got: "
             f"{type(scaler).__module__}.{type(scaler).__qualname__}"
         )
     if accelerator.mixed_precision != "fp16":
