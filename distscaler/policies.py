@@ -115,6 +115,20 @@ def _overflowed(found_inf: torch.Tensor) -> torch.Tensor:
     return found_inf > 0
 
 
+def _backed_off(
+    scale: torch.Tensor, backoff_factor: float, min_scale: float | None
+) -> torch.Tensor:
+    """``scale * backoff_factor``, floored at ``min_scale`` (Megatron's and DeepSpeed's ``max``)."""
+    backed_off = scale * backoff_factor
+    return backed_off if min_scale is None else torch.clamp(backed_off, min=min_scale)
+
+
+def _grown(scale: torch.Tensor, growth_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``scale * growth_factor``, whether it is finite): a growth past float32 is skipped."""
+    grown = scale * growth_factor
+    return grown, torch.isfinite(grown)
+
+
 class _NoExtraState:
     """Policies whose whole state is torch's ``scale`` and growth tracker."""
 
@@ -241,13 +255,10 @@ class MegatronPolicy:
         found = _overflowed(found_inf)
         hyst = state["hysteresis_tracker"]
         hyst_after_overflow = hyst - 1
-        backed_off = scale * backoff_factor
-        if min_scale is not None:
-            backed_off = torch.clamp(backed_off, min=min_scale)
+        backed_off = _backed_off(scale, backoff_factor, min_scale)
         tracker_clean = growth_tracker + 1
-        grow = tracker_clean >= growth_interval
-        grown = scale * growth_factor
-        grow = grow & torch.isfinite(grown)
+        grown, finite = _grown(scale, growth_factor)
+        grow = (tracker_clean >= growth_interval) & finite
         clean_scale = torch.where(grow, grown, scale)
         overflow_scale = torch.where(hyst_after_overflow <= 0, backed_off, scale)
         scale.copy_(torch.where(found, overflow_scale, clean_scale))
@@ -338,16 +349,14 @@ class DeepSpeedPolicy:
         last = state["last_overflow_iter"]
         hyst = state["cur_hysteresis"]
         backoff = found & self._exhausted(hyst)
-        backed_off = scale * backoff_factor
-        if min_scale is not None:
-            backed_off = torch.clamp(backed_off, min=min_scale)
+        backed_off = _backed_off(scale, backoff_factor, min_scale)
         stable = cur_iter - last - 1
-        grown = scale * growth_factor
+        grown, finite = _grown(scale, growth_factor)
         grow = (
             found.logical_not()
             & (stable > 0)
             & (torch.remainder(stable, growth_interval) == 0)
-            & torch.isfinite(grown)
+            & finite
         )
         full = torch.full_like(hyst, self.hysteresis)
         refill = found.logical_not() if self.consecutive_hysteresis else grow
@@ -410,8 +419,3 @@ def make_policy(
     if name == "static":
         return StaticPolicy()
     return TorchPolicy()
-
-
-def get_policy(name: str) -> ScalePolicy:
-    """Return a policy with default options by name (kept for callers of the first release)."""
-    return make_policy(name)
