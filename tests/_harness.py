@@ -57,21 +57,35 @@ class HostReadSpy(TorchFunctionMode):
 def _worker(
     rank: int,
     world_size: int,
+    backend: str,
+    with_device: bool,
     init_file: str,
     out_dir: str,
-    scenarios: Callable[[int, int], dict[str, Any]],
+    scenarios: Callable[..., dict[str, Any]],
 ) -> None:
     torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        # Every rank runs the same kernels on the same data and the tests compare parameters bit
+        # for bit across ranks: ask cuBLAS for its reproducible mode (must be set before it starts).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.cuda.set_device(rank)
+        device = "cuda"
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=300 if backend == "nccl" else 120),
+        device_id=torch.device("cuda", rank) if backend == "nccl" else None,
     )
     try:
         try:
-            results = scenarios(rank, world_size)
+            if with_device:
+                results = scenarios(rank, world_size, device)
+            else:
+                results = scenarios(rank, world_size)
         except Exception:
             results = {"__crash__": traceback.format_exc()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -80,12 +94,19 @@ def _worker(
 
 
 def spawn(
-    scenarios: Callable[[int, int], dict[str, Any]], world_size: int, tmp_path: Path
+    scenarios: Callable[..., dict[str, Any]],
+    world_size: int,
+    tmp_path: Path,
+    *,
+    backend: str = "gloo",
+    with_device: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run ``scenarios(rank, world_size)`` on ``world_size`` gloo ranks; return each rank's result dict.
+    """Run ``scenarios(rank, world_size)`` on ``world_size`` ranks; return each rank's result dict.
 
-    The rendezvous is a FileStore in ``tmp_path`` (no port), so tests run in parallel under xdist.
-    ``scenarios`` must be a module-level function (spawned processes import it).
+    gloo on the CPU by default; ``backend="nccl"`` puts rank ``r`` on ``cuda:r``. With
+    ``with_device`` the scenarios also get the device type (``scenarios(rank, world_size,
+    device)``). The rendezvous is a FileStore in ``tmp_path`` (no port), so tests run in parallel
+    under xdist. ``scenarios`` must be a module-level function (spawned processes import it).
     """
     init_file = tmp_path / "rendezvous"
     out_dir = tmp_path / "results"
@@ -93,7 +114,7 @@ def spawn(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(
         _worker,
-        args=(world_size, str(init_file), str(out_dir), scenarios),
+        args=(world_size, backend, with_device, str(init_file), str(out_dir), scenarios),
         nprocs=world_size,
         join=True,
     )

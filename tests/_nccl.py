@@ -8,13 +8,9 @@ scenarios on CPU, which is how the GPU scenarios are dry-run on machines without
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import itertools
-import json
 import math
-import os
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +19,7 @@ from typing import Any
 import _scenarios as S
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _harness import spawn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from distscaler import GradScaler
@@ -32,36 +28,6 @@ Scenarios = Callable[[int, int, str], dict[str, Any]]
 
 #: What torch.cuda.set_sync_debug_mode("warn") says for each synchronizing call.
 SYNC_WARNING = "called a synchronizing CUDA operation"
-
-
-def _worker(
-    rank: int, world_size: int, backend: str, init_file: str, out_dir: str, scenarios: Scenarios
-) -> None:
-    torch.set_num_threads(1)
-    device = "cpu"
-    if backend == "nccl":
-        # Every rank runs the same kernels on the same data and the tests compare parameters bit
-        # for bit across ranks: ask cuBLAS for its reproducible mode (must be set before it starts).
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.cuda.set_device(rank)
-        device = "cuda"
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=300),
-        device_id=torch.device("cuda", rank) if backend == "nccl" else None,
-    )
-    try:
-        try:
-            results = scenarios(rank, world_size, device)
-        except Exception:
-            results = {"__crash__": traceback.format_exc()}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn_per_gpu(
@@ -79,19 +45,7 @@ def spawn_per_gpu(
             f"world_size must be at most the {torch.cuda.device_count()} visible GPUs, "
             f"got: {world_size}"
         )
-    out_dir = tmp_path / "results"
-    out_dir.mkdir()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(
-        _worker,
-        args=(world_size, backend, str(tmp_path / "rendezvous"), str(out_dir), scenarios),
-        nprocs=world_size,
-        join=True,
-    )
-    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
-    for r, res in enumerate(results):
-        assert "__crash__" not in res, f"rank {r} crashed:\n{res['__crash__']}"
-    return results
+    return spawn(scenarios, world_size, tmp_path, backend=backend, with_device=True)
 
 
 # ----------------------------------------------------------------- scenarios
