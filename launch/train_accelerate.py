@@ -42,7 +42,6 @@ The job fails if the ranks disagree.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -51,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, gather_object
@@ -60,6 +58,7 @@ from distscaler import GradScaler, ScalerConfig
 from distscaler.integrations.accelerate import install
 from lm.config import DEFAULT_CONFIG, ConfigError, TrainConfig, load_config
 from lm.data import get_batch, load_corpus
+from lm.distributed import params_digest
 from lm.loop import inject_inf_
 from lm.metrics import METRICS_NAME, SUMMARY_NAME, finite_or_none
 from lm.model import ByteGPT
@@ -93,17 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ds-config", help="DeepSpeed config whose fp16 section sets the scaler")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/state")
     return parser.parse_args(argv)
-
-
-def params_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter's full value (FSDP2 shards are gathered: a collective)."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        t = p.detach()
-        if hasattr(t, "full_tensor"):  # DTensor
-            t = t.full_tensor()
-        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def make_scaler(cfg: TrainConfig, args: argparse.Namespace, device_type: str) -> Any:
@@ -232,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rank": rank,
         "skipped_steps": skipped_steps,
         "final_scale": final_scale,
-        "params": params_digest(accelerator.unwrap_model(model)),
+        "params": params_digest(accelerator.unwrap_model(model).parameters()),
     }
     views = gather_object([view])
     consistent = all({**v, "rank": 0} == {**views[0], "rank": 0} for v in views)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "gather_objects", "setup_distributed"]
+__all__ = ["Dist", "gather_objects", "params_digest", "setup_distributed"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,3 +89,19 @@ def gather_objects(obj: Any, d: Dist) -> list[Any]:
     out: list[Any] = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def params_digest(params: Iterable[torch.Tensor]) -> str:
+    """SHA-256 of every parameter's full value: equal digests across ranks mean identical models.
+
+    DTensor parameters (FSDP2, TP) are gathered first: a collective every rank of their mesh must
+    join. FSDP1 callers summon the full parameters around this.
+    """
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for p in params:
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        # A copy: numpy() pins its storage, which FSDP1 must free after summoning.
+        h.update(t.detach().cpu().clone().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -33,7 +32,7 @@ from lm.optim import lr_at, make_optimizer
 from lm.parallel import Parallel, build_parallel
 from lm.plot import PLOT_NAME, plot_metrics
 
-__all__ = ["inject_inf_", "params_digest", "train", "train_step"]
+__all__ = ["inject_inf_", "train", "train_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +120,6 @@ def train_step(
     if timer is not None:
         timer.stop()
     return loss, grad_norm
-
-
-def params_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes: equal digests across ranks mean identical models."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def train(

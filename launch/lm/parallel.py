@@ -26,7 +26,6 @@ the layouts compute the same function; FSDP2's ``MixedPrecisionPolicy`` is not u
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from distscaler import GradScaler
 from lm.config import TrainConfig
-from lm.distributed import Dist
+from lm.distributed import Dist, params_digest
 from lm.model import ByteGPT
 
 __all__ = ["Parallel", "build_parallel", "check_parallelism"]
@@ -149,15 +148,8 @@ class Parallel:
 
     def params_digest(self) -> str:
         """SHA-256 of the full parameters (DTensors gathered, FSDP1 unsharded): collective."""
-        from torch.distributed.tensor import DTensor
-
-        h = hashlib.sha256()
         with self.full_params():
-            for p in self.state_module.parameters():
-                t = p.full_tensor() if isinstance(p, DTensor) else p
-                # A copy: numpy() pins its storage, which FSDP1 must free after summoning.
-                h.update(t.detach().cpu().clone().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+            return params_digest(self.state_module.parameters())
 
 
 def _device_ids(d: Dist) -> list[int] | None:
