@@ -60,7 +60,7 @@ from lm.config import DEFAULT_CONFIG, ConfigError, TrainConfig, load_config
 from lm.data import get_batch, load_corpus
 from lm.distributed import params_digest
 from lm.loop import inject_inf_
-from lm.metrics import METRICS_NAME, SUMMARY_NAME, finite_or_none
+from lm.metrics import METRICS_NAME, SUMMARY_NAME, step_record
 from lm.model import ByteGPT
 from lm.optim import lr_at, make_optimizer
 
@@ -192,14 +192,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             progress.step = step
             loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm]).tolist()
             if accelerator.is_main_process:
-                record = {
-                    "step": step,
-                    "loss": finite_or_none(loss_value),
-                    "scale": scale,
-                    "skipped": skipped,
-                    "grad_norm": finite_or_none(norm_value),
-                    "lr": lr,
-                }
+                record = step_record(
+                    step,
+                    loss=loss_value,
+                    scale=scale,
+                    skipped=skipped,
+                    grad_norm=norm_value,
+                    lr=lr,
+                )
                 metrics.write(json.dumps(record) + "\n")
             if cfg.log_interval and step % cfg.log_interval == 0:
                 logger.info(

@@ -27,7 +27,7 @@ from lm.config import TrainConfig
 from lm.data import get_batch, load_corpus
 from lm.distributed import Dist, gather_objects
 from lm.evaluate import evaluate
-from lm.metrics import METRICS_NAME, SUMMARY_NAME, finite_or_none, read_metrics, summarize
+from lm.metrics import METRICS_NAME, SUMMARY_NAME, read_metrics, step_record, summarize
 from lm.optim import lr_at, make_optimizer
 from lm.parallel import Parallel, build_parallel
 from lm.plot import PLOT_NAME, plot_metrics
@@ -263,15 +263,15 @@ def train(
                 if skipped:
                     skipped_steps.append(step)
 
-                record = {
-                    "step": step,
-                    "loss": finite_or_none(loss_value),
-                    "scale": scale,
-                    "skipped": skipped,
-                    "grad_norm": finite_or_none(norm_value),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / dt,
-                }
+                record = step_record(
+                    step,
+                    loss=loss_value,
+                    scale=scale,
+                    skipped=skipped,
+                    grad_norm=norm_value,
+                    lr=lr,
+                    tokens_per_s=tokens_per_step / dt,
+                )
                 if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.steps:
                     eval_loss = evaluate(par, held_out, cfg, d)
                     record["eval_loss"] = eval_loss

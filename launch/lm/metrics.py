@@ -8,7 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS_NAME", "SUMMARY_NAME", "finite_or_none", "read_metrics", "summarize"]
+__all__ = [
+    "METRICS_NAME",
+    "SUMMARY_NAME",
+    "finite_or_none",
+    "read_metrics",
+    "step_record",
+    "summarize",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +26,28 @@ SUMMARY_NAME = "summary.json"
 def finite_or_none(x: float) -> float | None:
     """``x``, or None where it is inf / NaN (JSON has no such numbers)."""
     return x if math.isfinite(x) else None
+
+
+def step_record(
+    step: int,
+    *,
+    loss: float,
+    scale: float,
+    skipped: bool,
+    grad_norm: float,
+    lr: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line: ``loss`` and ``grad_norm`` are None where non-finite."""
+    return {
+        "step": step,
+        "loss": finite_or_none(loss),
+        "scale": scale,
+        "skipped": skipped,
+        "grad_norm": finite_or_none(grad_norm),
+        "lr": lr,
+        **extra,
+    }
 
 
 def read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
