@@ -32,7 +32,6 @@ The overflow flag alone needs no weight: it is exact for every layout.
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
@@ -324,15 +323,17 @@ def collect_grads(
         UnknownLayoutError: ``resolver`` is given, ``world_size > 1`` and some gradients' layout is
             unknown (nothing has been changed then, except that sparse gradients may be coalesced).
     """
-    groups: GradGroups = defaultdict(list)
+    # Plain tuples while looping (a NamedTuple per gradient costs more than the rest of the loop).
+    groups: dict[tuple[torch.device, torch.dtype, float], list[torch.Tensor]] = {}
     unknown: list[torch.Tensor] = []
     weigh = resolver is not None and world_size > 1
+    fp16 = torch.float16
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
             grad = param.grad
             if grad is None:
                 continue
-            if not allow_fp16 and grad.dtype == torch.float16:
+            if not allow_fp16 and grad.dtype is fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             weight = 1.0
             if weigh:
@@ -346,10 +347,14 @@ def collect_grads(
                 # The local shard itself (not a copy): in-place unscaling must reach the gradient.
                 grad = grad._local_tensor
             if grad.is_sparse:
-                if grad.dtype is torch.float16 or coalesce_sparse:
+                if grad.dtype is fp16 or coalesce_sparse:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
-            groups[GroupKey(grad.device, grad.dtype, weight)].append(grad)
+            key = (grad.device, grad.dtype, weight)
+            same = groups.get(key)
+            if same is None:
+                groups[key] = same = []
+            same.append(grad)
     if unknown:
         raise _unknown_layout_error(unknown, world_size)
-    return dict(groups)
+    return {GroupKey(*key): grads for key, grads in groups.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -249,7 +250,7 @@ class GradScaler(torch.amp.GradScaler):
     @staticmethod
     def _uses_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
         return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
-            "grad_scaler" not in inspect.signature(optimizer.step).parameters
+            not _step_takes_grad_scaler(optimizer.step)
         )
 
     def _record_verdict(
@@ -1101,6 +1102,25 @@ _POLICY_STATE_CHECKS: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     # Megatron's tracker keeps counting down below 0 through a run of overflows.
     ("hysteresis_tracker", V.check_int, {"minimum": -(2**62)}),
 )
+
+
+#: ``step`` function -> whether it takes torch's deprecated ``grad_scaler`` keyword. Reading a
+#: signature costs tens of microseconds, once per step otherwise.
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _step_takes_grad_scaler(step: Any) -> bool:
+    func = getattr(step, "__func__", step)  # the same function behind every bound method
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return takes
 
 
 def _mul_groups_(groups: GradGroups, factor: torch.Tensor) -> None:

@@ -13,45 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.overrides import TorchFunctionMode
+from benchkit.counters import HostReadSpy  # re-exported for the tests
 
-# Python-level ways of reading a tensor value on the host. On CUDA each of these is a sync.
-_HOST_READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-}
-
-
-class HostReadSpy(TorchFunctionMode):
-    """Counts host reads of tensor values (``.item()``, ``bool(t)``, ``.tolist()``...) inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-        self._paused = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_READS and not self._paused:
-            self.reads.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-    def exclude_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Do not count reads made inside ``optimizer.step`` (torch's for-loop Adam reads its step)."""
-        step = optimizer.step
-
-        def paused_step(*args, **kwargs):
-            self._paused += 1
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self._paused -= 1
-
-        optimizer.step = paused_step  # type: ignore[method-assign]
+__all__ = ["HostReadSpy", "spawn"]
 
 
 def _worker(

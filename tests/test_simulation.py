@@ -1,6 +1,6 @@
 """One all_reduce of 8 bytes per scaler step at 8 to 4096 ranks, simulated with the fake backend.
 
-tests/_fake_world.py runs in its own process (it initialises the default process group): FSDP2 on a
+launch/benchkit/fake_world.py runs in its own process (it initialises the default process group): FSDP2 on a
 1-D mesh and HSDP on a (world / 8) x 8 mesh, a real forward/backward of a tiny model sharded over
 the whole fake world, then the scaler step under CommDebugMode and a byte-counting dispatch mode.
 """
@@ -28,7 +28,7 @@ WORLD_SIZES = (8, 64, 1024, 4096)
 def records() -> dict[tuple[str, int], dict]:
     repo = Path(distscaler.__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_fake_world.py"), "--world-sizes", *map(str, WORLD_SIZES)],
+        [sys.executable, str(HERE.parent / "launch" / "benchkit" / "fake_world.py"), "--world-sizes", *map(str, WORLD_SIZES)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,8 +11,8 @@ gradients, as torchtitan does) for contrast.
 
 Run as a script (it initialises the default process group, so it must own its process)::
 
-    python tests/_fake_world.py            # JSON on stdout: one record per (layout, world size)
-    python tests/_fake_world.py --table    # the same as a markdown table
+    python launch/benchkit/fake_world.py            # JSON on stdout: one record per (layout, world size)
+    python launch/benchkit/fake_world.py --table    # the same as a markdown table
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from typing import Any
 
@@ -31,43 +30,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    from .counters import CollectiveLog
+except ImportError:  # run as a script: python launch/benchkit/fake_world.py
+    from counters import CollectiveLog  # type: ignore[no-redef]
 
 WORLD_SIZES = (8, 64, 1024, 4096)
 LAYOUTS = ("fsdp2", "hsdp")
 #: Ranks per "node": the shard dimension of the HSDP mesh (replicate x shard).
 HSDP_SHARD = 8
-
-
-#: What CommDebugMode counts as a collective (not wait_tensor and other bookkeeping ops).
-_COLLECTIVES = {
-    *c10d_collective_ops,
-    *(op._overloadpacket if hasattr(op, "_overloadpacket") else op for op in NATIVE_TO_PY_MAPPING),
-}
-
-
-class CollectiveLog(TorchDispatchMode):
-    """Records every c10d collective dispatched inside it with the bytes of its input tensors."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            # Let DTensor desugar its op into plain-tensor ops and collectives first (as
-            # CommDebugMode does); they come back here.
-            return NotImplemented
-        if func._overloadpacket in _COLLECTIVES:
-            first = args[0] if args else None
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            nbytes = sum(
-                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
-            )
-            self.calls.append((str(func.overloadpacket), nbytes))
-        return func(*args, **(kwargs or {}))
 
 
 def _model() -> nn.Module:
@@ -189,5 +162,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     main()

@@ -1,0 +1,246 @@
+"""The contenders: distscaler, torch's two scalers and DeepSpeed's overflow check, as users run them.
+
+Each contender offers two callables over the same gradients:
+
+* ``phase()``: the scaler (+ clip) phase alone. It runs the contender's whole sequence (unscale /
+  check, clip, ``scaler.step``, ``update``) against a twin of the optimizer whose ``step`` does
+  nothing, so the optimizer's own time is left out and everything the scaler does is in.
+* ``step()``: the whole optimizer step with the real optimizer: the same sequence, and the update.
+
+What each one runs (``clip`` = a max norm, or None for no clipping):
+
+* ``distscaler``: ``scaler.clip_grad_norm_`` (if clipping) + ``scaler.step`` + ``scaler.update``.
+* ``torch``: ``torch.amp.GradScaler``: ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` (if
+  clipping; DTensor-aware for FSDP2) + ``step`` + ``update``.
+* ``torch-sharded``: the same with ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``
+  (it all-reduces ``found_inf`` itself; it needs a process group, even of one rank).
+* ``deepspeed``: DeepSpeed's fp16 recipe with DeepSpeed's own code (``FP16_Optimizer.step``):
+  ``CheckOverflow.has_overflow`` over the gradients, ``DynamicLossScaler.update_scale``, then (no
+  overflow) ``get_global_norm_of_tensors`` (if clipping) and one multiply by
+  ``1 / combined_scale`` (``unscale_and_clip_grads``), then ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import distscaler
+
+__all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step"]
+
+#: Every contender, in the order the reports list them.
+CONTENDERS = ("distscaler", "torch", "torch-sharded", "deepspeed")
+
+INIT_SCALE = 2.0**16
+
+
+@dataclass
+class Contender:
+    """One way of running the scaler phase. ``error`` is set (and nothing runs) where it cannot."""
+
+    name: str
+    phase: Callable[[], Any] | None = None
+    step: Callable[[], Any] | None = None
+    error: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def noop_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step`` do nothing (keeping what scalers look at: ``_step_supports_amp_scaling``
+    and a signature without ``grad_scaler``), so a phase can be timed without the optimizer."""
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    optimizer.step = step  # type: ignore[method-assign]
+    return optimizer
+
+
+def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def build_contender(
+    name: str,
+    *,
+    params: Sequence[nn.Parameter],
+    make_optimizer: Callable[[], torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer,
+    clip: float | None,
+    device: torch.device,
+    layout: str = "single",
+    model: nn.Module | None = None,
+) -> Contender:
+    """Build contender ``name`` over ``params`` (their ``.grad`` hold loss-scaled gradients).
+
+    Args:
+        make_optimizer: builds a fresh optimizer over ``params`` like ``optimizer``; the phase uses
+            one with a no-op step.
+        optimizer: the real optimizer, shared by every contender's ``step()``.
+        clip: max norm, or None for no clipping.
+        layout: "single" (one process, plain tensors), "ddp" or "fsdp2" (DTensor gradients).
+        model: the DDP module (distscaler registers it).
+    """
+    try:
+        builder = _BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"contender must be one of {CONTENDERS}, got: {name!r}") from None
+    try:
+        return builder(
+            params=list(params),
+            make_optimizer=make_optimizer,
+            optimizer=optimizer,
+            clip=clip,
+            device=device,
+            layout=layout,
+            model=model,
+        )
+    except _NotApplicable as exc:
+        return Contender(name, error=str(exc))
+
+
+class _NotApplicable(Exception):
+    """This contender has no way to run in this configuration (said in the report)."""
+
+
+def _distscaler(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+    def make() -> distscaler.GradScaler:
+        scaler = distscaler.GradScaler(device.type, init_scale=INIT_SCALE)
+        if layout == "ddp":
+            scaler.register_model(model)
+        scaler.materialize(device)
+        return scaler
+
+    def sequence(scaler: distscaler.GradScaler, opt: torch.optim.Optimizer) -> Callable[[], Any]:
+        def run() -> None:
+            if clip is not None:
+                scaler.clip_grad_norm_(opt, clip)
+            scaler.step(opt)
+            scaler.update()
+
+        return run
+
+    return Contender(
+        "distscaler",
+        phase=sequence(make(), noop_step(make_optimizer())),
+        step=sequence(make(), optimizer),
+    )
+
+
+def _torch_scaler(sharded: bool):
+    def build(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+        name = "torch-sharded" if sharded else "torch"
+        if sharded:
+            import torch.distributed as dist
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            if not dist.is_initialized():
+                raise _NotApplicable("needs a process group")
+            cls: Any = ShardedGradScaler
+        else:
+            if layout == "fsdp2":
+                raise _NotApplicable("FSDP2 needs ShardedGradScaler")
+            cls = torch.amp.GradScaler
+        if not sharded and clip is not None and any(p.dtype == torch.float16 for p in params):
+            raise _NotApplicable("unscale_ refuses fp16 gradients")
+
+        def make() -> Any:
+            scaler = cls(device.type, init_scale=INIT_SCALE)
+            scaler.scale(torch.ones((), device=device))  # creates its scale tensor
+            return scaler
+
+        def sequence(scaler: Any, opt: torch.optim.Optimizer) -> Callable[[], Any]:
+            def run() -> None:
+                if clip is not None:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(params, clip)
+                scaler.step(opt)
+                scaler.update()
+
+            return run
+
+        return Contender(
+            name, phase=sequence(make(), noop_step(make_optimizer())), step=sequence(make(), optimizer)
+        )
+
+    return build
+
+
+def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+    if layout == "fsdp2":
+        raise _NotApplicable("DeepSpeed has no FSDP2 (DTensor) path")
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+        from deepspeed.runtime.utils import CheckOverflow, get_global_norm_of_tensors
+    except ImportError as exc:  # an optional contender
+        raise _NotApplicable(f"deepspeed is not installed ({exc})") from None
+
+    def sequence(opt: torch.optim.Optimizer) -> Callable[[], Any]:
+        checker = CheckOverflow()  # data parallel: the gradients are already all-reduced
+        # DeepSpeed's fp16 defaults: loss_scale_window 1000, min_loss_scale 1, hysteresis 2.
+        loss_scaler = DynamicLossScaler(
+            init_scale=INIT_SCALE,
+            scale_window=1000,
+            min_scale=1.0,
+            delayed_shift=2,
+            consecutive_hysteresis=False,
+        )
+
+        def run() -> None:
+            overflow = checker.has_overflow(params)
+            scale = loss_scaler.cur_scale
+            loss_scaler.update_scale(overflow)
+            if overflow:
+                return
+            grads = _grads(params)
+            combined_scale = scale
+            if clip is not None:
+                norm = get_global_norm_of_tensors(grads)
+                coef = ((norm / scale) + 1e-6) / clip
+                if coef > 1:  # FP16_Optimizer.unscale_and_clip_grads: a host read
+                    combined_scale = coef * scale
+            torch._foreach_mul_(grads, 1.0 / combined_scale)
+            opt.step()
+
+        return run
+
+    return Contender(
+        "deepspeed", phase=sequence(noop_step(make_optimizer())), step=sequence(optimizer)
+    )
+
+
+_BUILDERS: dict[str, Callable[..., Contender]] = {
+    "distscaler": _distscaler,
+    "torch": _torch_scaler(sharded=False),
+    "torch-sharded": _torch_scaler(sharded=True),
+    "deepspeed": _deepspeed,
+}
+
+
+def floors(grads: Sequence[torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """The memory-traffic floors on the same tensors: one read pass and one read+write pass."""
+    local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+
+    def read() -> None:
+        torch._foreach_norm(local, 2.0)
+
+    def read_write() -> None:
+        torch._foreach_mul_(local, 1.0)
+
+    out = {"floor: one read": read, "floor: one read+write": read_write}
+    if all(g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() for g in local):
+        flat = [g.view(-1) for g in local]
+
+        def read_dot() -> None:  # the same read with BLAS sdot, which runs at memory speed on CPU
+            for g in flat:
+                torch.dot(g, g)
+
+        out["floor: one read (BLAS dot)"] = read_dot
+    return out
+
+

@@ -1,0 +1,103 @@
+"""Per-step counters: host reads of tensor values and c10d collectives (with their bytes).
+
+Both are modes: whatever runs inside ``with HostReadSpy() as spy`` / ``with CollectiveLog() as log``
+is counted, whichever library issued it (distscaler, torch's scalers, DeepSpeed's checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveLog", "HostReadSpy", "count_per_step"]
+
+# Python-level ways of reading a tensor value on the host. On CUDA each of these is a sync.
+_HOST_READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+}
+
+#: What CommDebugMode counts as a collective (not wait_tensor and other bookkeeping ops).
+_COLLECTIVES = {
+    *c10d_collective_ops,
+    *(op._overloadpacket if hasattr(op, "_overloadpacket") else op for op in NATIVE_TO_PY_MAPPING),
+}
+
+
+class HostReadSpy(TorchFunctionMode):
+    """Counts host reads of tensor values (``.item()``, ``bool(t)``, ``.tolist()``...) inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self._paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_READS and not self._paused:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+    def exclude_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Do not count reads made inside ``optimizer.step`` (torch's for-loop Adam reads its step)."""
+        step = optimizer.step
+
+        def paused_step(*args, **kwargs):
+            self._paused += 1
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        optimizer.step = paused_step  # type: ignore[method-assign]
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records every c10d collective dispatched inside it with the bytes of its input tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor desugar its op into plain-tensor ops and collectives first (as
+            # CommDebugMode does); they come back here.
+            return NotImplemented
+        if func._overloadpacket in _COLLECTIVES:
+            first = args[0] if args else None
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            nbytes = sum(
+                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+            )
+            self.calls.append((str(func.overloadpacket), nbytes))
+        return func(*args, **(kwargs or {}))
+
+
+def count_per_step(step: Callable[[], Any], *, untimed: Callable[[], Any] | None = None) -> dict:
+    """Run ``step()`` once under both counters.
+
+    Returns ``{"collectives": int, "collective_bytes": int, "host_reads": int}``. ``untimed`` (run
+    before, outside the counters) restores the gradients. Reads made inside an optimizer's own
+    ``step`` are the optimizer's, not the scaler's: pause the spy there with
+    :meth:`HostReadSpy.exclude_optimizer` before calling this.
+    """
+    if untimed is not None:
+        untimed()
+    with HostReadSpy() as spy, CollectiveLog() as log:
+        step()
+    return {
+        "collectives": len(log.calls),
+        "collective_bytes": sum(n for _, n in log.calls),
+        "host_reads": len(spy.reads),
+    }

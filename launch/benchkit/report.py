@@ -1,0 +1,380 @@
+"""Reports of a benchmark run: the targets checked, markdown tables, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .contenders import CONTENDERS
+
+__all__ = ["check_targets", "markdown", "plot", "ratio"]
+
+Record = dict[str, Any]
+
+
+def _reference(r: Record) -> str | None:
+    """torch's scaler for the case: ``torch`` where it runs, else ``torch-sharded``."""
+    for name in ("torch", "torch-sharded"):
+        if r["phase_ms"].get(name) is not None:
+            return name
+    return None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _target(
+    name: str, measured: float | None, limit: float, *, where: str, le: bool = True
+) -> dict:
+    ok = measured is not None and (measured <= limit if le else measured >= limit)
+    return {"target": name, "measured": measured, "limit": limit, "where": where, "met": ok}
+
+
+def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]:
+    """Issue #5's targets, each with the measured value and the cases it was measured on."""
+    single = [r for r in records if r["layout"] == "single"]
+    out: list[dict] = []
+
+    big_fused_clip = [
+        r
+        for r in single
+        if r["optimizer"] == "fused"
+        and r["clip"]
+        and r["params"] >= 30_000_000
+        and r["dtype"] == "float32"
+    ]
+    if big_fused_clip:
+        worst = max(
+            (ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get("torch")) or math.inf)
+            for r in big_fused_clip
+        )
+        out.append(
+            _target(
+                "clip phase, fused AdamW, >= 30M params: distscaler / torch",
+                worst,
+                0.4,
+                where=f"{len(big_fused_clip)} cases, worst",
+            )
+        )
+        worst_floor = max(
+            (ratio(r["phase_ms"].get("distscaler"), r["floor_read_ms"]) or math.inf)
+            for r in big_fused_clip
+        )
+        out.append(
+            _target(
+                "clip phase, fused AdamW, >= 30M params: distscaler / one read pass "
+                "(_foreach_norm)",
+                worst_floor,
+                1.2,
+                where=f"{len(big_fused_clip)} cases, worst",
+            )
+        )
+    noclip = [r for r in single if r["optimizer"] == "fused" and not r["clip"]]
+    if noclip:
+        worst = max(
+            (
+                ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get(_reference(r) or ""))
+                or math.inf
+            )
+            for r in noclip
+        )
+        out.append(
+            _target(
+                "no clip, fused AdamW: distscaler / torch phase",
+                worst,
+                1.0,
+                where=f"{len(noclip)} cases, worst",
+            )
+        )
+    stepped = [r for r in records if _reference(r) and r["step_ms"].get("distscaler") is not None]
+    if stepped:
+        worst = max(
+            ratio(r["step_ms"]["distscaler"], r["step_ms"][_reference(r)]) or math.inf
+            for r in stepped
+        )
+        out.append(
+            _target(
+                "whole optimizer step: distscaler / torch (never slower)",
+                worst,
+                1.0,
+                where=f"{len(stepped)} cases, worst",
+            )
+        )
+    nonfused = [r for r in single if r["optimizer"] != "fused" and r["clip"]]
+    if nonfused:
+        worst = max(
+            ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get(_reference(r) or ""))
+            or math.inf
+            for r in nonfused
+        )
+        out.append(
+            _target(
+                "clip phase, non-fused AdamW: distscaler / torch",
+                worst,
+                0.7,
+                where=f"{len(nonfused)} cases, worst",
+            )
+        )
+    multi = [r for r in records if r["world_size"] > 1 and "distscaler" in r["counts"]]
+    multi_counts = {r["counts"]["distscaler"]["collectives"] for r in multi}
+    multi_counts |= {rec["ours"]["total"] for rec in simulation}
+    if multi_counts:
+        out.append(
+            _target(
+                "collectives per step, every layout and world size > 1 (max)",
+                max(multi_counts),
+                1,
+                where=f"{len(multi)} torchrun cases + {len(simulation)} simulated",
+            )
+        )
+    for fused in (True, False):
+        reads = [
+            r["counts"]["distscaler"]["host_reads"]
+            for r in records
+            if "distscaler" in r["counts"] and (r["optimizer"] == "fused") == fused
+        ]
+        if reads:
+            out.append(
+                _target(
+                    f"host reads per step, {'fused' if fused else 'non-fused'} optimizer (max)",
+                    max(reads),
+                    0 if fused else 1,
+                    where=f"{len(reads)} cases",
+                )
+            )
+    by_bytes = sorted(
+        (r for r in single if _is_base_but(r, single, "params")), key=lambda r: r["grad_bytes"]
+    )
+    per_byte = [
+        r["phase_ms"]["distscaler"] / r["grad_bytes"]
+        for r in by_bytes
+        if r["grad_bytes"] >= 16_000_000 and r["phase_ms"].get("distscaler")
+    ]
+    if len(per_byte) >= 2:
+        out.append(
+            _target(
+                "linear in bytes: max / min of ms per byte over >= 16 MB",
+                max(per_byte) / min(per_byte),
+                1.5,
+                where=f"{len(per_byte)} sizes",
+            )
+        )
+    by_count = sorted(
+        (r for r in single if _is_base_but(r, single, "tensors")), key=lambda r: r["tensors"]
+    )
+    if len(by_count) >= 2 and by_count[0]["phase_ms"].get("distscaler"):
+        few, many = by_count[0], by_count[-1]
+        ours = ratio(many["phase_ms"]["distscaler"], few["phase_ms"]["distscaler"])
+        floor = ratio(many["floor_read_ms"], few["floor_read_ms"])
+        out.append(
+            _target(
+                f"{many['tensors']} tensors / {few['tensors']} tensors, same bytes "
+                f"(the _foreach_norm floor itself: {_fmt(floor)}x)",
+                ours,
+                1.5,
+                where="distscaler clip phase",
+            )
+        )
+    return out
+
+
+def _base_knobs(r: Record) -> tuple:
+    return (r["params"], r["tensors"], r["dtype"], r["optimizer"], r["clip"])
+
+
+def _is_base_but(r: Record, records: list[Record], knob: str) -> bool:
+    """``r`` belongs to the sweep of ``knob`` (all other knobs at the base case's values)."""
+    sweep = {"params": "bytes", "tensors": "tensors"}[knob]
+    return r.get("sweep") == sweep
+
+
+def _contenders_in(records: Iterable[Record]) -> list[str]:
+    seen = {n for r in records for n in (*r["phase_ms"], *r["errors"])}
+    return [n for n in CONTENDERS if n in seen]
+
+
+_SWEEP_KNOB = {
+    "bytes": ("grad MB", lambda r: f"{r['grad_bytes'] / 1e6:.0f}"),
+    "tensors": ("tensors", lambda r: str(r["tensors"])),
+    "dtype": ("dtype", lambda r: r["dtype"]),
+    "optimizer": (
+        "AdamW, clip",
+        lambda r: f"{r['optimizer']}, {'clip' if r['clip'] else 'no clip'}",
+    ),
+    "world": ("layout x world size", lambda r: f"{r['layout']} x {r['world_size']}"),
+}
+
+
+def _sweep_table(sweep: str, rows: list[Record]) -> list[str]:
+    names = _contenders_in(rows)
+    head, knob = _SWEEP_KNOB[sweep]
+    lines = [
+        f"| {head} | "
+        + " | ".join(f"{n} phase ms" for n in names)
+        + " | distscaler / torch | distscaler / one read | step ms distscaler / torch "
+        "| optimizer alone ms | one read / read+write / dot ms | collectives d/t | host reads d/t |",
+        "|" + "---|" * (len(names) + 8),
+    ]
+    for r in rows:
+        ref = _reference(r)
+        cells = []
+        for n in names:
+            if n in r["errors"]:
+                cells.append("fails" if "Error" in r["errors"][n] else "n/a")
+            else:
+                cells.append(_fmt(r["phase_ms"].get(n), 1))
+        d_counts = r["counts"].get("distscaler", {})
+        t_counts = r["counts"].get(ref or "", {})
+        lines.append(
+            f"| {knob(r)} | "
+            + " | ".join(cells)
+            + f" | {_fmt(ratio(r['phase_ms'].get('distscaler'), r['phase_ms'].get(ref or '')))}"
+            f" | {_fmt(ratio(r['phase_ms'].get('distscaler'), r['floor_read_ms']))}"
+            f" | {_fmt(r['step_ms'].get('distscaler'), 1)} / {_fmt(r['step_ms'].get(ref or ''), 1)}"
+            f" | {_fmt(r['optimizer_ms'], 1)}"
+            f" | {_fmt(r['floor_read_ms'], 1)} / {_fmt(r['floor_read_write_ms'], 1)}"
+            f" / {_fmt(r.get('floor_read_dot_ms'), 1)}"
+            f" | {d_counts.get('collectives', 'n/a')} / {t_counts.get('collectives', 'n/a')}"
+            f" | {d_counts.get('host_reads', 'n/a')} / {t_counts.get('host_reads', 'n/a')} |"
+        )
+    errors = {(n, e) for r in rows for n, e in r["errors"].items()}
+    for n, e in sorted(errors):
+        lines.append(f"\n{n}: {e}")
+    return lines
+
+
+def markdown(
+    meta: dict, records: list[Record], simulation: list[Record], targets: list[dict]
+) -> str:
+    """The whole report: machine and command, targets, one table per sweep, the simulation."""
+    lines = [
+        "# distscaler benchmark",
+        "",
+        f"- date: {meta['date']}; torch {meta['torch']}; device: {meta['device_name']}; "
+        f"{meta['threads']} intra-op threads",
+        f"- command: `{meta['command']}`",
+        f"- medians of {meta['rounds']} interleaved rounds after {meta['warmup']} warm-up rounds; "
+        "phase = the scaler (+ clip) phase with the optimizer's own step left out; "
+        '"torch" = torch.amp.GradScaler (+ unscale_ + clip_grad_norm_ when clipping); '
+        "on more than one rank each round counts the slowest rank",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | limit | over | met |",
+        "|---|---|---|---|---|",
+    ]
+    for t in targets:
+        lines.append(
+            f"| {t['target']} | {_fmt(t['measured'], 2)} | {t['limit']} | {t['where']} "
+            f"| {'yes' if t['met'] else '**no**'} |"
+        )
+    for sweep in ("bytes", "tensors", "dtype", "optimizer", "world"):
+        rows = [r for r in records if r.get("sweep") == sweep]
+        if rows:
+            lines += ["", f"## Sweep: {sweep}", "", *_sweep_table(sweep, rows)]
+    if simulation:
+        lines += [
+            "",
+            "## Simulated worlds (fake process group, one process)",
+            "",
+            "| layout | world size | distscaler collectives | bytes | torch collectives | bytes |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in simulation:
+            lines.append(
+                f"| {s['layout']} | {s['world_size']} | {s['ours']['total']} "
+                f"| {s['ours']['bytes']} | {s['torch']['total']} | {s['torch']['bytes']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[Record], out_dir: Path) -> list[Path]:
+    """PNG plots: phase time vs gradient bytes, vs tensor count, vs world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    specs = [
+        ("bytes", "grad_bytes", "gradient bytes (one rank)", "phase_vs_bytes.png", True),
+        (
+            "tensors",
+            "tensors",
+            "number of gradient tensors (same total bytes)",
+            "phase_vs_tensors.png",
+            True,
+        ),
+    ]
+    for sweep, x_key, xlabel, name, logx in specs:
+        rows = sorted((r for r in records if r.get("sweep") == sweep), key=lambda r: r[x_key])
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = [r[x_key] for r in rows]
+        for n in _contenders_in(rows):
+            pts = [(x, r["phase_ms"].get(n)) for x, r in zip(xs, rows) if r["phase_ms"].get(n)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=n)
+        for key, label in (
+            ("floor_read_ms", "floor: one read (_foreach_norm)"),
+            ("floor_read_write_ms", "floor: one read+write (_foreach_mul_)"),
+            ("floor_read_dot_ms", "floor: one read (BLAS dot)"),
+        ):
+            pts = [(x, r.get(key)) for x, r in zip(xs, rows) if r.get(key)]
+            if pts:
+                ax.plot(
+                    *zip(*pts),
+                    linestyle="--",
+                    color="gray" if "dot" not in key else "black",
+                    alpha=0.7,
+                    label=label,
+                )
+        ax.set_xscale("log" if logx else "linear")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("scaler (+ clip) phase, ms (median)")
+        ax.set_title(
+            f"{rows[0]['optimizer']} AdamW, {'clip' if rows[0]['clip'] else 'no clip'}, "
+            f"{rows[0]['dtype']}, {rows[0]['device']}"
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    world = [r for r in records if r.get("sweep") == "world"]
+    if world:
+        layouts = sorted({r["layout"] for r in world})
+        fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
+        for ax, layout in zip(axes[0], layouts):
+            rows = sorted(
+                (r for r in world if r["layout"] == layout), key=lambda r: r["world_size"]
+            )
+            for n in _contenders_in(rows):
+                pts = [(r["world_size"], r["phase_ms"][n]) for r in rows if r["phase_ms"].get(n)]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=n)
+            ax.set_xlabel("world size (gloo, torchrun)")
+            ax.set_ylabel("scaler (+ clip) phase, ms (slowest rank, median)")
+            ax.set_title(layout)
+            ax.set_xticks(sorted({r["world_size"] for r in rows}))
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "phase_vs_world_size.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,174 @@
+"""launch/bench.py: the contenders do the same work, and ``--quick`` runs end to end.
+
+The timings themselves are not asserted (speed targets live in the benchmark's report, not in
+timed tests); what is asserted is that the benchmark measures what it says it measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from benchkit.cases import Case, make_optimizer, measure, plain_params, split_sizes
+from benchkit.contenders import CONTENDERS, build_contender, noop_step
+from benchkit.counters import count_per_step
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def world_of_one():
+    """ShardedGradScaler needs a process group, even of one rank (a private store: no port)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_sizes_and_bad_input():
+    assert split_sizes(10, 3) == [4, 3, 3]
+    assert sum(split_sizes(38_000_000, 144)) == 38_000_000
+    with pytest.raises(ValueError, match="tensors"):
+        split_sizes(5, 10)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        make_optimizer("sgd", [torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(ValueError, match="contender must be one of"):
+        build_contender(
+            "apex",
+            params=[],
+            make_optimizer=lambda: None,
+            optimizer=None,
+            clip=None,
+            device=torch.device("cpu"),
+        )
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_contenders_leave_the_same_gradients(world_of_one, clip):
+    """With a non-fused optimizer every contender's phase leaves the gradients unscaled (and
+    clipped): the same values whichever contender ran, so the times compare the same work."""
+    case = Case(params=3000, tensors=7)
+    params = plain_params(case, torch.device("cpu"))
+    saved = [p.grad.clone() for p in params]
+    results = {}
+    for name in CONTENDERS:
+        c = build_contender(
+            name,
+            params=params,
+            make_optimizer=lambda: make_optimizer("foreach", params),
+            optimizer=make_optimizer("foreach", params),
+            clip=clip,
+            device=torch.device("cpu"),
+        )
+        assert c.error is None, (name, c.error)
+        for p, g in zip(params, saved):
+            p.grad.copy_(g)
+        c.phase()
+        results[name] = [p.grad.clone() for p in params]
+    # The reference: unscale, then clip_grad_norm_ exactly as torch does it.
+    for p, g in zip(params, saved):
+        p.grad.copy_(g / 2.0**16)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    want = [p.grad for p in params]
+    assert not all(torch.equal(w, g) for w, g in zip(want, saved))  # the phase did change them
+    for name, got in results.items():
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=0, msg=name)
+
+
+def test_counts_distinguish_the_contenders(world_of_one):
+    """Host reads and collectives are counted per contender: DeepSpeed's check reads each gradient's
+    verdict on the host, ShardedGradScaler.unscale_ all-reduces found_inf (and with a fused
+    optimizer and no unscale_ it issues none: torch's inherited _check_inf_per_device), distscaler
+    with a fused optimizer neither reads nor (at world size 1) communicates."""
+    case = Case(params=2000, tensors=5)
+    params = plain_params(case, torch.device("cpu"))
+    counts = {}
+    for kind in ("fused", "foreach"):
+        for name in CONTENDERS:
+            c = build_contender(
+                name,
+                params=params,
+                make_optimizer=lambda: make_optimizer(kind, params),
+                optimizer=make_optimizer(kind, params),
+                clip=None,
+                device=torch.device("cpu"),
+            )
+            counts[name, kind] = count_per_step(c.phase)
+    assert counts["distscaler", "fused"] == {
+        "collectives": 0,
+        "collective_bytes": 0,
+        "host_reads": 0,
+    }
+    assert counts["distscaler", "foreach"]["host_reads"] == 1
+    assert counts["deepspeed", "fused"]["host_reads"] >= case.tensors
+    assert counts["torch-sharded", "foreach"]["collectives"] == 1
+    assert counts["torch-sharded", "fused"]["collectives"] == 0
+
+
+def test_noop_step_keeps_fused_scaling_visible():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = noop_step(make_optimizer("fused", [p]))
+    assert opt._step_supports_amp_scaling
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))  # no update happened
+
+
+def test_measure_reports_every_field(world_of_one):
+    case = Case(params=4000, tensors=4, clip=True)
+    record = measure(
+        case,
+        params=plain_params(case, torch.device("cpu")),
+        device=torch.device("cpu"),
+        contenders=CONTENDERS,
+        rounds=2,
+        warmup=0,
+    )
+    assert record["grad_bytes"] == 4000 * 4
+    for key in ("optimizer_ms", "floor_read_ms", "floor_read_write_ms", "floor_read_dot_ms"):
+        assert record[key] > 0, key
+    assert set(record["phase_ms"]) | set(record["errors"]) == set(CONTENDERS)
+    for name, ms in record["phase_ms"].items():
+        assert ms > 0 and record["step_ms"][name] > 0
+        assert record["counts"][name]["host_reads"] >= 0
+
+
+@pytest.mark.xdist_group("bench_quick")
+def test_quick_run_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "bench.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    assert {r["sweep"] for r in records} == {"bytes", "tensors", "dtype", "optimizer", "world"}
+    for r in records:
+        assert r["phase_ms"]["distscaler"] > 0, r
+        ours = r["counts"]["distscaler"]
+        assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
+        assert ours["host_reads"] == (0 if r["optimizer"] == "fused" else 1), r
+    worlds = {(r["layout"], r["world_size"]) for r in records if r["sweep"] == "world"}
+    assert worlds == {("ddp", 1), ("ddp", 2), ("fsdp2", 1), ("fsdp2", 2)}
+    assert {s["world_size"] for s in results["simulation"]} == {8, 64}
+    assert all(s["ours"]["total"] == 1 for s in results["simulation"])
+    report = (out / "results.md").read_text()
+    assert "## Targets" in report and "## Sweep: world" in report
+    for png in ("phase_vs_bytes.png", "phase_vs_tensors.png", "phase_vs_world_size.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    names = {t["target"] for t in results["targets"]}
+    assert any("collectives per step" in n for n in names)
