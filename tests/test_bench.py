@@ -97,7 +97,7 @@ def test_counts_distinguish_the_contenders(world_of_one):
             c = build_contender(
                 name,
                 params=params,
-                make_optimizer=lambda: make_optimizer(kind, params),
+                make_optimizer=lambda kind=kind: make_optimizer(kind, params),
                 optimizer=make_optimizer(kind, params),
                 clip=None,
                 device=torch.device("cpu"),

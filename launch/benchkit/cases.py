@@ -90,19 +90,26 @@ def measure(
     warmup: int,
     model: nn.Module | None = None,
     slowest: Callable[[list[float]], list[float]] | None = None,
+    barrier: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Time every contender (phase and whole step), the optimizer alone and the floors, interleaved.
 
     ``params`` must hold their (loss-scaled) gradients; each timed call starts from a copy of them.
     ``slowest`` turns one rank's per-round times into the slowest rank's (an all_reduce MAX; called
-    after timing, outside the timed calls). Returns the record described in the module docstring.
+    after timing, outside the timed calls). ``barrier`` (a ``dist.barrier``) lines the ranks up
+    before every timed call, so one rank's lag is not charged to the next collective. Returns the record described in the module docstring.
     """
     params = list(params)
     grads = [p.grad for p in params]
-    saved = [g.detach().clone() for g in grads]
+    # DTensor gradients (FSDP2) have no sharding rule for _foreach_copy_: copy into the local shards
+    # (the DTensor's own storage, so the gradient itself is restored).
+    local_grads = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+    saved = [g.detach().clone() for g in local_grads]
 
     def reset() -> None:
-        torch._foreach_copy_(grads, saved)
+        torch._foreach_copy_(local_grads, saved)
+        if barrier is not None:
+            barrier()
 
     optimizer = make_optimizer(case.optimizer, params)
     built = {
@@ -138,11 +145,10 @@ def measure(
     for name, c in built.items():
         if name not in errors and c.phase is not None:
             counts[name] = count_per_step(c.phase, untimed=reset)
-    local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
     return {
         **case.asdict(),
         "device": device.type,
-        "grad_bytes": sum(g.numel() * g.element_size() for g in local),
+        "grad_bytes": sum(g.numel() * g.element_size() for g in local_grads),
         "phase_ms": {n: median_ms(times[f"phase/{n}"]) for n in built if n not in errors},
         "step_ms": {n: median_ms(times[f"step/{n}"]) for n in built if n not in errors},
         "optimizer_ms": median_ms(times["optimizer"]),

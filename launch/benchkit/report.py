@@ -151,9 +151,7 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
                     where=f"{len(reads)} cases",
                 )
             )
-    by_bytes = sorted(
-        (r for r in single if _is_base_but(r, single, "params")), key=lambda r: r["grad_bytes"]
-    )
+    by_bytes = sorted((r for r in single if _in_sweep(r, "bytes")), key=lambda r: r["grad_bytes"])
     per_byte = [
         r["phase_ms"]["distscaler"] / r["grad_bytes"]
         for r in by_bytes
@@ -168,9 +166,7 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
                 where=f"{len(per_byte)} sizes",
             )
         )
-    by_count = sorted(
-        (r for r in single if _is_base_but(r, single, "tensors")), key=lambda r: r["tensors"]
-    )
+    by_count = sorted((r for r in single if _in_sweep(r, "tensors")), key=lambda r: r["tensors"])
     if len(by_count) >= 2 and by_count[0]["phase_ms"].get("distscaler"):
         few, many = by_count[0], by_count[-1]
         ours = ratio(many["phase_ms"]["distscaler"], few["phase_ms"]["distscaler"])
@@ -187,13 +183,7 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
     return out
 
 
-def _base_knobs(r: Record) -> tuple:
-    return (r["params"], r["tensors"], r["dtype"], r["optimizer"], r["clip"])
-
-
-def _is_base_but(r: Record, records: list[Record], knob: str) -> bool:
-    """``r`` belongs to the sweep of ``knob`` (all other knobs at the base case's values)."""
-    sweep = {"params": "bytes", "tensors": "tensors"}[knob]
+def _in_sweep(r: Record, sweep: str) -> bool:
     return r.get("sweep") == sweep
 
 
@@ -266,6 +256,15 @@ def markdown(
         "phase = the scaler (+ clip) phase with the optimizer's own step left out; "
         '"torch" = torch.amp.GradScaler (+ unscale_ + clip_grad_norm_ when clipping); '
         "on more than one rank each round counts the slowest rank",
+        *(
+            [
+                "",
+                "**Smoke run (`--quick`)**: small cases and few rounds; fixed per-step costs dominate "
+                "and the targets below are only meaningful for a full run.",
+            ]
+            if meta.get("quick")
+            else []
+        ),
         "",
         "## Targets",
         "",
