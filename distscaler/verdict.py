@@ -79,27 +79,38 @@ def local_verdict(
 
 #: Dtypes whose 2-norm has a BLAS dot product on CPU (``sdot``/``ddot``).
 _BLAS_DOT_DTYPES = (torch.float32, torch.float64)
+#: Elements from which a CPU gradient's 2-norm comes from a dot product. Below it the few
+#: microseconds of a Python call and a view per tensor cost more than the bandwidth saved, and
+#: ``_foreach_norm`` takes all the small ones in one call.
+_DOT_MIN_NUMEL = 1 << 15
 
 
 def _per_tensor_norms(
     grads: list[torch.Tensor], device: torch.device, dtype: torch.dtype, ord_: float
 ) -> torch.Tensor:
-    """The ``ord_``-norm of each tensor of one (device, dtype) group: shape ``(len(grads),)``.
+    """The ``ord_``-norm of each tensor of one (device, dtype) group, in no particular order.
 
-    Accumulates in fp32 at least (fp64 stays fp64): fp16 values never overflow it. One read of each
-    gradient byte. On CPU the 2-norm of fp32/fp64 tensors comes from BLAS dot products (``x . x``,
-    then a square root of the few per-tensor results): torch's CPU ``_foreach_norm`` loops over
-    ``linalg_vector_norm``, which runs at about half the memory bandwidth the dot product reaches
-    (measured by ``launch/bench.py``). Both give inf/NaN for a tensor holding inf/NaN, and inf when
-    the sum of squares leaves the accumulation dtype's range, so the verdict is the same.
+    Shape ``(len(grads),)``, dtype fp32 at least (fp64 stays fp64): fp16 values never overflow it.
+    One read of each gradient byte. On CPU the 2-norm of large contiguous fp32/fp64 tensors comes
+    from BLAS dot products (``x . x``, then a square root of the per-tensor results): torch's CPU
+    ``_foreach_norm`` loops over ``linalg_vector_norm``, which runs at about half the memory
+    bandwidth the dot product reaches (``launch/bench.py`` measures both). Both give inf/NaN for a
+    tensor holding inf/NaN, and inf when the sum of squares leaves the accumulation dtype's range,
+    so the verdict is the same.
     """
-    if device.type == "cpu" and ord_ == 2.0 and dtype in _BLAS_DOT_DTYPES:
-        dense = [g for g in grads if g.is_contiguous()]
-        if len(dense) == len(grads):
-            flat = [g.view(-1) for g in grads]
-            return torch.stack([torch.dot(g, g) for g in flat]).sqrt()
     acc_dtype = torch.promote_types(dtype, torch.float32)
-    return torch.stack(torch._foreach_norm(grads, ord_, dtype=acc_dtype))
+    if not (device.type == "cpu" and ord_ == 2.0 and dtype in _BLAS_DOT_DTYPES):
+        return torch.stack(torch._foreach_norm(grads, ord_, dtype=acc_dtype))
+    large, small = [], []
+    for g in grads:
+        (large if g.numel() >= _DOT_MIN_NUMEL and g.is_contiguous() else small).append(g)
+    parts = []
+    if large:
+        flat = [g if g.dim() == 1 else g.view(-1) for g in large]
+        parts.append(torch.stack([torch.dot(g, g) for g in flat]).sqrt())
+    if small:
+        parts.append(torch.stack(torch._foreach_norm(small, ord_, dtype=acc_dtype)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def local_overflow_flag(
@@ -124,11 +135,12 @@ def local_overflow_flag(
     def use_max_abs(grad_device: torch.device) -> bool:
         return grad_device.type != "cpu" if read_only is None else read_only
 
-    verdict = _new_verdict(device)
     checked = {key: grads for key, grads in groups.items() if not use_max_abs(key[0])}
     if checked:
         one = torch.ones((), dtype=torch.float32, device=device)
-        verdict += check_and_unscale_(checked, inv_scale=one)
+        verdict = check_and_unscale_(checked, inv_scale=one)
+    else:
+        verdict = _new_verdict(device)
     max_abs = [
         torch.stack(torch._foreach_norm(grads, math.inf)).to(device, torch.float32)
         for key, grads in groups.items()

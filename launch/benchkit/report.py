@@ -51,6 +51,7 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
         and r["clip"]
         and r["params"] >= 30_000_000
         and r["dtype"] == "float32"
+        and not _in_sweep(r, "tensors")  # tensor count has its own target below
     ]
     if big_fused_clip:
         worst = max(
@@ -152,18 +153,25 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
                 )
             )
     by_bytes = sorted((r for r in single if _in_sweep(r, "bytes")), key=lambda r: r["grad_bytes"])
-    per_byte = [
-        r["phase_ms"]["distscaler"] / r["grad_bytes"]
-        for r in by_bytes
-        if r["grad_bytes"] >= 16_000_000 and r["phase_ms"].get("distscaler")
-    ]
-    if len(per_byte) >= 2:
+    fit = _line_fit(
+        [
+            (r["grad_bytes"], r["phase_ms"]["distscaler"])
+            for r in by_bytes
+            if r["grad_bytes"] >= 16_000_000 and r["phase_ms"].get("distscaler")
+        ]
+    )
+    if fit is not None:
+        slope, intercept, r2, n = fit
         out.append(
             _target(
-                "linear in bytes: max / min of ms per byte over >= 16 MB",
-                max(per_byte) / min(per_byte),
-                1.5,
-                where=f"{len(per_byte)} sizes",
+                "linear in bytes: R^2 of a straight line ms = a + b * bytes over >= 16 MB "
+                f"(b = {1e-6 / slope:.1f} GB/s, a = {intercept:.2f} ms)"
+                if slope > 0
+                else "linear in bytes: R^2 of a straight line over >= 16 MB",
+                r2,
+                0.98,
+                where=f"{n} sizes",
+                le=False,
             )
         )
     by_count = sorted((r for r in single if _in_sweep(r, "tensors")), key=lambda r: r["tensors"])
@@ -171,16 +179,44 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
         few, many = by_count[0], by_count[-1]
         ours = ratio(many["phase_ms"]["distscaler"], few["phase_ms"]["distscaler"])
         floor = ratio(many["floor_read_ms"], few["floor_read_ms"])
+        dot = ratio(many.get("floor_read_dot_ms"), few.get("floor_read_dot_ms"))
         out.append(
             _target(
-                f"{many['tensors']} tensors / {few['tensors']} tensors, same bytes "
-                f"(the _foreach_norm floor itself: {_fmt(floor)}x)",
+                f"{many['tensors']} tensors / {few['tensors']} tensors, same bytes, distscaler "
+                f"clip phase (the floors themselves: _foreach_norm {_fmt(floor)}x, "
+                f"BLAS dot {_fmt(dot)}x)",
                 ours,
                 1.5,
-                where="distscaler clip phase",
+                where="tensors sweep",
+            )
+        )
+        out.append(
+            _target(
+                f"{many['tensors']} tensors: distscaler clip phase / one read pass "
+                "(_foreach_norm) at that count",
+                ratio(many["phase_ms"]["distscaler"], many["floor_read_ms"]),
+                1.5,
+                where="tensors sweep",
             )
         )
     return out
+
+
+def _line_fit(points: list[tuple[float, float]]) -> tuple[float, float, float, int] | None:
+    """Least-squares ``y = intercept + slope * x``: (slope, intercept, R^2, n); None below 3 points."""
+    n = len(points)
+    if n < 3:
+        return None
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    syy = sum((y - my) ** 2 for _, y in points)
+    if sxx == 0 or syy == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    intercept = my - slope * mx
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in points)
+    return slope, intercept, 1 - residual / syy, n
 
 
 def _in_sweep(r: Record, sweep: str) -> bool:
