@@ -80,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="intra-op threads (default: torch's)"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="measure nothing: render the tables, targets and plots of an earlier results.json",
+    )
     args = parser.parse_args(argv)
     for name in ("rounds", "warmup", "max_params", "threads"):
         value = getattr(args, name)
@@ -88,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {minimum}, got: {value}")
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got: {args.device!r}")
+    if args.from_json is not None and not args.from_json.is_file():
+        parser.error(f"--from-json: no such file: {args.from_json}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     return args
@@ -117,8 +126,34 @@ def _simulate(world_sizes: list[int]) -> list[dict[str, Any]]:
     return json.loads(proc.stdout)
 
 
+def write_report(
+    out: Path, meta: dict[str, Any], records: list[dict[str, Any]], simulation: list[dict[str, Any]]
+) -> str:
+    """Write results.md, results.json and the plots to ``out``; return the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    targets = check_targets(records, simulation)
+    report = markdown(meta, records, simulation, targets)
+    (out / "results.md").write_text(report)
+    (out / "results.json").write_text(
+        json.dumps(
+            {"meta": meta, "targets": targets, "records": records, "simulation": simulation},
+            indent=1,
+        )
+    )
+    plots = plot(records, out)
+    print(
+        f"wrote {out / 'results.md'}, {out / 'results.json'}, " + ", ".join(map(str, plots)),
+        file=sys.stderr,
+    )
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        earlier = json.loads(args.from_json.read_text())
+        print(write_report(args.out, earlier["meta"], earlier["records"], earlier["simulation"]))
+        return 0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -149,23 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
 
-    if p.world_sizes:
+    world_sizes = p.world_sizes
+    if device.type == "cuda":  # one GPU per rank
+        world_sizes = [w for w in world_sizes if w <= torch.cuda.device_count()]
+    if world_sizes:
         from benchkit.distributed import run_worlds
 
         c = p.world_case
-        print(f"torchrun worlds {p.world_sizes} x {p.world_layouts} ...", file=sys.stderr)
-        for record in run_worlds(
-            p.world_sizes,
-            p.world_layouts,
-            params=c.params,
-            tensors=c.tensors,
-            optimizer=c.optimizer,
-            clip=c.clip,
-            rounds=rounds,
-            warmup=warmup,
-            device=args.device,
-        ):
-            records.append({"sweep": "world", **record})
+        for optimizer in p.world_optimizers:
+            print(
+                f"torchrun worlds {world_sizes} x {p.world_layouts}, {optimizer} AdamW ...",
+                file=sys.stderr,
+            )
+            for record in run_worlds(
+                world_sizes,
+                p.world_layouts,
+                params=c.params,
+                tensors=c.tensors,
+                optimizer=optimizer,
+                clip=c.clip,
+                rounds=rounds,
+                warmup=warmup,
+                device=args.device,
+            ):
+                records.append({"sweep": "world", **record})
     simulation = []
     if p.simulate_world_sizes:
         print(f"simulating world sizes {p.simulate_world_sizes} ...", file=sys.stderr)
@@ -183,22 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": warmup,
         "quick": args.quick,
     }
-    targets = check_targets(records, simulation)
-    report = markdown(meta, records, simulation, targets)
-    (args.out / "results.md").write_text(report)
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {"meta": meta, "targets": targets, "records": records, "simulation": simulation},
-            indent=1,
-        )
-    )
-    plots = plot(records, args.out)
-    print(report)
-    print(
-        f"wrote {args.out / 'results.md'}, {args.out / 'results.json'}, "
-        + ", ".join(str(x) for x in plots),
-        file=sys.stderr,
-    )
+    print(write_report(args.out, meta, records, simulation))
     return 0
 
 

@@ -162,8 +162,21 @@ def test_quick_run_end_to_end(tmp_path):
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
         assert ours["host_reads"] == (0 if r["optimizer"] == "fused" else 1), r
-    worlds = {(r["layout"], r["world_size"]) for r in records if r["sweep"] == "world"}
-    assert worlds == {("ddp", 1), ("ddp", 2), ("fsdp2", 1), ("fsdp2", 2)}
+    worlds = {
+        (r["layout"], r["world_size"], r["optimizer"]) for r in records if r["sweep"] == "world"
+    }
+    assert worlds == {
+        (layout, w, kind)
+        for layout in ("ddp", "fsdp2")
+        for w in (1, 2)
+        for kind in ("fused", "foreach")
+    }
+    # torch's FSDP2 recipe with clipping: ShardedGradScaler.unscale_'s all_reduce + the DTensor norm's.
+    (sharded,) = [
+        r for r in records
+        if (r["sweep"], r["layout"], r["world_size"], r["optimizer"]) == ("world", "fsdp2", 2, "foreach")
+    ]  # fmt: skip
+    assert sharded["counts"]["torch-sharded"]["collectives"] >= 2
     assert {s["world_size"] for s in results["simulation"]} == {8, 64}
     assert all(s["ours"]["total"] == 1 for s in results["simulation"])
     report = (out / "results.md").read_text()
@@ -172,3 +185,14 @@ def test_quick_run_end_to_end(tmp_path):
         assert (out / png).stat().st_size > 10_000, png
     names = {t["target"] for t in results["targets"]}
     assert any("collectives per step" in n for n in names)
+
+    # --from-json renders the same report again without measuring anything.
+    again = tmp_path / "again"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "bench.py"), "--from-json",
+         str(out / "results.json"), "--out", str(again)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (again / "results.md").read_text() == report
+    assert "single-process cases" not in proc.stderr  # nothing was measured

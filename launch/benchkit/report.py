@@ -9,7 +9,7 @@ from typing import Any
 
 from .contenders import CONTENDERS
 
-__all__ = ["check_targets", "markdown", "plot", "ratio"]
+__all__ = ["check_targets", "gbps", "markdown", "plot", "ratio"]
 
 Record = dict[str, Any]
 
@@ -28,6 +28,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def gbps(r: Record) -> float | None:
+    """distscaler's phase as bandwidth: local gradient bytes / phase time, in GB/s (one read of
+    every byte is the floor, so this compares with the device's memory bandwidth)."""
+    ms = r["phase_ms"].get("distscaler")
+    return None if not ms else r["grad_bytes"] / ms / 1e6
+
+
 def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:.{digits}f}{suffix}"
 
@@ -44,6 +51,19 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
     single = [r for r in records if r["layout"] == "single"]
     out: list[dict] = []
 
+    def worst(name: str, rows: list[Record], limit: float, num: Any, den: Any) -> None:
+        """The largest ``num(r) / den(r)`` over ``rows`` against ``limit`` (a case that could not
+        run counts as infinitely slow)."""
+        if rows:
+            value = max(ratio(num(r), den(r)) or math.inf for r in rows)
+            out.append(_target(name, value, limit, where=f"{len(rows)} cases, worst"))
+
+    def ours(kind: str) -> Any:
+        return lambda r: r[kind].get("distscaler")
+
+    def torch_(kind: str) -> Any:
+        return lambda r: r[kind].get(_reference(r) or "")
+
     big_fused_clip = [
         r
         for r in single
@@ -53,76 +73,44 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
         and r["dtype"] == "float32"
         and not _in_sweep(r, "tensors")  # tensor count has its own target below
     ]
-    if big_fused_clip:
-        worst = max(
-            (ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get("torch")) or math.inf)
-            for r in big_fused_clip
-        )
+    worst(
+        "clip phase, fused AdamW, >= 30M params: distscaler / torch",
+        big_fused_clip, 0.4, ours("phase_ms"), torch_("phase_ms"),
+    )  # fmt: skip
+    worst(
+        "clip phase, fused AdamW, >= 30M params: distscaler / one read pass (_foreach_norm)",
+        big_fused_clip, 1.2, ours("phase_ms"), lambda r: r["floor_read_ms"],
+    )  # fmt: skip
+    worst(
+        "no clip, fused AdamW: distscaler / torch phase",
+        [r for r in single if r["optimizer"] == "fused" and not r["clip"]],
+        1.0, ours("phase_ms"), torch_("phase_ms"),
+    )  # fmt: skip
+    worst(
+        "whole optimizer step: distscaler / torch (never slower)",
+        [r for r in records if _reference(r) and r["step_ms"].get("distscaler") is not None],
+        1.0, ours("step_ms"), torch_("step_ms"),
+    )  # fmt: skip
+    worst(
+        "clip phase, non-fused AdamW: distscaler / torch",
+        [r for r in single if r["optimizer"] != "fused" and r["clip"]],
+        0.7, ours("phase_ms"), torch_("phase_ms"),
+    )  # fmt: skip
+    sharded_fsdp2 = [
+        r["counts"]["torch-sharded"]["collectives"]
+        for r in records
+        if r["layout"] == "fsdp2" and r["world_size"] > 1 and r["clip"]
+        and "torch-sharded" in r["counts"]
+    ]  # fmt: skip
+    if sharded_fsdp2:
         out.append(
             _target(
-                "clip phase, fused AdamW, >= 30M params: distscaler / torch",
-                worst,
-                0.4,
-                where=f"{len(big_fused_clip)} cases, worst",
-            )
-        )
-        worst_floor = max(
-            (ratio(r["phase_ms"].get("distscaler"), r["floor_read_ms"]) or math.inf)
-            for r in big_fused_clip
-        )
-        out.append(
-            _target(
-                "clip phase, fused AdamW, >= 30M params: distscaler / one read pass "
-                "(_foreach_norm)",
-                worst_floor,
-                1.2,
-                where=f"{len(big_fused_clip)} cases, worst",
-            )
-        )
-    noclip = [r for r in single if r["optimizer"] == "fused" and not r["clip"]]
-    if noclip:
-        worst = max(
-            (
-                ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get(_reference(r) or ""))
-                or math.inf
-            )
-            for r in noclip
-        )
-        out.append(
-            _target(
-                "no clip, fused AdamW: distscaler / torch phase",
-                worst,
-                1.0,
-                where=f"{len(noclip)} cases, worst",
-            )
-        )
-    stepped = [r for r in records if _reference(r) and r["step_ms"].get("distscaler") is not None]
-    if stepped:
-        worst = max(
-            ratio(r["step_ms"]["distscaler"], r["step_ms"][_reference(r)]) or math.inf
-            for r in stepped
-        )
-        out.append(
-            _target(
-                "whole optimizer step: distscaler / torch (never slower)",
-                worst,
-                1.0,
-                where=f"{len(stepped)} cases, worst",
-            )
-        )
-    nonfused = [r for r in single if r["optimizer"] != "fused" and r["clip"]]
-    if nonfused:
-        worst = max(
-            ratio(r["phase_ms"].get("distscaler"), r["phase_ms"].get(_reference(r) or ""))
-            or math.inf
-            for r in nonfused
-        )
-        out.append(
-            _target(
-                "clip phase, non-fused AdamW: distscaler / torch",
-                worst,
-                0.7,
-                where=f"{len(nonfused)} cases, worst",
+                "for contrast: torch's FSDP2 recipe (ShardedGradScaler + clip), collectives per "
+                "step (min)",
+                min(sharded_fsdp2),
+                2,
+                where=f"{len(sharded_fsdp2)} torchrun cases",
+                le=False,
             )
         )
     multi = [r for r in records if r["world_size"] > 1 and "distscaler" in r["counts"]]
@@ -236,7 +224,10 @@ _SWEEP_KNOB = {
         "AdamW, clip",
         lambda r: f"{r['optimizer']}, {'clip' if r['clip'] else 'no clip'}",
     ),
-    "world": ("layout x world size", lambda r: f"{r['layout']} x {r['world_size']}"),
+    "world": (
+        "layout x world size, AdamW",
+        lambda r: f"{r['layout']} x {r['world_size']}, {r['optimizer']}",
+    ),
 }
 
 
@@ -246,9 +237,10 @@ def _sweep_table(sweep: str, rows: list[Record]) -> list[str]:
     lines = [
         f"| {head} | "
         + " | ".join(f"{n} phase ms" for n in names)
-        + " | distscaler / torch | distscaler / one read | step ms distscaler / torch "
+        + " | distscaler / torch | distscaler / one read | distscaler GB/s "
+        "| step ms distscaler / torch "
         "| optimizer alone ms | one read / read+write / dot ms | collectives d/t | host reads d/t |",
-        "|" + "---|" * (len(names) + 8),
+        "|" + "---|" * (len(names) + 9),
     ]
     for r in rows:
         ref = _reference(r)
@@ -265,6 +257,7 @@ def _sweep_table(sweep: str, rows: list[Record]) -> list[str]:
             + " | ".join(cells)
             + f" | {_fmt(ratio(r['phase_ms'].get('distscaler'), r['phase_ms'].get(ref or '')))}"
             f" | {_fmt(ratio(r['phase_ms'].get('distscaler'), r['floor_read_ms']))}"
+            f" | {_fmt(gbps(r), 1)}"
             f" | {_fmt(r['step_ms'].get('distscaler'), 1)} / {_fmt(r['step_ms'].get(ref or ''), 1)}"
             f" | {_fmt(r['optimizer_ms'], 1)}"
             f" | {_fmt(r['floor_read_ms'], 1)} / {_fmt(r['floor_read_write_ms'], 1)}"
@@ -391,19 +384,20 @@ def plot(records: list[Record], out_dir: Path) -> list[Path]:
         written.append(path)
     world = [r for r in records if r.get("sweep") == "world"]
     if world:
-        layouts = sorted({r["layout"] for r in world})
-        fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
-        for ax, layout in zip(axes[0], layouts):
+        panels = sorted({(r["layout"], r["optimizer"]) for r in world})
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+        for ax, (layout, optimizer) in zip(axes[0], panels):
             rows = sorted(
-                (r for r in world if r["layout"] == layout), key=lambda r: r["world_size"]
+                (r for r in world if (r["layout"], r["optimizer"]) == (layout, optimizer)),
+                key=lambda r: r["world_size"],
             )
             for n in _contenders_in(rows):
                 pts = [(r["world_size"], r["phase_ms"][n]) for r in rows if r["phase_ms"].get(n)]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=n)
-            ax.set_xlabel("world size (gloo, torchrun)")
+            ax.set_xlabel("world size (torchrun)")
             ax.set_ylabel("scaler (+ clip) phase, ms (slowest rank, median)")
-            ax.set_title(layout)
+            ax.set_title(f"{layout}, {optimizer} AdamW")
             ax.set_xticks(sorted({r["world_size"] for r in rows}))
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)

@@ -27,6 +27,9 @@ class Plan:
     world_sizes: list[int]
     world_case: Case
     world_layouts: list[str]
+    #: fused (distscaler's best case) and foreach (ShardedGradScaler cannot run a fused AdamW
+    #: after unscale_ in torch 2.13, so torch's FSDP2 recipe is only measured there).
+    world_optimizers: list[str]
     simulate_world_sizes: list[int]
     rounds: int
     warmup: int
@@ -70,6 +73,7 @@ def plan(
         world_sizes=([1, 2] if quick else [1, 2, 4]) if "world" in sweeps else [],
         world_case=base.but(params=200_000 if quick else 8_000_000, tensors=8 if quick else 32),
         world_layouts=["ddp", "fsdp2"],
+        world_optimizers=["fused", "foreach"],
         simulate_world_sizes=([8, 64] if quick else [8, 64, 1024, 4096])
         if "simulate" in sweeps
         else [],
