@@ -13,6 +13,9 @@ __all__ = ["check_targets", "gbps", "markdown", "plot", "ratio"]
 
 Record = dict[str, Any]
 
+#: One colour per contender in every plot.
+_COLORS = {name: f"C{i}" for i, name in enumerate(CONTENDERS)}
+
 
 def _reference(r: Record) -> str | None:
     """torch's scaler for the case: ``torch`` where it runs, else ``torch-sharded``."""
@@ -141,25 +144,23 @@ def check_targets(records: list[Record], simulation: list[Record]) -> list[dict]
                 )
             )
     by_bytes = sorted((r for r in single if _in_sweep(r, "bytes")), key=lambda r: r["grad_bytes"])
-    fit = _line_fit(
-        [
-            (r["grad_bytes"], r["phase_ms"]["distscaler"])
-            for r in by_bytes
-            if r["grad_bytes"] >= 16_000_000 and r["phase_ms"].get("distscaler")
-        ]
-    )
-    if fit is not None:
-        slope, intercept, r2, n = fit
+    sizes = [
+        (r["grad_bytes"], r["phase_ms"]["distscaler"])
+        for r in by_bytes
+        if r["grad_bytes"] >= 16_000_000 and r["phase_ms"].get("distscaler")
+    ]
+    line = _line_fit(sizes)
+    power = _line_fit([(math.log(x), math.log(y)) for x, y in sizes])
+    if line is not None and power is not None:
+        slope, intercept, r2, n = line
         out.append(
             _target(
-                "linear in bytes: R^2 of a straight line ms = a + b * bytes over >= 16 MB "
-                f"(b = {1e-6 / slope:.1f} GB/s, a = {intercept:.2f} ms)"
-                if slope > 0
-                else "linear in bytes: R^2 of a straight line over >= 16 MB",
-                r2,
-                0.98,
+                "linear in bytes: exponent k of ms ~ bytes^k over >= 16 MB (1 = linear; a fixed "
+                f"per-step cost pulls it below 1). Straight line: {1e-6 / slope:.1f} GB/s + "
+                f"{intercept:.2f} ms, R^2 {r2:.3f}",
+                power[0],
+                1.1,
                 where=f"{n} sizes",
-                le=False,
             )
         )
     by_count = sorted((r for r in single if _in_sweep(r, "tensors")), key=lambda r: r["tensors"])
@@ -352,21 +353,15 @@ def plot(records: list[Record], out_dir: Path) -> list[Path]:
         for n in _contenders_in(rows):
             pts = [(x, r["phase_ms"].get(n)) for x, r in zip(xs, rows) if r["phase_ms"].get(n)]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=n)
-        for key, label in (
-            ("floor_read_ms", "floor: one read (_foreach_norm)"),
-            ("floor_read_write_ms", "floor: one read+write (_foreach_mul_)"),
-            ("floor_read_dot_ms", "floor: one read (BLAS dot)"),
+                ax.plot(*zip(*pts), marker="o", label=n, color=_COLORS[n])
+        for key, label, style in (
+            ("floor_read_ms", "floor: one read (_foreach_norm)", "--"),
+            ("floor_read_write_ms", "floor: one read+write (_foreach_mul_)", ":"),
+            ("floor_read_dot_ms", "floor: one read (BLAS dot)", "-."),
         ):
             pts = [(x, r.get(key)) for x, r in zip(xs, rows) if r.get(key)]
             if pts:
-                ax.plot(
-                    *zip(*pts),
-                    linestyle="--",
-                    color="gray" if "dot" not in key else "black",
-                    alpha=0.7,
-                    label=label,
-                )
+                ax.plot(*zip(*pts), linestyle=style, color="black", alpha=0.6, label=label)
         ax.set_xscale("log" if logx else "linear")
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
@@ -385,8 +380,12 @@ def plot(records: list[Record], out_dir: Path) -> list[Path]:
     world = [r for r in records if r.get("sweep") == "world"]
     if world:
         panels = sorted({(r["layout"], r["optimizer"]) for r in world})
-        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
-        for ax, (layout, optimizer) in zip(axes[0], panels):
+        cols = min(2, len(panels))
+        nrows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
+        for ax in axes.flat[len(panels) :]:
+            ax.set_visible(False)
+        for ax, (layout, optimizer) in zip(axes.flat, panels):
             rows = sorted(
                 (r for r in world if (r["layout"], r["optimizer"]) == (layout, optimizer)),
                 key=lambda r: r["world_size"],
@@ -394,7 +393,7 @@ def plot(records: list[Record], out_dir: Path) -> list[Path]:
             for n in _contenders_in(rows):
                 pts = [(r["world_size"], r["phase_ms"][n]) for r in rows if r["phase_ms"].get(n)]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=n)
+                    ax.plot(*zip(*pts), marker="o", label=n, color=_COLORS[n])
             ax.set_xlabel("world size (torchrun)")
             ax.set_ylabel("scaler (+ clip) phase, ms (slowest rank, median)")
             ax.set_title(f"{layout}, {optimizer} AdamW")
