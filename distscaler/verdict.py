@@ -101,7 +101,8 @@ def _per_tensor_norms(
     acc_dtype = torch.promote_types(dtype, torch.float32)
     if not (device.type == "cpu" and ord_ == 2.0 and dtype in _BLAS_DOT_DTYPES):
         return torch.stack(torch._foreach_norm(grads, ord_, dtype=acc_dtype))
-    large, small = [], []
+    large: list[torch.Tensor] = []
+    small: list[torch.Tensor] = []
     for g in grads:
         (large if g.numel() >= _DOT_MIN_NUMEL and g.is_contiguous() else small).append(g)
     parts = []
