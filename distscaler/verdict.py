@@ -59,7 +59,8 @@ def local_verdict(
     parts = []
     weights = []
     for key, grads in groups.items():
-        parts.append(_per_tensor_norms(grads, key.device, key.dtype, ord_).to(device, torch.float32))
+        norms = _per_tensor_norms(grads, key.device, key.dtype, ord_)
+        parts.append(norms.to(device, torch.float32, non_blocking=True))
         weights.append(key.weight)
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
