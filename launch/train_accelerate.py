@@ -42,6 +42,7 @@ The job fails if the ranks disagree.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -248,6 +249,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # Release the DDP model (it holds the gloo process group) and collect reference cycles now,
+    # while the interpreter is alive: left to interpreter finalization, gloo's worker threads
+    # aborted a finished run once on a loaded CI runner ("terminate called without an active
+    # exception", SIGABRT after "done").
+    model, optimizer, scheduler = accelerator.free_memory(model, optimizer, scheduler)
+    del raw_model
+    gc.collect()
     if not consistent:
         raise SystemExit("ranks disagree on skipped steps, scale or parameters: " + str(views))
     return summary
