@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchkit.timing import interleave  # noqa: E402
+
 from distscaler import GradScaler  # noqa: E402
 from lm.config import load_config  # noqa: E402
-from lm.distributed import Dist, setup_distributed  # noqa: E402
+from lm.distributed import Dist, local_tensor, setup_distributed  # noqa: E402
 from lm.optim import make_optimizer  # noqa: E402
 from lm.parallel import Parallel, build_parallel  # noqa: E402
 
@@ -63,24 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Contender:
     """One way of running the scaler phase; ``run`` does clip + step + update once."""
 
     def __init__(self, name: str, run: Any) -> None:
         self.name = name
         self.run = run
-        self.times: list[float] = []
         self.collectives: Counter[str] = Counter()
 
 
@@ -159,13 +148,13 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
     warm = par.setup_scaler(GradScaler(d.device.type, init_scale=cfg.init_scale))
     par.forward_backward(x, x.roll(-1, 1), fused, warm, cfg)
     params = [p for g in fused.param_groups for p in g["params"]]
-    saved = [None if p.grad is None else _local(p.grad).detach().clone() for p in params]
+    saved = [None if p.grad is None else local_tensor(p.grad).detach().clone() for p in params]
 
     def restore() -> None:
         with torch.no_grad():
             for p, g in zip(params, saved):
                 if g is not None and p.grad is not None:
-                    _local(p.grad).copy_(g)
+                    local_tensor(p.grad).copy_(g)
 
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -184,18 +173,25 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
         for op, n in comm.get_comm_counts().items():
             c.collectives[str(op).split(".")[-1]] += n
         contenders.append(c)
-    for i in range(args.warmup + args.repeats):
-        for c in contenders:
-            restore()
-            d.barrier()
-            _sync(d.device)
-            t0 = time.perf_counter()
-            c.run(args.max_norm)
-            _sync(d.device)
-            if i >= args.warmup:
-                c.times.append(time.perf_counter() - t0)
+
+    def restore_in_step() -> None:  # every rank starts each timed call together
+        restore()
+        d.barrier()
+
+    times = interleave(
+        {c.name: (lambda c=c: c.run(args.max_norm)) for c in contenders},
+        reset=restore_in_step,
+        rounds=args.repeats,
+        warmup=args.warmup,
+        device=d.device,
+    )
+    late = {name: t for name, t in times.items() if isinstance(t, str)}
+    if late:  # it ran in the counted round: a failure now is not a missing torch feature
+        raise RuntimeError(f"contenders failed while timed: {late}")
     # Every rank's median; the slowest rank sets the pace of a step.
-    medians = torch.tensor([statistics.median(c.times) for c in contenders], dtype=torch.float64)
+    medians = torch.tensor(
+        [statistics.median(times[c.name]) for c in contenders], dtype=torch.float64
+    )
     if d.enabled:
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     ms = dict(zip([c.name for c in contenders], (medians * 1e3).tolist()))

@@ -40,6 +40,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from distscaler import GradScaler
 from distscaler.layouts import UnknownLayoutError
+from lm.distributed import local_tensor
 
 OPTIMIZERS = ("fused", "foreach", "forloop")
 FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -94,15 +95,18 @@ def mlp(seed: int, dims: tuple[int, ...] = (8, 16, 16, 4)) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(
-            _local(t).detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            local_tensor(t)
+            .detach()
+            .reshape(-1)
+            .contiguous()
+            .cpu()
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
         )
     return h.hexdigest()
 
@@ -119,21 +123,23 @@ def state_digest(opt: torch.optim.Optimizer) -> tuple[str, str]:
 
 def local_values(opt: torch.optim.Optimizer) -> list[float]:
     params = [p for g in opt.param_groups for p in g["params"]]
-    return [v for p in params for v in _local(p).detach().double().reshape(-1).tolist()]
+    return [v for p in params for v in local_tensor(p).detach().double().reshape(-1).tolist()]
 
 
 def inject(opt: torch.optim.Optimizer, value: float) -> None:
     """Write ``value`` into the first element of the first non-empty local gradient."""
     for group in opt.param_groups:
         for p in group["params"]:
-            if p.grad is not None and _local(p.grad).numel() > 0:
-                _local(p.grad).view(-1)[0] = value
+            if p.grad is not None and local_tensor(p.grad).numel() > 0:
+                local_tensor(p.grad).view(-1)[0] = value
                 return
     raise AssertionError("no local gradient to inject a fault into")
 
 
 def locally_nonfinite(opt: torch.optim.Optimizer) -> bool:
-    grads = [_local(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    grads = [
+        local_tensor(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None
+    ]
     return any(not bool(g.isfinite().all()) for g in grads)
 
 
@@ -624,7 +630,7 @@ def unknown_layouts(rank: int, world_size: int) -> dict[str, Any]:
         grads_before = digest([p.grad for p in model.parameters()])
         record: dict[str, Any] = {}
         if copies:  # every rank holds the whole gradient: the global norm is the local one
-            local = [_local(p.grad).double() / INIT_SCALE for p in model.parameters()]
+            local = [local_tensor(p.grad).double() / INIT_SCALE for p in model.parameters()]
             record["local_norm"] = math.sqrt(sum(float(g.pow(2).sum()) for g in local))
         with CommDebugMode() as comm, _expect_unknown(record):
             scaler.clip_grad_norm_(opt, MAX_NORM)

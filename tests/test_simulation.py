@@ -28,7 +28,12 @@ WORLD_SIZES = (8, 64, 1024, 4096)
 def records() -> dict[tuple[str, int], dict]:
     repo = Path(distscaler.__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, str(HERE.parent / "launch" / "benchkit" / "fake_world.py"), "--world-sizes", *map(str, WORLD_SIZES)],
+        [
+            sys.executable,
+            str(HERE.parent / "launch" / "benchkit" / "fake_world.py"),
+            "--world-sizes",
+            *map(str, WORLD_SIZES),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

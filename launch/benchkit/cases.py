@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lm.distributed import local_tensor
+
 from .contenders import build_contender, floors
 from .counters import count_per_step
 from .timing import interleave, median_ms
@@ -76,7 +78,10 @@ def make_optimizer(kind: str, params: Sequence[nn.Parameter]) -> torch.optim.Opt
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got: {kind!r}")
     return torch.optim.AdamW(
-        params, lr=1e-4, fused=kind == "fused", foreach=kind == "foreach" if kind != "fused" else None
+        params,
+        lr=1e-4,
+        fused=kind == "fused",
+        foreach=kind == "foreach" if kind != "fused" else None,
     )
 
 
@@ -103,7 +108,7 @@ def measure(
     grads = [p.grad for p in params]
     # DTensor gradients (FSDP2) have no sharding rule for _foreach_copy_: copy into the local shards
     # (the DTensor's own storage, so the gradient itself is restored).
-    local_grads = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+    local_grads = [local_tensor(g) for g in grads]
     saved = [g.detach().clone() for g in local_grads]
 
     def reset() -> None:

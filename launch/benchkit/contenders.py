@@ -23,13 +23,14 @@ What each one runs (``clip`` = a max norm, or None for no clipping):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 import distscaler
+from lm.distributed import local_tensor
 
 __all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step"]
 
@@ -47,7 +48,6 @@ class Contender:
     phase: Callable[[], Any] | None = None
     step: Callable[[], Any] | None = None
     error: str | None = None
-    counts: dict[str, int] = field(default_factory=dict)
 
 
 def noop_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -59,10 +59,6 @@ def noop_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     optimizer.step = step  # type: ignore[method-assign]
     return optimizer
-
-
-def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
 
 
 def build_contender(
@@ -165,7 +161,9 @@ def _torch_scaler(sharded: bool):
             return run
 
         return Contender(
-            name, phase=sequence(make(), noop_step(make_optimizer())), step=sequence(make(), optimizer)
+            name,
+            phase=sequence(make(), noop_step(make_optimizer())),
+            step=sequence(make(), optimizer),
         )
 
     return build
@@ -197,7 +195,7 @@ def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model
             loss_scaler.update_scale(overflow)
             if overflow:
                 return
-            grads = _grads(params)
+            grads = [p.grad for p in params if p.grad is not None]
             combined_scale = scale
             if clip is not None:
                 norm = get_global_norm_of_tensors(grads)
@@ -224,7 +222,7 @@ _BUILDERS: dict[str, Callable[..., Contender]] = {
 
 def floors(grads: Sequence[torch.Tensor]) -> dict[str, Callable[[], Any]]:
     """The memory-traffic floors on the same tensors: one read pass and one read+write pass."""
-    local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+    local = [local_tensor(g) for g in grads]
 
     def read() -> None:
         torch._foreach_norm(local, 2.0)
@@ -233,7 +231,9 @@ def floors(grads: Sequence[torch.Tensor]) -> dict[str, Callable[[], Any]]:
         torch._foreach_mul_(local, 1.0)
 
     out = {"floor: one read": read, "floor: one read+write": read_write}
-    if all(g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() for g in local):
+    if all(
+        g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous() for g in local
+    ):
         flat = [g.view(-1) for g in local]
 
         def read_dot() -> None:  # the same read with BLAS sdot, which runs at memory speed on CPU
@@ -242,5 +242,3 @@ def floors(grads: Sequence[torch.Tensor]) -> dict[str, Callable[[], Any]]:
 
         out["floor: one read (BLAS dot)"] = read_dot
     return out
-
-

@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 
 from benchkit.cases import OPTIMIZERS, Case, measure  # noqa: E402
 from benchkit.contenders import CONTENDERS, INIT_SCALE  # noqa: E402
-from lm.distributed import Dist, setup_distributed  # noqa: E402
+from lm.distributed import Dist, local_tensor, setup_distributed  # noqa: E402
 
 __all__ = ["LAYOUTS", "Blocks", "build_model", "main", "run_worlds", "slowest_rank"]
 
@@ -117,7 +117,7 @@ def scaled_gradients(model: nn.Module, width: int, d: Dist, *, seed: int = 0) ->
     grads = [p.grad for p in model.parameters()]
     if any(g is None for g in grads):
         raise RuntimeError("some parameters got no gradient")
-    local = [g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads]
+    local = [local_tensor(g) for g in grads]
     finite = torch.stack([torch.isfinite(g).all() for g in local]).all()
     if not bool(finite):
         raise RuntimeError(

@@ -9,42 +9,37 @@ call, outside the timer.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from lm.metrics import PhaseTimer
+
 __all__ = ["Timer", "interleave", "median_ms"]
 
 
 class Timer:
-    """Wall time of one call in seconds: host clock around a device synchronize on accelerators.
+    """Wall time of one call in seconds, queued device work from before the call left out.
 
-    On CUDA, CUDA events bracket the call (``elapsed_time`` after a synchronize), so queued work
-    from before the call is not counted and work the call queued is.
+    Synchronizes the device first, then brackets the call with :class:`lm.metrics.PhaseTimer`
+    (CUDA events on GPUs, so work the call queued is counted; the host clock on CPU).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._timer = PhaseTimer(device)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __call__(self, fn: Callable[[], Any]) -> float:
-        if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            self.sync()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+        self.sync()
+        self._timer.start()
         fn()
-        return time.perf_counter() - t0
+        self._timer.stop()
+        return self._timer.seconds()
 
 
 def interleave(
@@ -69,7 +64,6 @@ def interleave(
             if name in failed:
                 continue
             reset()
-            timer.sync()
             try:
                 seconds = timer(fn)
             except Exception as exc:  # a contender that cannot run here (reported, not fatal)

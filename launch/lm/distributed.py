@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "gather_objects", "params_digest", "setup_distributed"]
+__all__ = ["Dist", "gather_objects", "local_tensor", "params_digest", "setup_distributed"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +89,14 @@ def gather_objects(obj: Any, d: Dist) -> list[Any]:
     out: list[Any] = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (the same storage: no copy, no
+    communication), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def params_digest(params: Iterable[torch.Tensor]) -> str:

@@ -25,9 +25,16 @@ from distscaler import GradScaler
 from lm.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from lm.config import TrainConfig
 from lm.data import get_batch, load_corpus
-from lm.distributed import Dist, gather_objects
+from lm.distributed import Dist, gather_objects, local_tensor
 from lm.evaluate import evaluate
-from lm.metrics import METRICS_NAME, SUMMARY_NAME, read_metrics, step_record, summarize
+from lm.metrics import (
+    METRICS_NAME,
+    SUMMARY_NAME,
+    PhaseTimer,
+    read_metrics,
+    step_record,
+    summarize,
+)
 from lm.optim import lr_at, make_optimizer
 from lm.parallel import Parallel, build_parallel
 from lm.plot import PLOT_NAME, plot_metrics
@@ -43,49 +50,12 @@ def inject_inf_(model: nn.Module) -> None:
     A DTensor gradient (FSDP2, HSDP, tensor parallel) gets it in its local shard; gradients with
     no element here (an empty shard) are passed over.
     """
-    from torch.distributed.tensor import DTensor
-
     for p in model.parameters():
-        grad = p.grad
-        if isinstance(grad, DTensor):
-            grad = grad._local_tensor
+        grad = None if p.grad is None else local_tensor(p.grad)
         if grad is not None and grad.numel() > 0:
             grad.view(-1)[0] = math.inf
             return
     raise RuntimeError("inject_inf: this rank holds no gradient element to write an inf into")
-
-
-class _PhaseTimer:
-    """Wall time of the scaler phase; CUDA events on GPUs so that timing adds no host sync."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._events: tuple[Any, Any] | None = None
-        self._t0 = 0.0
-        self._dt = 0.0
-
-    def start(self) -> None:
-        if self.cuda:
-            self._events = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self._events[0].record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._dt = time.perf_counter() - self._t0
-
-    def seconds(self) -> float:
-        """Read after the step's own host reads (on CUDA it waits for the end event)."""
-        if self._events is not None:
-            self._events[1].synchronize()
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
-        return self._dt
 
 
 def train_step(
@@ -97,7 +67,7 @@ def train_step(
     cfg: TrainConfig,
     *,
     inject: bool = False,
-    timer: _PhaseTimer | None = None,
+    timer: PhaseTimer | None = None,
     comm: CommDebugMode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns the loss and the global unscaled gradient norm, on the device.
@@ -198,7 +168,7 @@ def train(
     measure_step = start_step + min(2, cfg.steps - start_step)
     comm_counts: dict[str, int] = {}
     scaler_times: list[float] = []
-    timer = _PhaseTimer(d.device)
+    timer = PhaseTimer(d.device)
     skipped_steps: list[int] = []  # this rank's view, checked against the others at the end
     train_time = 0.0
     eval_loss = None

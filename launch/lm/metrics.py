@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 __all__ = [
     "METRICS_NAME",
     "SUMMARY_NAME",
+    "PhaseTimer",
     "finite_or_none",
     "read_metrics",
     "step_record",
@@ -82,3 +86,37 @@ def summarize(records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         "last_loss": records[-1]["loss"] if records else None,
         **extra,
     }
+
+
+class PhaseTimer:
+    """Wall time of a region (the job's scaler phase, a benchmark call) between ``start()`` and
+    ``stop()``, in seconds. CUDA events on GPUs: no host sync until :meth:`seconds`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: tuple[Any, Any] | None = None
+        self._t0 = 0.0
+        self._dt = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._dt = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """Read after the step's own host reads (on CUDA it waits for the end event)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._dt
