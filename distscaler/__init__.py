@@ -7,9 +7,9 @@ update are agreed by every rank in one collective per optimizer step.
 from __future__ import annotations
 
 from .config import ScalerConfig
-from .errors import CallOrderError
-from .policies import LossScaleAtMinimumError
+from .errors import CallOrderError, LossScaleAtMinimumError, UnknownLayoutError
 from .scaler import GradScaler, OptState
+from .telemetry import SkipTotals
 
 __all__ = [
     "CallOrderError",
@@ -17,6 +17,8 @@ __all__ = [
     "LossScaleAtMinimumError",
     "OptState",
     "ScalerConfig",
+    "SkipTotals",
+    "UnknownLayoutError",
     "__version__",
 ]
 

@@ -1,6 +1,8 @@
-"""Argument checks shared by the scaler and its configs.
+"""Argument checks shared by ``ScalerConfig``, the scaler's setters and ``load_state_dict``.
 
-Every check names the argument, the value and the valid range, and raises before anything is mutated.
+Every check names the argument, the value and the valid range, and raises before anything is
+mutated. The ranges are what the device state can hold: the scale is a float32 tensor, the growth
+tracker an int32 tensor (``torch._amp_update_scale_``), policy counters int64 tensors.
 """
 
 from __future__ import annotations
@@ -9,12 +11,25 @@ import math
 from numbers import Integral, Real
 
 __all__ = [
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+    "INT32_MAX",
+    "INT64_MAX",
     "check_bool",
     "check_factor",
     "check_int",
-    "check_positive_finite",
+    "check_scale",
     "is_real",
 ]
+
+#: Largest finite float32: a larger scale becomes inf on the device.
+FLOAT32_MAX = 3.4028234663852886e38
+#: Smallest normal float32: a smaller scale loses precision, or becomes 0, on the device.
+FLOAT32_TINY = 1.1754943508222875e-38
+#: The growth tracker is an int32 tensor (``torch._amp_update_scale_``).
+INT32_MAX = 2**31 - 1
+#: Policy counters are int64 tensors.
+INT64_MAX = 2**63 - 1
 
 
 def is_real(value: object) -> bool:
@@ -22,10 +37,16 @@ def is_real(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
-def check_positive_finite(name: str, value: object) -> float:
-    """Return ``value`` as a float if it is a finite real number > 0, else raise ValueError."""
-    if not is_real(value) or not math.isfinite(float(value)) or float(value) <= 0.0:  # type: ignore[arg-type]
-        raise ValueError(f"{name} must be a finite number > 0, got: {value!r}")
+def check_scale(name: str, value: object) -> float:
+    """A loss scale or bound: a finite number in float32's normal range, returned as a float."""
+    ok = is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
+    if ok:
+        ok = FLOAT32_TINY <= float(value) <= FLOAT32_MAX  # type: ignore[arg-type]
+    if not ok:
+        raise ValueError(
+            f"{name} must be a finite number in [{FLOAT32_TINY}, {FLOAT32_MAX}] "
+            f"(float32's normal range), got: {value!r}"
+        )
     return float(value)  # type: ignore[arg-type]
 
 
@@ -41,14 +62,16 @@ def check_factor(name: str, value: object, *, low: float, high: float | None) ->
     return float(value)  # type: ignore[arg-type]
 
 
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """Check that ``value`` is an integer (not a bool) >= ``minimum``."""
-    if not isinstance(value, Integral) or isinstance(value, bool) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got: {value!r}")
-    return int(value)
+def check_int(name: str, value: object, *, minimum: int, maximum: int = INT64_MAX) -> int:
+    """Check that ``value`` is an integer (not a bool) in ``[minimum, maximum]``."""
+    ok = isinstance(value, Integral) and not isinstance(value, bool)
+    if not ok or not minimum <= int(value) <= maximum:  # type: ignore[call-overload]
+        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}], got: {value!r}")
+    return int(value)  # type: ignore[call-overload]
 
 
 def check_bool(name: str, value: object) -> bool:
+    """Check that ``value`` is a bool (1 and 0 are refused: a typo, not a choice)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got: {value!r}")
     return value

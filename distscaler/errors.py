@@ -1,8 +1,18 @@
-"""Exception types raised by distscaler."""
+"""Exception types raised by distscaler, in one place."""
 
 from __future__ import annotations
 
-__all__ = ["CallOrderError"]
+__all__ = [
+    "MIN_SCALE_MESSAGE",
+    "CallOrderError",
+    "LossScaleAtMinimumError",
+    "UnknownLayoutError",
+]
+
+#: DeepSpeed's message (``deepspeed/runtime/fp16/loss_scaler.py``), kept word for word.
+MIN_SCALE_MESSAGE = (
+    "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+)
 
 
 class CallOrderError(RuntimeError, AssertionError):
@@ -11,4 +21,21 @@ class CallOrderError(RuntimeError, AssertionError):
     torch's ``GradScaler`` raises ``RuntimeError`` for some call-order mistakes and ``AssertionError``
     for others ("No inf checks were recorded prior to update."). This class derives from both, so code
     written against either type of torch's keeps working, while the messages keep torch's wording.
+    """
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """An overflow would lower a scale already at ``min_scale`` (``raise_error_at_min_scale``).
+
+    DeepSpeed raises a bare ``Exception`` with the same message (:data:`MIN_SCALE_MESSAGE`); this is
+    a subclass of it.
+    """
+
+
+class UnknownLayoutError(ValueError):
+    """The layout of some gradients across the verdict group cannot be determined.
+
+    Raised by ``clip_grad_norm_`` on every rank, before anything changes and before any collective,
+    instead of returning a norm off by a factor of the number of replicas (see
+    :mod:`distscaler.layouts`).
     """

@@ -38,13 +38,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .errors import UnknownLayoutError
+
 __all__ = [
+    "GRAD_LAYOUTS",
     "GradGroups",
     "GradLayout",
+    "GradPlan",
     "GroupKey",
     "LayoutResolver",
     "UnknownLayoutError",
     "collect_grads",
+    "plan_grads",
     "replication_weight",
 ]
 
@@ -68,10 +73,6 @@ class GroupKey(NamedTuple):
 
 #: Local gradients of one optimizer grouped by :class:`GroupKey`, in parameter order.
 GradGroups = dict[GroupKey, list[torch.Tensor]]
-
-
-class UnknownLayoutError(ValueError):
-    """The layout of some gradients across the verdict group cannot be determined."""
 
 
 def replication_weight(layout: str, world_size: int) -> float:
@@ -138,6 +139,8 @@ class LayoutResolver:
         self._registered = _ParamTable()  # param -> (layout or weight, source)
         self._dtensor = _ParamTable()  # param -> (mesh, placements, weight, mesh size)
         self._checked_meshes: set[tuple[int, int]] = set()
+        #: Bumped by every registration, so that cached gradient plans are rebuilt.
+        self.version = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Registrations refer to live parameters: a copy (pickle, deepcopy) starts without them.
@@ -183,6 +186,7 @@ class LayoutResolver:
                     learnt[id(view)] = (view, 1.0 / fsdp_replicas, source)
         for tensor, weight, source in learnt.values():
             self._registered.set(tensor, (weight, source))
+        self.version += 1
         return len(learnt)
 
     # ------------------------------------------------------------------ weights
@@ -358,3 +362,109 @@ def collect_grads(
     if unknown:
         raise _unknown_layout_error(unknown, world_size)
     return {GroupKey(*key): grads for key, grads in groups.items()}
+
+
+_NoneType = type(None)
+
+
+class GradPlan:
+    """An optimizer's parameters grouped once by (device, dtype, weight), for every later step.
+
+    :func:`collect_grads` does the grouping (and the layout lookups) for every gradient at every
+    step; a plan does it once per optimizer and parameter set. Gradients are new tensors at every
+    step after ``zero_grad(set_to_none=True)``, so the plan keys on the parameters and fetches their
+    ``.grad`` at each step: two list passes per group, no per-gradient lookup.
+    """
+
+    __slots__ = ("groups", "key")
+
+    def __init__(self, key: tuple, groups: list[tuple[GroupKey, list[torch.Tensor], bool]]) -> None:
+        self.key = key
+        #: (group key, parameters, whether their gradients are DTensors), in parameter order.
+        self.groups = groups
+
+    def grads(self) -> GradGroups | None:
+        """This step's local gradients, grouped; parameters without a gradient are left out.
+
+        None when the gradients no longer match the plan (a model moved or cast since: one
+        gradient per group is checked), so that it is rebuilt.
+        """
+        out: GradGroups = {}
+        for key, params, is_dtensor in self.groups:
+            grads = [p.grad for p in params]
+            if _NoneType in map(type, grads):
+                grads = [g for g in grads if g is not None]
+                if not grads:
+                    continue
+            if is_dtensor:
+                grads = [g._local_tensor for g in grads]  # type: ignore[union-attr]
+            first = grads[0]
+            if first.dtype is not key.dtype or first.device != key.device:  # type: ignore[union-attr]
+                return None
+            same = out.get(key)
+            out[key] = grads if same is None else [*same, *grads]  # type: ignore[assignment,list-item]
+        return out
+
+    def has_fp16(self) -> bool:
+        return any(key.dtype is torch.float16 for key, _, _ in self.groups)
+
+
+def _plan_key(optimizer: torch.optim.Optimizer, *extra: Any) -> tuple:
+    return (*((id(g["params"]), len(g["params"])) for g in optimizer.param_groups), *extra)
+
+
+def plan_grads(
+    optimizer: torch.optim.Optimizer,
+    cache: weakref.WeakKeyDictionary,
+    *,
+    resolver: LayoutResolver | None = None,
+    world_size: int = 1,
+    group: dist.ProcessGroup | None = None,
+    rebuild: bool = False,
+) -> GradPlan | None:
+    """The optimizer's cached :class:`GradPlan`, rebuilt when its parameter set, the registered
+    layouts or the group change; None when this step's gradients cannot be planned (sparse ones:
+    use :func:`collect_grads`).
+
+    Args:
+        cache: where plans are kept, per optimizer (held weakly).
+        resolver: when given (a norm is to be taken) and ``world_size > 1``, groups carry the
+            replication weight of their gradients (see :func:`collect_grads`).
+        rebuild: build a new plan even if the cached one matches (its gradients did not).
+
+    Raises:
+        UnknownLayoutError: as :func:`collect_grads`, when a plan is built.
+    """
+    weigh = resolver is not None and world_size > 1
+    key = _plan_key(optimizer, weigh, resolver.version if weigh else 0, world_size, id(group))  # type: ignore[union-attr]
+    plans = cache.get(optimizer)
+    if plans is None:
+        plans = cache[optimizer] = {}
+    plan = plans.get(weigh)
+    if plan is not None and plan.key == key and not rebuild:
+        return plan
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    unknown: list[torch.Tensor] = []
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            grad = param.grad
+            if grad is not None and grad.is_sparse:
+                return None
+            sample = param if grad is None else grad
+            is_dtensor = DTensor is not None and isinstance(sample, DTensor)
+            weight = 1.0
+            if weigh:
+                found = resolver.weight(param, sample, world_size, group)  # type: ignore[union-attr]
+                if found is None:
+                    unknown.append(param)
+                    continue
+                weight = found
+            local = sample._local_tensor if is_dtensor else sample  # type: ignore[union-attr]
+            groups.setdefault((local.device, local.dtype, weight, is_dtensor), []).append(param)
+    if unknown:
+        raise _unknown_layout_error(unknown, world_size)
+    plan = GradPlan(
+        key, [(GroupKey(d, t, w), params, dt) for (d, t, w, dt), params in groups.items()]
+    )
+    plans[weigh] = plan
+    return plan

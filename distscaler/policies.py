@@ -1,10 +1,11 @@
 """Loss-scale update rules ("policies"), applied on the device with no host read.
 
-A policy turns the agreed ``found_inf`` of one iteration into the next loss scale. The scaler owns
-``scale`` and torch's ``growth_tracker`` (so that ``state_dict`` stays torch-compatible); a policy
-declares the extra 0-dim int64 state tensors it needs (``state_keys``: DeepSpeed's ``cur_iter``,
-``last_overflow_iter``, ``cur_hysteresis``; Megatron's ``hysteresis_tracker``), the scaler creates
-them next to the scale, and ``update_`` mutates all of them in place with tensor ops only.
+A policy turns the agreed ``found_inf`` of one iteration into the next loss scale. The scaler's
+device state owns ``scale`` and torch's ``growth_tracker`` (so that ``state_dict`` stays
+torch-compatible); a policy declares the extra 0-dim int64 state tensors it needs (``state_keys``:
+DeepSpeed's ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``; Megatron's
+``hysteresis_tracker``), and ``update_`` mutates all of them in place with tensor ops only. Every
+setting a rule reads comes from one :class:`ScaleRule`.
 
 =============  ============================================================================
 ``"torch"``    ``torch.amp.GradScaler``: back off on every overflow, grow after
@@ -23,62 +24,82 @@ before and independently of the policy), including one that hysteresis absorbs.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-from . import _validation as V
+from .errors import MIN_SCALE_MESSAGE, LossScaleAtMinimumError
 
 __all__ = [
+    "MIN_SCALE_MESSAGE",
     "POLICIES",
-    "DeepSpeedPolicy",
     "LossScaleAtMinimumError",
-    "MegatronPolicy",
     "PolicyName",
     "ScalePolicy",
-    "StaticPolicy",
-    "TorchPolicy",
-    "make_policy",
+    "ScaleRule",
+    "get_policy",
 ]
 
 PolicyName = Literal["torch", "deepspeed", "megatron", "static"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
-#: DeepSpeed's message (``deepspeed/runtime/fp16/loss_scaler.py``), kept word for word.
-MIN_SCALE_MESSAGE = (
-    "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
-)
 
+@dataclass(frozen=True, slots=True)
+class ScaleRule:
+    """The settings of a scale update rule, in one value (validated by ``ScalerConfig``).
 
-class LossScaleAtMinimumError(RuntimeError):
-    """An overflow would lower a scale already at ``min_scale`` (``raise_error_at_min_scale``).
-
-    DeepSpeed raises a bare ``Exception`` with the same message; this is a subclass of it.
+    Attributes:
+        growth_factor: factor (> 1) of a growth.
+        backoff_factor: factor in (0, 1) of a backoff.
+        growth_interval: clean steps, in optimizer steps, before a growth (DeepSpeed's
+            ``loss_scale_window``).
+        min_scale: floor of the scale, or None (torch's scale has none).
+        max_scale: ceiling of the scale, or None.
+        hysteresis: overflows tolerated before a backoff (DeepSpeed's ``delayed_shift``,
+            Megatron's ``hysteresis``); 1 for ``"torch"`` and ``"static"``.
+        consecutive_hysteresis: refill the hysteresis on every clean step (``"deepspeed"``).
     """
 
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
 
-class ScalePolicy(Protocol):
-    """The seam every update rule implements.
+    @property
+    def bounded(self) -> bool:
+        """Whether the scale is clamped after each update."""
+        return self.min_scale is not None or self.max_scale is not None
 
-    ``update_`` and ``at_minimum`` must run entirely on the device of ``scale`` (no ``.item()``, no
-    Python branching on tensor values), so that ``GradScaler.update()`` adds no host sync.
+
+class ScalePolicy:
+    """The seam every update rule implements; the base is the policy without extra state.
+
+    ``update_`` and ``at_minimum`` run entirely on the device of ``scale`` (no ``.item()``, no
+    Python branching on tensor values), so that ``GradScaler.update()`` adds no host sync and can be
+    captured in a CUDA graph.
     """
 
-    name: str
+    name: str = ""
     #: Names of the policy's extra state: 0-dim int64 tensors on the scale's device.
-    state_keys: tuple[str, ...]
+    state_keys: tuple[str, ...] = ()
 
-    def initial_state(self) -> dict[str, int]:
+    def initial_state(self, rule: ScaleRule) -> dict[str, int]:
         """Values of the extra state at the start of training (host ints, one per state key)."""
-        ...
+        return {}
 
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
+    def state_from_checkpoint(
+        self, values: dict[str, int], growth_tracker: int, rule: ScaleRule
+    ) -> dict[str, int]:
         """The extra state to resume from ``values`` (known state keys of any policy, host ints).
 
         Keys this policy needs but ``values`` lacks are derived from ``growth_tracker`` and
         ``values["num_updates"]`` where possible, else take their initial value.
         """
-        ...
+        return {}
 
     def update_(
         self,
@@ -86,132 +107,82 @@ class ScalePolicy(Protocol):
         growth_tracker: torch.Tensor,
         found_inf: torch.Tensor,
         state: dict[str, torch.Tensor],
-        *,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        min_scale: float | None,
+        rule: ScaleRule,
     ) -> None:
         """Update ``scale`` (0-dim float32), ``growth_tracker`` (0-dim int32) and ``state`` in place.
 
-        ``found_inf`` is a 0-dim float32 tensor on the same device, > 0 when the step overflowed.
-        ``min_scale`` is the floor of a backoff (None: no floor); the scaler clamps after as well.
+        ``found_inf``: 0-dim float32 on the same device, exactly 1.0 when the step overflowed, else
+        0.0. The result is clamped to ``[rule.min_scale, rule.max_scale]``.
         """
-        ...
+        raise NotImplementedError
 
     def at_minimum(
         self,
         scale: torch.Tensor,
         found_inf: torch.Tensor,
         state: dict[str, torch.Tensor],
-        *,
-        min_scale: float,
+        rule: ScaleRule,
     ) -> torch.Tensor:
-        """0-dim bool tensor: this update would back off a scale already equal to ``min_scale``."""
-        ...
+        """0-dim bool tensor: this update would back off a scale already at ``rule.min_scale``."""
+        return torch.zeros((), dtype=torch.bool, device=scale.device)
 
 
-def _overflowed(found_inf: torch.Tensor) -> torch.Tensor:
-    return found_inf > 0
+def _clamp_(scale: torch.Tensor, rule: ScaleRule) -> None:
+    if rule.bounded:
+        scale.clamp_(min=rule.min_scale, max=rule.max_scale)
 
 
-def _backed_off(
-    scale: torch.Tensor, backoff_factor: float, min_scale: float | None
-) -> torch.Tensor:
+def _backed_off(scale: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     """``scale * backoff_factor``, floored at ``min_scale`` (Megatron's and DeepSpeed's ``max``)."""
-    backed_off = scale * backoff_factor
-    return backed_off if min_scale is None else torch.clamp(backed_off, min=min_scale)
+    backed_off = scale * rule.backoff_factor
+    return backed_off if rule.min_scale is None else torch.clamp(backed_off, min=rule.min_scale)
 
 
-def _grown(scale: torch.Tensor, growth_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _grown(scale: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
     """(``scale * growth_factor``, whether it is finite): a growth past float32 is skipped."""
-    grown = scale * growth_factor
+    grown = scale * rule.growth_factor
     return grown, torch.isfinite(grown)
 
 
-class _NoExtraState:
-    """Policies whose whole state is torch's ``scale`` and growth tracker."""
-
-    state_keys: tuple[str, ...] = ()
-
-    def initial_state(self) -> dict[str, int]:
-        return {}
-
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
-        return {}
-
-
-class TorchPolicy(_NoExtraState):
+class TorchPolicy(ScalePolicy):
     """torch's rule, via the same kernel ``torch.amp.GradScaler.update`` uses (bit-identical).
 
     On overflow: ``scale *= backoff_factor`` and the growth tracker resets to 0. Otherwise the tracker
     counts clean steps; at ``growth_interval`` the scale is multiplied by ``growth_factor`` (only if the
-    result is finite) and the tracker resets. Source: ``torch._amp_update_scale_``.
+    result is finite) and the tracker resets. One kernel (plus one clamp with bounds). Source:
+    ``torch._amp_update_scale_``.
     """
 
     name = "torch"
 
-    def update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        min_scale: float | None,
-    ) -> None:
+    def update_(self, scale, growth_tracker, found_inf, state, rule):  # type: ignore[override]
         torch._amp_update_scale_(
-            scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+            scale,
+            growth_tracker,
+            found_inf,
+            rule.growth_factor,
+            rule.backoff_factor,
+            rule.growth_interval,
         )
+        _clamp_(scale, rule)
 
-    def at_minimum(
-        self,
-        scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        min_scale: float,
-    ) -> torch.Tensor:
-        return _overflowed(found_inf) & (scale <= min_scale)
+    def at_minimum(self, scale, found_inf, state, rule):  # type: ignore[override]
+        return (found_inf > 0) & (scale <= rule.min_scale)
 
 
-class StaticPolicy(_NoExtraState):
+class StaticPolicy(ScalePolicy):
     """A fixed scale: overflows are skipped (unless the scaler is told not to) but change nothing.
 
-    DeepSpeed's static ``loss_scale > 0``, and bf16/fp32 training at a scale of 1.0.
+    DeepSpeed's static ``loss_scale > 0``, and bf16/fp32 training at a scale of 1.0. No device op.
     """
 
     name = "static"
 
-    def update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        min_scale: float | None,
-    ) -> None:
+    def update_(self, scale, growth_tracker, found_inf, state, rule):  # type: ignore[override]
         return None
 
-    def at_minimum(
-        self,
-        scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        min_scale: float,
-    ) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.bool, device=scale.device)
 
-
-class MegatronPolicy:
+class MegatronPolicy(ScalePolicy):
     """Megatron-LM's ``DynamicGradScaler`` rule (``megatron/core/optimizer/grad_scaler.py``).
 
     On overflow: the growth tracker resets to 0 and the hysteresis tracker drops by one; once it is
@@ -225,66 +196,45 @@ class MegatronPolicy:
     """
 
     name = "megatron"
-    state_keys: tuple[str, ...] = ("hysteresis_tracker",)
+    state_keys = ("hysteresis_tracker",)
 
-    def __init__(self, hysteresis: int) -> None:
-        self.hysteresis = hysteresis
+    def initial_state(self, rule):  # type: ignore[override]
+        return {"hysteresis_tracker": rule.hysteresis}
 
-    def initial_state(self) -> dict[str, int]:
-        return {"hysteresis_tracker": self.hysteresis}
-
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
+    def state_from_checkpoint(self, values, growth_tracker, rule):  # type: ignore[override]
         if "hysteresis_tracker" in values:
             return {"hysteresis_tracker": values["hysteresis_tracker"]}
         if "cur_hysteresis" in values:  # DeepSpeed's counter has the same meaning
             return {"hysteresis_tracker": values["cur_hysteresis"]}
-        return self.initial_state()
+        return self.initial_state(rule)
 
-    def update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        min_scale: float | None,
-    ) -> None:
-        found = _overflowed(found_inf)
+    def update_(self, scale, growth_tracker, found_inf, state, rule):  # type: ignore[override]
+        found = found_inf > 0
         hyst = state["hysteresis_tracker"]
         hyst_after_overflow = hyst - 1
-        backed_off = _backed_off(scale, backoff_factor, min_scale)
         tracker_clean = growth_tracker + 1
-        grown, finite = _grown(scale, growth_factor)
-        grow = (tracker_clean >= growth_interval) & finite
+        grown, finite = _grown(scale, rule)
+        grow = (tracker_clean >= rule.growth_interval) & finite
         clean_scale = torch.where(grow, grown, scale)
-        overflow_scale = torch.where(hyst_after_overflow <= 0, backed_off, scale)
+        overflow_scale = torch.where(hyst_after_overflow <= 0, _backed_off(scale, rule), scale)
         scale.copy_(torch.where(found, overflow_scale, clean_scale))
         hyst.copy_(
             torch.where(
                 found,
                 hyst_after_overflow,
-                torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst),
+                torch.where(grow, torch.full_like(hyst, rule.hysteresis), hyst),
             )
         )
         growth_tracker.copy_(
             torch.where(found | grow, torch.zeros_like(growth_tracker), tracker_clean)
         )
+        _clamp_(scale, rule)
 
-    def at_minimum(
-        self,
-        scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        min_scale: float,
-    ) -> torch.Tensor:
-        return _overflowed(found_inf) & (state["hysteresis_tracker"] <= 1) & (scale <= min_scale)
+    def at_minimum(self, scale, found_inf, state, rule):  # type: ignore[override]
+        return (found_inf > 0) & (state["hysteresis_tracker"] <= 1) & (scale <= rule.min_scale)
 
 
-class DeepSpeedPolicy:
+class DeepSpeedPolicy(ScalePolicy):
     """DeepSpeed's ``DynamicLossScaler.update_scale`` (``deepspeed/runtime/fp16/loss_scaler.py``).
 
     State: ``cur_iter`` (0), ``last_overflow_iter`` (-1), ``cur_hysteresis`` (= ``hysteresis``,
@@ -303,16 +253,12 @@ class DeepSpeedPolicy:
     """
 
     name = "deepspeed"
-    state_keys: tuple[str, ...] = ("cur_iter", "last_overflow_iter", "cur_hysteresis")
+    state_keys = ("cur_iter", "last_overflow_iter", "cur_hysteresis")
 
-    def __init__(self, hysteresis: int, consecutive_hysteresis: bool) -> None:
-        self.hysteresis = hysteresis
-        self.consecutive_hysteresis = consecutive_hysteresis
+    def initial_state(self, rule):  # type: ignore[override]
+        return {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": rule.hysteresis}
 
-    def initial_state(self) -> dict[str, int]:
-        return {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": self.hysteresis}
-
-    def state_from_checkpoint(self, values: dict[str, int], growth_tracker: int) -> dict[str, int]:
+    def state_from_checkpoint(self, values, growth_tracker, rule):  # type: ignore[override]
         if "cur_iter" in values:
             cur_iter = values["cur_iter"]
         else:
@@ -322,100 +268,62 @@ class DeepSpeedPolicy:
         if "cur_hysteresis" in values:
             hyst = values["cur_hysteresis"]
         elif "hysteresis_tracker" in values:  # Megatron's counter, which may go below 1
-            hyst = min(max(values["hysteresis_tracker"], 1), self.hysteresis)
+            hyst = min(max(values["hysteresis_tracker"], 1), rule.hysteresis)
         else:
-            hyst = self.hysteresis
+            hyst = rule.hysteresis
         return {"cur_iter": cur_iter, "last_overflow_iter": last, "cur_hysteresis": hyst}
 
-    def _exhausted(self, hyst: torch.Tensor) -> torch.Tensor:
-        if self.hysteresis == 1:
+    @staticmethod
+    def _exhausted(hyst: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
+        if rule.hysteresis == 1:
             return torch.ones_like(hyst, dtype=torch.bool)
         return hyst == 1
 
-    def update_(
-        self,
-        scale: torch.Tensor,
-        growth_tracker: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        min_scale: float | None,
-    ) -> None:
-        found = _overflowed(found_inf)
+    def update_(self, scale, growth_tracker, found_inf, state, rule):  # type: ignore[override]
+        found = found_inf > 0
         cur_iter = state["cur_iter"]
         last = state["last_overflow_iter"]
         hyst = state["cur_hysteresis"]
-        backoff = found & self._exhausted(hyst)
-        backed_off = _backed_off(scale, backoff_factor, min_scale)
+        backoff = found & self._exhausted(hyst, rule)
         stable = cur_iter - last - 1
-        grown, finite = _grown(scale, growth_factor)
+        grown, finite = _grown(scale, rule)
         grow = (
             found.logical_not()
             & (stable > 0)
-            & (torch.remainder(stable, growth_interval) == 0)
+            & (torch.remainder(stable, rule.growth_interval) == 0)
             & finite
         )
-        full = torch.full_like(hyst, self.hysteresis)
-        refill = found.logical_not() if self.consecutive_hysteresis else grow
+        full = torch.full_like(hyst, rule.hysteresis)
+        refill = found.logical_not() if rule.consecutive_hysteresis else grow
         new_hyst = torch.where(found & backoff.logical_not(), hyst - 1, hyst)
         new_hyst = torch.where(refill, full, new_hyst)
-        scale.copy_(torch.where(backoff, backed_off, torch.where(grow, grown, scale)))
+        scale.copy_(torch.where(backoff, _backed_off(scale, rule), torch.where(grow, grown, scale)))
         hyst.copy_(new_hyst)
         last.copy_(torch.where(found, cur_iter, last))
         cur_iter.add_(1)
         growth_tracker.copy_(
             torch.where(found | grow, torch.zeros_like(growth_tracker), growth_tracker + 1)
         )
+        _clamp_(scale, rule)
 
-    def at_minimum(
-        self,
-        scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        state: dict[str, torch.Tensor],
-        *,
-        min_scale: float,
-    ) -> torch.Tensor:
+    def at_minimum(self, scale, found_inf, state, rule):  # type: ignore[override]
         # DeepSpeed compares with ==; a scale below the floor (a loaded checkpoint) counts too.
-        return (
-            _overflowed(found_inf) & self._exhausted(state["cur_hysteresis"]) & (scale <= min_scale)
-        )
+        exhausted = self._exhausted(state["cur_hysteresis"], rule)
+        return (found_inf > 0) & exhausted & (scale <= rule.min_scale)
 
 
-def make_policy(
-    name: str, *, hysteresis: int = 1, consecutive_hysteresis: bool = False
-) -> ScalePolicy:
-    """Build a policy by name.
+_POLICIES: dict[str, ScalePolicy] = {
+    p.name: p for p in (TorchPolicy(), DeepSpeedPolicy(), MegatronPolicy(), StaticPolicy())
+}
 
-    Args:
-        name: one of ``"torch"``, ``"deepspeed"``, ``"megatron"``, ``"static"``.
-        hysteresis: overflows tolerated before a backoff (>= 1); only ``"deepspeed"`` and
-            ``"megatron"`` have hysteresis, the others need 1.
-        consecutive_hysteresis: refill the hysteresis on every clean step (``"deepspeed"`` only).
+
+def get_policy(name: str) -> ScalePolicy:
+    """The policy called ``name`` (policies hold no settings; those are in a :class:`ScaleRule`).
 
     Raises:
-        ValueError: unknown name, ``hysteresis`` out of range, or an option the policy lacks.
-        TypeError: ``consecutive_hysteresis`` is not a bool.
+        ValueError: unknown name.
     """
-    if name not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got: {name!r}")
-    hysteresis = V.check_int("hysteresis", hysteresis, minimum=1)
-    consecutive_hysteresis = V.check_bool("consecutive_hysteresis", consecutive_hysteresis)
-    if name in ("torch", "static") and hysteresis != 1:
-        raise ValueError(
-            f"hysteresis must be 1 for policy={name!r} (it has none; use policy='deepspeed' or "
-            f"'megatron'), got: {hysteresis}"
-        )
-    if name != "deepspeed" and consecutive_hysteresis:
-        raise ValueError(
-            f"consecutive_hysteresis=True needs policy='deepspeed', got: policy={name!r}"
-        )
-    if name == "deepspeed":
-        return DeepSpeedPolicy(hysteresis, consecutive_hysteresis)
-    if name == "megatron":
-        return MegatronPolicy(hysteresis)
-    if name == "static":
-        return StaticPolicy()
-    return TorchPolicy()
+    try:
+        return _POLICIES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"policy must be one of {POLICIES}, got: {name!r}") from None

@@ -1,13 +1,18 @@
-"""``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares."""
+"""``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares.
+
+This module is the torch-compatible face: the constructor, the per-optimizer call-order state, the
+getters and setters, and DeepSpeed-style properties. The work is elsewhere: settings in
+:mod:`~distscaler.config`, the device state in :mod:`~distscaler.state`, the verdict and its
+collective in :mod:`~distscaler.verdict`, the hand-off to fused optimizers in
+:mod:`~distscaler.fused`, scale rules in :mod:`~distscaler.policies`, saving and loading in
+:mod:`~distscaler.persistence`, the skip log in :mod:`~distscaler.telemetry`.
+"""
 
 from __future__ import annotations
 
-import inspect
-import math
+import dataclasses
 import warnings
-import weakref
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,25 +20,15 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from .config import ScalerConfig
-from .errors import CallOrderError
-from .interop import to_native_state
-from .layouts import GRAD_LAYOUTS, GradGroups, GradLayout, LayoutResolver, collect_grads
-from .policies import (
-    MIN_SCALE_MESSAGE,
-    POLICIES,
-    LossScaleAtMinimumError,
-    PolicyName,
-    make_policy,
-)
-from .telemetry import SkipRecord
-from .verdict import (
-    Verdict,
-    all_reduce_verdict,
-    check_and_unscale_,
-    local_overflow_flag,
-    local_verdict,
-)
+from .config import ScalerConfig, raise_problems, settings_problems
+from .errors import MIN_SCALE_MESSAGE, CallOrderError, LossScaleAtMinimumError
+from .fused import fused_step, uses_fused_scaling
+from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
+from .persistence import export_state, parse_state
+from .policies import PolicyName, get_policy
+from .state import FOLD_EVERY, DeviceState, HostValues
+from .telemetry import SkipLog, SkipTotals
+from .verdict import VerdictGroup
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -45,10 +40,8 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
         "found_inf_per_device": {},
         "grad_scale": None,
         "clipped": False,
+        "ends": None,
     }
-
-
-_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -58,66 +51,64 @@ class GradScaler(torch.amp.GradScaler):
     parameters, defaults, methods, per-optimizer call-order rules and error wording. For a single
     process, swapping the import changes no parameter and no scale, bit for bit. On top of torch:
 
-    * Each rank checks its own gradients with fused multi-tensor kernels (one launch per
-      device/dtype group) and the verdicts are combined in **one** ``all_reduce`` of two float32
-      elements per optimizer step over ``process_group``, so every rank skips the step, or none
-      does, and every rank updates the scale identically.
+    * Each rank checks its own gradients with fused multi-tensor kernels and the verdicts are
+      combined in **one** ``all_reduce`` of two float32 per optimizer step over ``process_group``,
+      so every rank skips the step, or none does, and every rank updates the scale identically.
     * :meth:`clip_grad_norm_` folds gradient clipping into that same collective.
     * Fused optimizers (``_step_supports_amp_scaling``: ``Adam/AdamW/SGD(fused=True)``) receive
-      ``grad_scale`` and the agreed ``found_inf``; no value is read on the host and the gradients
-      are not rewritten. Other optimizers: one in-place multiply, then one host read of the agreed
-      flag.
+      ``grad_scale`` and the agreed ``found_inf``; no value is read on the host, the gradients are
+      not rewritten, and ``clip_grad_norm_`` + ``step`` + ``update`` can be captured in a CUDA
+      graph. Other optimizers: one in-place multiply, then one host read of the agreed flag.
+    * Every counter (scale, trackers, skip record) lives on the device and a step updates it with
+      a handful of ops (see :mod:`distscaler.verdict` and :mod:`distscaler.state`).
 
     Args:
-        device (str, default ``"cuda"``): device type of the scale, as in torch. With ``"cuda"`` and no
-            CUDA available the scaler warns and disables itself, as torch's does.
-        init_scale (float, default ``2.0**16``): initial loss scale, finite and > 0.
-        growth_factor (float, default 2.0): factor (> 1) applied after ``growth_interval`` clean steps.
+        device (str, default ``"cuda"``): device type of the scale, as in torch. With ``"cuda"`` and
+            no CUDA available the scaler warns and disables itself, as torch's does.
+        init_scale (float, default ``2.0**16``): initial loss scale, a normal float32 > 0.
+        growth_factor (float, default 2.0): factor (> 1) applied after ``growth_interval`` clean
+            steps.
         backoff_factor (float, default 0.5): factor in (0, 1) applied after an overflow.
-        growth_interval (int, default 2000): number of consecutive optimizer steps without inf/NaN
-            gradients after which the scale grows (>= 1).
+        growth_interval (int, default 2000): consecutive optimizer steps without inf/NaN gradients
+            after which the scale grows, in [1, 2**31 - 1].
         enabled (bool, default True): if False, every method is a no-op (``step`` calls
             ``optimizer.step()``): no collective, no host read.
-        process_group (ProcessGroup, keyword-only, default None): the ranks that must agree. None means
-            the default (WORLD) group when ``torch.distributed`` is initialized when the verdict runs;
-            no collective when it is not initialized or the group has one rank.
+        process_group (ProcessGroup, keyword-only, default None): the ranks that must agree. None
+            means WORLD once ``torch.distributed`` is initialized; no collective when it is not, or
+            when the group has one rank.
         grad_layout (``"replicated"`` | ``"sharded"`` | None, keyword-only, default None): how
-            plain-tensor gradients whose layout is not otherwise known lie across
-            ``process_group``; used only for the norm in :meth:`clip_grad_norm_`.
-            ``"replicated"``: every rank holds the same gradients (DDP); ``"sharded"``: every rank
-            holds different gradients (a manual shard, a pipeline stage). DTensor gradients (FSDP2,
-            HSDP, tensor parallel) need nothing; DDP and FSDP1 models are learnt with
-            :meth:`register_model`. With None, a norm over more than one rank of gradients of
-            unknown layout raises :class:`~distscaler.layouts.UnknownLayoutError` rather than guess
-            (see :mod:`distscaler.layouts`).
-        min_scale (float | None, keyword-only): lower bound of the scale after each update (torch has
-            none: its scale can decay toward 0).
-        max_scale (float | None, keyword-only): upper bound of the scale after each update.
+            plain-tensor gradients whose layout is not otherwise known lie across ``process_group``
+            (every rank holds the same, or each holds its own), for the norm of
+            :meth:`clip_grad_norm_` only. DTensor gradients need nothing; DDP and FSDP1 models are
+            learnt with :meth:`register_model`. With None, a norm over more than one rank of
+            gradients of unknown layout raises :class:`~distscaler.errors.UnknownLayoutError`.
+        min_scale, max_scale (float | None, keyword-only): bounds of the scale after each update
+            (torch has none: its scale can decay toward 0).
         policy (``"torch"`` | ``"deepspeed"`` | ``"megatron"`` | ``"static"``, keyword-only, default
-            ``"torch"``): the scale update rule, each run on the device (see
-            :mod:`distscaler.policies`): torch's, DeepSpeed's ``DynamicLossScaler`` (grows on the
-            (W+1)-th clean step, W = ``growth_interval``), Megatron's ``DynamicGradScaler``, or a
-            fixed scale (``init_scale``; 1.0 for bf16/fp32 training).
+            ``"torch"``): the scale update rule, run on the device (see
+            :mod:`distscaler.policies`).
         hysteresis (int, keyword-only, default 1): overflows tolerated before a backoff
-            (DeepSpeed's and Megatron's ``hysteresis``); > 1 only for ``"deepspeed"`` and
-            ``"megatron"``. Every overflow skips the step all the same.
+            (``"deepspeed"``/``"megatron"``); every overflow skips the step all the same.
         consecutive_hysteresis (bool, keyword-only, default False): refill the hysteresis on every
-            clean step (DeepSpeed's ``consecutive_hysteresis``; ``"deepspeed"`` only).
+            clean step (DeepSpeed's; ``"deepspeed"`` only).
         raise_error_at_min_scale (bool, keyword-only, default False): raise
-            :class:`~distscaler.policies.LossScaleAtMinimumError` with DeepSpeed's message when an
-            overflow would lower a scale already at ``min_scale`` (which must be set), instead of
-            clamping. Costs one host read of a flag in every :meth:`update`.
+            :class:`~distscaler.errors.LossScaleAtMinimumError` with DeepSpeed's message when an
+            overflow would lower a scale already at ``min_scale`` (which must be set). Costs one
+            host read in every :meth:`update`.
         skip_nonfinite (bool, keyword-only, default True): skip steps with inf/NaN gradients. False
-            (``policy="static"`` only, DeepSpeed's bf16 ``check_grad_overflow: false``) steps with
+            (``policy="static"`` only: DeepSpeed's bf16 ``check_grad_overflow: false``) steps with
             them; the verdict collective still runs.
-        skip_log_interval (int, keyword-only, default 100): every this many ``update()`` calls the
-            device-side skip record is read once on the host and new skips are logged (rank 0,
-            logger ``"distscaler"``); 0 reads only when the host reads the scaler anyway.
+        skip_log_interval (int, keyword-only, default 100): every this many ``update()`` calls,
+            the same on every rank, the device-side skip record is read once on the host and new
+            skips are logged (rank 0, logger ``"distscaler"``); 0 reads only when the host reads
+            the scaler anyway.
 
     Raises:
-        ValueError: an argument is out of its valid range (the message names it, its value and the
-            range). Checked before anything else happens, also when ``enabled=False``.
-        TypeError: ``process_group`` is not a ProcessGroup or ``enabled`` is not a bool.
+        ValueError: a setting is out of its valid range (every problem in one message naming the
+            setting, its value and the range; :mod:`distscaler.config`). Checked before anything
+            else happens, also when ``enabled=False``.
+        TypeError: ``device`` is not a string, ``process_group`` not a ProcessGroup, or a bool
+            setting not a bool.
     """
 
     def __init__(
@@ -142,94 +133,37 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda', got: {device!r}")
-        init_scale = V.check_positive_finite("init_scale", init_scale)
-        growth_factor = V.check_factor("growth_factor", growth_factor, low=1.0, high=None)
-        backoff_factor = V.check_factor("backoff_factor", backoff_factor, low=0.0, high=1.0)
-        growth_interval = V.check_int("growth_interval", growth_interval, minimum=1)
-        enabled = V.check_bool("enabled", enabled)
+        settings = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS}
+        raise_problems("GradScaler arguments", settings_problems(settings))
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
-        if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
-            raise ValueError(
-                f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}"
+        _check_grad_layout(grad_layout)
+        config = ScalerConfig(**settings)
+        self._device = device
+        self._enabled = enabled
+        if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
+            warnings.warn(  # torch's wording
+                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                stacklevel=2,
             )
-        if min_scale is not None:
-            min_scale = V.check_positive_finite("min_scale", min_scale)
-        if max_scale is not None:
-            max_scale = V.check_positive_finite("max_scale", max_scale)
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(
-                f"min_scale must be <= max_scale, got: min_scale={min_scale}, max_scale={max_scale}"
-            )
-        if not (min_scale or 0.0) <= init_scale <= (max_scale or math.inf):
-            raise ValueError(
-                f"init_scale must be in [min_scale, max_scale] = [{min_scale}, {max_scale}], "
-                f"got: {init_scale}"
-            )
-        policy_obj = make_policy(
-            policy, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis
-        )
-        raise_error_at_min_scale = V.check_bool(
-            "raise_error_at_min_scale", raise_error_at_min_scale
-        )
-        if raise_error_at_min_scale and min_scale is None:
-            raise ValueError("raise_error_at_min_scale=True needs min_scale, got: min_scale=None")
-        skip_nonfinite = V.check_bool("skip_nonfinite", skip_nonfinite)
-        if not skip_nonfinite and policy != "static":
-            raise ValueError(
-                f"skip_nonfinite=False needs policy='static' (a dynamic scale must skip the "
-                f"overflows it reacts to), got: policy={policy!r}"
-            )
-        skip_log_interval = V.check_int("skip_log_interval", skip_log_interval, minimum=0)
-
-        super().__init__(
-            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
-        )
-        # torch only sets these when enabled; keep them always so getters work on a disabled scaler.
-        self._init_scale = init_scale
-        self._growth_factor = growth_factor
-        self._backoff_factor = backoff_factor
-        self._growth_interval = growth_interval
-        self._init_growth_tracker = 0
-        self._scale = None
-        self._growth_tracker = None
+            self._enabled = False
+        self._config = config
+        policy_obj = get_policy(config.policy)
+        self._initial = HostValues(config.init_scale, 0, policy_obj.initial_state(config.rule()))
+        self._state: DeviceState | None = None
+        # torch's names for the scale and growth tracker (its scale() reads _scale).
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._process_group = process_group
-        self._grad_layout = grad_layout
-        self._layouts = LayoutResolver(grad_layout)
-        self._min_scale = min_scale
-        self._max_scale = max_scale
-        self._policy = policy_obj
-        self._hysteresis = hysteresis
-        self._consecutive_hysteresis = consecutive_hysteresis
-        self._raise_error_at_min_scale = raise_error_at_min_scale
-        self._skip_nonfinite = skip_nonfinite
-        # The policy's extra state: host values until the scale is materialised, then tensors.
-        self._init_policy_state: dict[str, int] = policy_obj.initial_state()
-        self._policy_state: dict[str, torch.Tensor] | None = None
-        self._skip_log_interval = skip_log_interval
-        self._skip_record = SkipRecord()
+        self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
+        self._skips = SkipLog()
+        self._host_updates = 0  # update() calls seen by the host, for the periodic read
         self._last_found_inf: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ process group
-
-    def _group_and_world_size(self) -> tuple[dist.ProcessGroup | None, int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1
-        group = self._process_group if self._process_group is not None else dist.group.WORLD
-        return group, dist.get_world_size(group)
-
-    def _agree(self, local: torch.Tensor, norm_type: float | None) -> Verdict:
-        """The step's one collective (skipped when the group has a single rank)."""
-        group, world_size = self._group_and_world_size()
-        if world_size > 1:
-            all_reduce_verdict(local, group, norm_type=norm_type)
-        verdict = Verdict(local, norm_type)
-        if not self._skip_nonfinite:  # a static scale told to step through inf/NaN
-            verdict.found_inf = torch.zeros_like(verdict.found_inf)
-        return verdict
-
     # ------------------------------------------------------------------ helpers
+
+    def _set_config(self, **changes: Any) -> None:
+        self._config = dataclasses.replace(self._config, **changes)  # validated there
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = (
@@ -242,27 +176,21 @@ class GradScaler(torch.amp.GradScaler):
             raise CallOrderError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
         return self._scale, self._growth_tracker
 
-    def _inv_scale(self) -> torch.Tensor:
-        assert self._scale is not None
-        # As torch: the reciprocal in fp64, so unscaled values match torch's bit for bit.
-        return self._scale.double().reciprocal().float()
+    def _device_state(self, funcname: str) -> DeviceState:
+        self._check_scale_growth_tracker(funcname)
+        assert self._state is not None
+        return self._state
 
-    @staticmethod
-    def _uses_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
-        return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
-            not _step_takes_grad_scaler(optimizer.step)
-        )
-
-    def _record_verdict(
-        self, state: dict[str, Any], verdict: Verdict, grad_scale: torch.Tensor | None
-    ) -> None:
-        state["found_inf_per_device"] = {verdict.found_inf.device: verdict.found_inf}
-        state["grad_scale"] = grad_scale
-
-    @staticmethod
-    def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
-        # torch.nn.utils.clip_grad_norm_'s coefficient, kept on the device.
-        return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    def _record(
+        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **extra: Any
+    ) -> dict:
+        state = self._per_optimizer_states[id(optimizer)]
+        if not self._config.skip_nonfinite:  # a static scale told to step through inf/NaN
+            assert self._state is not None
+            found_inf = self._state.zero
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state.update(extra)
+        return state
 
     # ------------------------------------------------------------------ the public API
 
@@ -272,11 +200,9 @@ class GradScaler(torch.amp.GradScaler):
         Same semantics and errors as :meth:`torch.amp.GradScaler.unscale_`, plus the verdict: one
         read+write pass over the gradients (``_amp_foreach_non_finite_check_and_unscale_``, one launch
         per device/dtype group), then one ``all_reduce`` of 2 float32 on ``process_group`` (every rank
-        of it must call). No host read.
-
-        Prefer :meth:`clip_grad_norm_` over ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``: it moves
-        each gradient byte once with a fused optimizer (three times with others) instead of about
-        five times, and needs no second collective.
+        of it must call). No host read. Prefer :meth:`clip_grad_norm_` over ``unscale_`` +
+        ``torch.nn.utils.clip_grad_norm_``: with a fused optimizer it reads each gradient byte once
+        instead of about five times, and needs no second collective.
 
         Raises:
             CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
@@ -285,7 +211,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        self._check_scale_growth_tracker("unscale_")
+        device_state = self._device_state("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise CallOrderError(
@@ -293,11 +219,8 @@ class GradScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
-        inv_scale = self._inv_scale()
-        groups = collect_grads(optimizer, allow_fp16=False, coalesce_sparse=False)
-        verdict = self._agree(check_and_unscale_(groups, inv_scale=inv_scale), None)
-        self._record_verdict(state, verdict, grad_scale=None)
-        state["stage"] = OptState.UNSCALED
+        found_inf = self._verdict.unscale(optimizer, device_state)
+        self._record(optimizer, found_inf, grad_scale=None, stage=OptState.UNSCALED)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -307,19 +230,17 @@ class GradScaler(torch.amp.GradScaler):
         The norm is that of the *unscaled* gradients over every rank of ``process_group``, each
         gradient value counted once whatever the layout (DTensor placements, :meth:`register_model`,
         ``grad_layout``; see :mod:`distscaler.layouts`), as ``torch.nn.utils.clip_grad_norm_`` would
-        compute it on the full, gathered, unscaled gradients. Then the gradients are scaled by
-        ``min(max_norm / (norm + 1e-6), 1)``, as torch does.
+        compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
+        ``min(1, max_norm / norm)`` (torch's coefficient without its 1e-6 guard, which this form
+        does not need: see :mod:`distscaler.verdict`).
 
-        Cost: one read pass over the gradients (``_foreach_norm``, one launch per device/dtype group),
-        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call; it *is* the step's
-        verdict, :meth:`step` adds none), no host read. Fused optimizers: the gradients are not
-        rewritten; the optimizer gets ``grad_scale = scale / clip_coef``. Others: one in-place
-        multiply by ``clip_coef / scale``. After an explicit :meth:`unscale_` the gradients are
-        already unscaled: the norm is then taken from them (a second all_reduce unless every
-        gradient is replicated over the whole group) and they are multiplied by the coefficient in
-        place.
-
-        A disabled scaler only clips (with a collective unless every gradient is replicated).
+        Cost: one read pass over the gradients (``_foreach_norm``, one launch per device/dtype
+        group), one ``all_reduce`` of 2 float32 on ``process_group`` when it has several ranks (every
+        rank must call; it *is* the step's verdict, :meth:`step` adds none), a few ops on the
+        device, no host read. Fused optimizers: the gradients are not rewritten; the optimizer gets
+        ``grad_scale = scale / clip_coef``. Others: one in-place division by it. After an explicit
+        :meth:`unscale_` the norm is taken from the unscaled gradients (a second all_reduce unless
+        every gradient is replicated over the whole group). A disabled scaler only clips.
 
         Args:
             optimizer: the optimizer whose parameters' gradients are clipped.
@@ -337,15 +258,14 @@ class GradScaler(torch.amp.GradScaler):
             CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
                 :meth:`step`.
         """
-        max_norm = V.check_positive_finite("max_norm", max_norm)
+        if not V.is_real(max_norm) or not 0 < float(max_norm) < float("inf"):
+            raise ValueError(f"max_norm must be a finite number > 0, got: {max_norm!r}")
         if not V.is_real(norm_type) or not float(norm_type) > 0:
             raise ValueError(f"norm_type must be a number > 0 or math.inf, got: {norm_type!r}")
-        norm_type = float(norm_type)
-
+        max_norm, norm_type = float(max_norm), float(norm_type)
         if not self._enabled:
-            return self._clip_unscaled_(optimizer, max_norm, norm_type)
-
-        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None)
+        device_state = self._device_state("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("clip_grad_norm_() is being called after step().")
@@ -353,92 +273,39 @@ class GradScaler(torch.amp.GradScaler):
             raise CallOrderError(
                 "clip_grad_norm_() has already been called on this optimizer since the last update()."
             )
-
         if state["stage"] is OptState.UNSCALED:
-            total_norm = self._clip_unscaled_(optimizer, max_norm, norm_type)
-            if self._skip_nonfinite:  # a non-finite norm skips, as an inf gradient does
-                (found_inf,) = state["found_inf_per_device"].values()
-                nonfinite = total_norm.isfinite().logical_not().to(found_inf.device, torch.float32)
-                found_inf = torch.maximum(found_inf, nonfinite)
-                state["found_inf_per_device"] = {found_inf.device: found_inf}
-            state["clipped"] = True
-            return total_norm
-
-        fused = self._uses_fused_scaling(optimizer)
-        inv_scale = self._inv_scale()
-        groups = self._collect_weighted(optimizer, norm_type, allow_fp16=fused)
-        local = local_verdict(groups, inv_scale=inv_scale, norm_type=norm_type)
-        verdict = self._agree(local, norm_type)
-        assert verdict.total_norm is not None
-        clip_coef = self._clip_coef(max_norm, verdict.total_norm)
-        if fused:
-            self._record_verdict(state, verdict, grad_scale=scale / clip_coef)
-        else:
-            _mul_groups_(groups, inv_scale * clip_coef)
-            self._record_verdict(state, verdict, grad_scale=None)
-        state["stage"] = OptState.UNSCALED
-        state["clipped"] = True
-        return verdict.total_norm
-
-    def _collect_weighted(
-        self, optimizer: torch.optim.Optimizer, norm_type: float, *, allow_fp16: bool
-    ) -> GradGroups:
-        """The optimizer's local gradients grouped with their replication weights (for a norm).
-
-        A max norm needs no weights (repeats do not change a max), so its layout may stay unknown.
-        """
-        group, world_size = self._group_and_world_size()
-        return collect_grads(
+            norm = self._verdict.clip_unscaled(optimizer, max_norm, norm_type, device_state.device)
+            (found_inf,) = state["found_inf_per_device"].values()
+            nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
+            self._record(optimizer, torch.fmax(found_inf, nonfinite), clipped=True)
+            return norm
+        fused = uses_fused_scaling(optimizer)
+        verdict = self._verdict.clip(
             optimizer,
-            allow_fp16=allow_fp16,
-            coalesce_sparse=True,
-            resolver=None if norm_type == math.inf else self._layouts,
-            world_size=world_size,
-            group=group,
+            device_state,
+            max_norm,
+            norm_type,
+            fused=fused,
+            skip_nonfinite=self._config.skip_nonfinite,
         )
-
-    def _clip_unscaled_(
-        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float
-    ) -> torch.Tensor:
-        """Clip gradients that carry no loss scale.
-
-        Adds a collective unless every local gradient is replicated over the whole group (then the
-        local norm is already the global one).
-        """
-        groups = self._collect_weighted(optimizer, norm_type, allow_fp16=True)
-        group, world_size = self._group_and_world_size()
-        replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
-        if self._scale is not None:
-            device = self._scale.device
-        elif groups:
-            device = next(iter(groups))[0]
-        else:
-            device = torch.device("cpu")
-        one = torch.ones((), dtype=torch.float32, device=device)
-        local = local_verdict(
-            {key._replace(weight=1.0): grads for key, grads in groups.items()}
-            if replicated
-            else groups,
-            inv_scale=one,
-            norm_type=norm_type,
+        self._record(
+            optimizer,
+            verdict.found_inf,
+            grad_scale=verdict.grad_scale if fused else None,
+            ends=verdict.ends,
+            stage=OptState.UNSCALED,
+            clipped=True,
         )
-        if world_size > 1 and not replicated:
-            all_reduce_verdict(local, group, norm_type=norm_type)
-        verdict = Verdict(local, norm_type)
-        assert verdict.total_norm is not None
-        _mul_groups_(groups, self._clip_coef(max_norm, verdict.total_norm))
-        return verdict.total_norm
+        return verdict.norm
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Agree on ``found_inf`` without changing the gradients (one check pass + the collective).
 
         Also the hook that custom optimizers of torch's ``grad_scaler=`` contract call.
         """
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        groups = collect_grads(optimizer, allow_fp16=True, coalesce_sparse=False)
-        local = local_overflow_flag(groups, device=scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        self._record_verdict(state, self._agree(local, None), grad_scale=scale)
+        device_state = self._device_state("_check_inf_per_device")
+        found_inf = self._verdict.check(optimizer, device_state)
+        state = self._record(optimizer, found_inf, grad_scale=device_state.scale)
         return state["found_inf_per_device"]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -448,11 +315,9 @@ class GradScaler(torch.amp.GradScaler):
         :meth:`unscale_` nor :meth:`clip_grad_norm_` ran for ``optimizer`` in this iteration, the
         verdict runs here (one ``all_reduce`` of 2 float32 on ``process_group``; every rank must call).
 
-        Cost: fused optimizers (``_step_supports_amp_scaling``): one check pass that leaves the
-        gradients' values unchanged (read-only max-abs on accelerators; torch's check with a factor
-        of 1.0 on CPU, where it is the faster kernel), the kernel gets ``grad_scale`` and
-        ``found_inf``; no host read. Other optimizers: the unscale pass (read + write) and exactly
-        one host read of the agreed flag.
+        Cost: fused optimizers: one check pass (torch's check kernel with a factor of 1.0: values
+        unchanged), the kernel gets ``grad_scale`` and ``found_inf``; no host read. Other
+        optimizers: the unscale pass (read + write) and exactly one host read of the agreed flag.
 
         Raises:
             CallOrderError: ``step()`` already called since the last :meth:`update`, or
@@ -467,9 +332,8 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
-
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if not self._uses_fused_scaling(optimizer):
+            if not uses_fused_scaling(optimizer):
                 # torch's deprecated contract: the optimizer drives the scaler itself.
                 warnings.warn(
                     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -486,33 +350,9 @@ class GradScaler(torch.amp.GradScaler):
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             (found_inf,) = state["found_inf_per_device"].values()
-            # A grad_scale the user set stays a factor (torch's rule); None, as torch's own
-            # scaler leaves it after an unscale_() step, means none.
-            prior = {
-                k: optimizer.__dict__[k]
-                for k in ("grad_scale", "found_inf")
-                if k in vars(optimizer)
-            }
-            user_scale = prior.get("grad_scale")
-            if state["grad_scale"] is None:  # gradients already unscaled in place
-                grad_scale = user_scale
-            elif user_scale is None:
-                grad_scale = state["grad_scale"]
-            else:
-                grad_scale = state["grad_scale"] * user_scale
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:  # leave the optimizer's attributes as they were
-                for key in ("grad_scale", "found_inf"):
-                    if key in prior:
-                        setattr(optimizer, key, prior[key])
-                    else:
-                        delattr(optimizer, key)
+            retval = fused_step(optimizer, state["grad_scale"], found_inf, args, kwargs)
             state["stage"] = OptState.STEPPED
             return retval
-
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:
@@ -527,15 +367,16 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
-        Same semantics as :meth:`torch.amp.GradScaler.update`: on overflow the scale is multiplied by
-        ``backoff_factor``, after ``growth_interval`` clean steps by ``growth_factor`` (policy
-        ``"torch"``), then clamped to ``[min_scale, max_scale]``. Runs on the device: no collective
-        (the verdict is already global) and no host read, except one read every
-        ``skip_log_interval`` calls to log skips.
+        Same semantics as :meth:`torch.amp.GradScaler.update` (for ``policy="torch"``): on overflow
+        the scale is multiplied by ``backoff_factor``, after ``growth_interval`` clean steps by
+        ``growth_factor``, then clamped to ``[min_scale, max_scale]``. Runs on the device, two
+        kernels (the skip record, then the policy; one more with bounds): no collective (the
+        verdict is already global) and no host read, except one read every ``skip_log_interval``
+        calls to log skips (never inside CUDA graph capture).
 
         Args:
-            new_scale (float | Tensor | None): set the scale to this value instead (a finite float > 0,
-                or a 1-element float32 tensor without grad on the scaler's device type).
+            new_scale (float | Tensor | None): set the scale to this value instead (a normal float32
+                > 0, or a 1-element float32 tensor without grad on the scaler's device type).
 
         Raises:
             CallOrderError: no inf check was recorded since the last update ("No inf checks were
@@ -544,8 +385,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        scale, growth_tracker = self._check_scale_growth_tracker("update")
-
+        device_state = self._device_state("update")
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
                 if (
@@ -557,277 +397,54 @@ class GradScaler(torch.amp.GradScaler):
                         "new_scale must be a float or a 1-element tensor on device type "
                         f"{self._device!r} with requires_grad=False, got: {new_scale!r}"
                     )
-                scale.copy_(new_scale.reshape(()))
+                device_state.scale.copy_(new_scale.reshape(()))
             else:
-                scale.fill_(V.check_positive_finite("new_scale", new_scale))
+                device_state.scale.fill_(V.check_scale("new_scale", new_scale))
         else:
-            found_infs = [
-                found_inf.to(device=scale.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
-            ]
-            if len(found_infs) == 0:
+            states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+            if not states:
                 raise CallOrderError("No inf checks were recorded prior to update.")
-            found_inf = found_infs[0]
-            for other in found_infs[1:]:
-                found_inf = found_inf + other
-            self._apply_policy(found_inf)
-
+            found = [f for s in states for f in s["found_inf_per_device"].values()]
+            found_inf = found[0].to(device_state.device, non_blocking=True)
+            for other in found[1:]:
+                found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
+            self._apply(device_state, found_inf, states[0]["ends"] if len(found) == 1 else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _apply_policy(self, found_inf: torch.Tensor) -> None:
-        """One scale update from an agreed ``found_inf`` (0-dim float32 on the scale's device)."""
-        scale, growth_tracker = self._check_scale_growth_tracker("update")
-        policy_state = self._materialised_policy_state()
-        if self._raise_error_at_min_scale:
-            assert self._min_scale is not None
-            at_min = self._policy.at_minimum(
-                scale, found_inf, policy_state, min_scale=self._min_scale
-            )
-            if bool(at_min):  # the documented host read of raise_error_at_min_scale
+    def _apply(
+        self, state: DeviceState, found_inf: torch.Tensor, ends: list[torch.Tensor] | None
+    ) -> None:
+        """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0)."""
+        config = self._config
+        policy, rule = get_policy(config.policy), config.rule()
+        if config.raise_error_at_min_scale:
+            # The documented host read of raise_error_at_min_scale.
+            if bool(policy.at_minimum(state.scale, found_inf, state.policy, rule)):
                 raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
-        scale_before = scale.clone()
-        self._policy.update_(
-            scale,
-            growth_tracker,
-            found_inf,
-            policy_state,
-            growth_factor=self._growth_factor,
-            backoff_factor=self._backoff_factor,
-            growth_interval=self._growth_interval,
-            min_scale=self._min_scale,
-        )
-        if self._min_scale is not None or self._max_scale is not None:
-            scale.clamp_(min=self._min_scale, max=self._max_scale)
-        self._skip_record.record_(found_inf, scale_before, scale)
+        state.record_(found_inf, ends)  # before the policy: it records the scale used
+        policy.update_(state.scale, state.growth_tracker, found_inf, state.policy, rule)
         self._last_found_inf = found_inf
-        if self._skip_log_interval and self._skip_record.num_updates % self._skip_log_interval == 0:
-            self._host_read()
+        self._host_updates += 1
+        interval = config.skip_log_interval
+        due = (interval and self._host_updates % interval == 0) or (
+            self._host_updates % FOLD_EVERY == 0
+        )
+        if due and not _capturing(state.device):
+            self._read()
 
-    # ------------------------------------------------------------------ policy state
+    # ------------------------------------------------------------------ device state
 
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         # Idempotent: integrations (Accelerate's FSDP2 load_state) call it on a scaler in use,
         # where torch's version fails with "_growth_tracker initialized before _scale".
-        if self._scale is not None and self._growth_tracker is not None:
+        if self._state is not None:
             return
-        super()._lazy_init_scale_growth_tracker(dev)
-        self._policy_state = None
-        self._materialised_policy_state()
-
-    def _materialised_policy_state(self) -> dict[str, torch.Tensor]:
-        """The policy's state tensors, created next to the scale on first use."""
-        if self._policy_state is None:
-            assert self._scale is not None
-            device = self._scale.device
-            self._policy_state = {
-                key: torch.full((), value, dtype=torch.int64, device=device)
-                for key, value in self._init_policy_state.items()
-            }
-        return self._policy_state
-
-    def _policy_state_values(self) -> dict[str, int]:
-        """The policy's state as host ints (one host read when materialised)."""
-        if self._policy_state is None:
-            return dict(self._init_policy_state)
-        keys = list(self._policy_state)
-        if not keys:
-            return {}
-        values, _ = self._host_read(*(self._policy_state[k] for k in keys))
-        return {k: int(v) for k, v in zip(keys, values)}
-
-    def _require_state_key(self, key: str) -> int:
-        if key not in self._policy.state_keys:
-            raise AttributeError(
-                f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
-                f"has policy={self._policy.name!r}"
-            )
-        if not self._enabled:
-            return self._init_policy_state[key]
-        return self._policy_state_values()[key]
-
-    # ------------------------------------------------------------------ configs
-
-    @classmethod
-    def from_config(
-        cls,
-        config: ScalerConfig,
-        device: str = "cuda",
-        *,
-        process_group: dist.ProcessGroup | None = None,
-        **kwargs: Any,
-    ) -> GradScaler:
-        """Build a scaler from a :class:`~distscaler.config.ScalerConfig`.
-
-        ``ScalerConfig.from_deepspeed(ds_config)`` gives DeepSpeed's fp16 behaviour. ``kwargs``:
-        constructor arguments a config does not hold (``grad_layout``...); a setting given in
-        both raises TypeError.
-
-        Raises:
-            TypeError: ``config`` is not a ScalerConfig, or ``kwargs`` repeats one of its fields.
-        """
-        if not isinstance(config, ScalerConfig):
-            raise TypeError(f"config must be a ScalerConfig, got: {type(config).__name__}")
-        settings = config.scaler_kwargs()
-        repeated = sorted(set(settings) & set(kwargs))
-        if repeated:
-            raise TypeError(
-                f"from_config got {repeated} both in config and as keyword arguments; "
-                "use dataclasses.replace(config, ...) to change a config"
-            )
-        return cls(device, process_group=process_group, **settings, **kwargs)
-
-    # ------------------------------------------------------------------ DeepSpeed-style access
-
-    @property
-    def cur_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``); :meth:`get_scale`, one host read."""
-        return self.get_scale()
-
-    @property
-    def loss_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``); :meth:`get_scale`, one host read."""
-        return self.get_scale()
-
-    @property
-    def cur_iter(self) -> int:
-        """Updates so far (DeepSpeed's ``cur_iter``; ``policy="deepspeed"``). One host read.
-
-        Raises:
-            AttributeError: the policy is not ``"deepspeed"``.
-        """
-        return self._require_state_key("cur_iter")
-
-    @property
-    def last_overflow_iter(self) -> int:
-        """``cur_iter`` of the last overflow, -1 before any (``policy="deepspeed"``). One host read.
-
-        Raises:
-            AttributeError: the policy is not ``"deepspeed"``.
-        """
-        return self._require_state_key("last_overflow_iter")
-
-    @property
-    def cur_hysteresis(self) -> int:
-        """Overflows left before the next backoff (DeepSpeed's ``cur_hysteresis``; Megatron's
-        ``hysteresis_tracker`` for ``policy="megatron"``). One host read.
-
-        Raises:
-            AttributeError: the policy has no hysteresis (``"torch"``, ``"static"``).
-        """
-        if self._policy.name == "megatron":
-            return self._require_state_key("hysteresis_tracker")
-        return self._require_state_key("cur_hysteresis")
-
-    def update_scale(self, overflow: bool) -> None:
-        """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
-
-        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``, for code written against it: the
-        same as an :meth:`update` whose verdict was ``overflow``, instead of it (it also ends the
-        iteration for every optimizer). Uses the policy of this scaler; no collective (``overflow``
-        must already be agreed), no host read except the ``raise_error_at_min_scale`` check.
-        No-op when disabled.
-
-        Raises:
-            TypeError: ``overflow`` is not a bool.
-            LossScaleAtMinimumError: see ``raise_error_at_min_scale``.
-        """
-        overflow = V.check_bool("overflow", overflow)
-        if not self._enabled:
-            return
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(torch.device(self._device))
-        assert self._scale is not None
-        found_inf = torch.full((), float(overflow), dtype=torch.float32, device=self._scale.device)
-        self._apply_policy(found_inf)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    # ------------------------------------------------------------------ host reads
-
-    def _host_read(self, *extra: torch.Tensor) -> tuple[list[float], list[float] | None]:
-        """Read ``extra`` 0-dim tensors and the skip record in one host transfer; log new skips.
-
-        Returns the values of ``extra`` and those of the skip record (None before any update).
-        """
-        record = self._skip_record._record
-        parts = [t.reshape(1).to(torch.float64) for t in extra]
-        if record is not None:
-            parts.append(record.to(parts[0].device) if parts else record)
-        if not parts:
-            return [], None
-        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        record_values = None
-        if record is not None:
-            record_values = values[len(extra) :]
-            _, world_size = self._group_and_world_size()
-            self._skip_record.report(record_values, world_size)
-        return values[: len(extra)], record_values
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Incurs one host read (sync)."""
-        if not self._enabled:
-            return 1.0
-        if self._scale is None:
-            return self._init_scale
-        return self._host_read(self._scale)[0][0]
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        if self._growth_tracker is None:
-            return self._init_growth_tracker
-        return int(self._host_read(self._growth_tracker)[0][0])
-
-    @property
-    def found_inf(self) -> torch.Tensor | None:
-        """The agreed overflow flag of the last :meth:`update`, without reading it on the host.
-
-        0-dim float32 on the scale's device, > 0 when that iteration's step(s) were skipped;
-        identical on every rank. None before the first update and when disabled. The tensor is
-        replaced (not mutated) by the next update, so a caller may keep it.
-        """
-        return self._last_found_inf if self._enabled else None
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the optimizer step(s) of the last iteration were skipped, the same on every rank.
-
-        Reads the agreed device flag recorded by the last :meth:`update` (one host read; this is the
-        explicit sync). False before the first update and when disabled.
-        """
-        if not self._enabled or self._last_found_inf is None:
-            return False
-        return bool(self._host_read(self._last_found_inf)[0][0])
-
-    # ------------------------------------------------------------------ knobs
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1)."""
-        self._growth_factor = V.check_factor("new_factor", new_factor, low=1.0, high=None)
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1))."""
-        self._backoff_factor = V.check_factor("new_factor", new_factor, low=0.0, high=1.0)
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (steps, >= 1)."""
-        self._growth_interval = V.check_int("new_interval", new_interval, minimum=1)
-
-    def get_min_scale(self) -> float | None:
-        """The lower bound of the scale, or None."""
-        return self._min_scale
-
-    def get_max_scale(self) -> float | None:
-        """The upper bound of the scale, or None."""
-        return self._max_scale
-
-    @property
-    def process_group(self) -> dist.ProcessGroup | None:
-        """The process group given at construction (None: the default group when initialized)."""
-        return self._process_group
+        self._state = DeviceState(torch.device(dev), self._initial)
+        self._scale = self._state.scale
+        self._growth_tracker = self._state.growth_tracker
 
     def materialize(self, device: torch.device | str | None = None) -> None:
-        """Create the scale (and policy state) on ``device`` without scaling a loss.
+        """Create the scale (and the rest of the device state) on ``device`` without scaling a loss.
 
         For ranks whose gradients arrive already scaled but that never compute a loss themselves:
         the first stages of a pipeline, whose backward starts from the gradients the last stage
@@ -837,9 +454,25 @@ class GradScaler(torch.amp.GradScaler):
         Args:
             device: where the scale lives (the gradients' device); default the scaler's device type.
         """
-        if not self._enabled or self._scale is not None:
-            return
-        self._lazy_init_scale_growth_tracker(torch.device(device or self._device))
+        if self._enabled:
+            self._lazy_init_scale_growth_tracker(device or self._device)
+
+    def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
+        """Read ``extra`` 0-dim tensors and the state in one host transfer; log new skips.
+
+        Between iterations (no verdict pending) the record's counts are folded into the host's.
+        """
+        state = self._state
+        if state is None:
+            return [], self._initial, self._skips.totals(None)
+        values, host, record = state.read(*extra)
+        totals = self._skips.totals(record)
+        if not self._per_optimizer_states:
+            self._skips.fold(record)
+            state.fold()
+        _, world_size = self._verdict.resolve()
+        self._skips.report(totals, host.scale, world_size)
+        return values, host, totals
 
     def register_model(
         self, model: torch.nn.Module, *, grad_layout: GradLayout | None = None
@@ -869,74 +502,36 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got: {type(model).__name__}")
-        if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
-            raise ValueError(
-                f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}"
-            )
-        self._layouts.register_model(model, grad_layout)
+        _check_grad_layout(grad_layout)
+        self._verdict.layouts.register_model(model, grad_layout)
         return self
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python numbers (one host read).
+        """The scaler's state as plain Python numbers (one host read); empty when disabled.
 
-        torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``), so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus keys
-        torch ignores: ``min_scale`` and ``max_scale`` (floats or None), ``num_updates`` (update()
-        calls so far) and ``num_skipped_steps`` (of those, the skipped ones), so the skip log of a
-        resumed run keeps counting; ``policy``, ``hysteresis`` and ``consecutive_hysteresis``; and
-        the policy's state: ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis`` (DeepSpeed's
-        names, ``policy="deepspeed"``) or ``hysteresis_tracker`` (Megatron's, ``"megatron"``), so a
-        run resumed mid-hysteresis continues exactly. Safe under
-        ``torch.load(weights_only=True)``. Empty when disabled, as torch's.
+        torch's five keys, so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus the
+        bounds, the run's counts, the policy and its counters (see :mod:`distscaler.persistence`),
+        so that a run resumed mid-hysteresis continues exactly. Safe under
+        ``torch.load(weights_only=True)``.
         """
         if not self._enabled:
             return {}
-        scale: float = self._init_scale
-        tracker: float = self._init_growth_tracker
-        policy_values = dict(self._init_policy_state)
-        if self._scale is None or self._growth_tracker is None:  # not materialised yet
-            _, record_values = self._host_read()
-        else:
-            keys = list(self._materialised_policy_state())
-            values, record_values = self._host_read(
-                self._scale, self._growth_tracker, *self._materialised_policy_state().values()
-            )
-            scale, tracker = values[0], values[1]
-            policy_values = {k: int(v) for k, v in zip(keys, values[2:])}
-        record = self._skip_record
-        return {
-            "scale": float(scale),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": int(tracker),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "num_updates": record.num_updates,
-            "num_skipped_steps": record.num_skipped(record_values),
-            "policy": self._policy.name,
-            "hysteresis": self._hysteresis,
-            "consecutive_hysteresis": self._consecutive_hysteresis,
-            **policy_values,
-        }
+        _, values, totals = self._read()
+        return export_state(self._config, values, totals)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Any) -> None:
         """Load a scaler state saved by this class, by another stack, and continue its trajectory.
 
         Accepted (see :mod:`distscaler.interop`): :class:`torch.amp.GradScaler`'s ``state_dict``;
-        Megatron-LM ``DynamicGradScaler``'s ``{scale, growth_tracker, hysteresis_tracker}``
-        (``scale`` may be a tensor); DeepSpeed's fp16 optimizer ``state_dict`` (``cur_scale``,
-        ``cur_iter``, ``last_overflow_iter``, ``scale_factor``, ``scale_window``...); a DeepSpeed
-        ``DynamicLossScaler``/``LossScaler`` object, or the ZeRO optimizer state holding it under
-        ``"loss_scaler"``. Settings a format carries replace the constructor's, as torch does for
-        ``growth_factor`` etc.; a replaced ``min_scale``, ``max_scale``, ``hysteresis`` or
-        ``consecutive_hysteresis`` warns, and so does a state saved under another policy (its
-        counters are converted where they mean the same, else start fresh).
-
-        Every value is checked first and all problems are reported in one error; on error nothing
-        is changed. No-op when disabled. No host read (a tensor ``scale`` is read once).
+        Megatron-LM ``DynamicGradScaler``'s ``{scale, growth_tracker, hysteresis_tracker}``;
+        DeepSpeed's fp16 optimizer ``state_dict``; a DeepSpeed ``DynamicLossScaler``/``LossScaler``
+        object, or the ZeRO optimizer state holding it under ``"loss_scaler"``. Settings a format
+        carries replace the constructor's, as torch does for ``growth_factor`` etc.; a replaced
+        ``min_scale``, ``max_scale``, ``hysteresis`` or ``consecutive_hysteresis`` warns, and so
+        does a state saved under another policy. Every value is checked first and all problems are
+        reported in one error; on error nothing is changed. No-op when disabled.
 
         Raises:
             RuntimeError: ``state_dict`` is empty (saved from a disabled scaler; torch's wording).
@@ -945,111 +540,15 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        fmt, state_dict = to_native_state(
-            state_dict,
-            {
-                "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor,
-                "growth_interval": self._growth_interval,
-            },
-        )
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got: {type(state_dict).__name__}")
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        problems: list[str] = []
-        parsed: dict[str, Any] = {}
-
-        def check(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-            if key not in state_dict:
-                problems.append(f"missing key {key!r}")
-                return
-            value = state_dict[key]
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            try:
-                parsed[key] = fn(f"state_dict[{key!r}]", value, *args, **kwargs)
-            except (TypeError, ValueError) as e:
-                problems.append(str(e))
-
-        check("scale", V.check_positive_finite)
-        check("growth_factor", V.check_factor, low=1.0, high=None)
-        check("backoff_factor", V.check_factor, low=0.0, high=1.0)
-        check("growth_interval", V.check_int, minimum=1)
-        check("_growth_tracker", V.check_int, minimum=0)
-        for key in ("min_scale", "max_scale"):
-            if state_dict.get(key) is not None:
-                check(key, V.check_positive_finite)
-        for key in ("num_updates", "num_skipped_steps"):
-            if key in state_dict:
-                check(key, V.check_int, minimum=0)
-        for key, fn, kwargs in _POLICY_STATE_CHECKS:
-            if key in state_dict:
-                check(key, fn, **kwargs)
-        policy = self._policy
-        saved_policy = parsed.get("policy", self._policy.name)
-        settings = (
-            parsed.get("hysteresis", self._hysteresis),
-            parsed.get("consecutive_hysteresis", self._consecutive_hysteresis),
-        )
-        replace_settings = (
-            saved_policy == policy.name
-            and settings != (self._hysteresis, self._consecutive_hysteresis)
-            and "policy" in parsed
-        )
-        if replace_settings:
-            try:
-                policy = make_policy(
-                    policy.name, hysteresis=settings[0], consecutive_hysteresis=settings[1]
-                )
-            except (TypeError, ValueError) as e:
-                problems.append(f"state_dict settings: {e}")
-        if problems:
-            raise ValueError("invalid GradScaler state_dict:\n- " + "\n- ".join(problems))
-
-        self._init_scale = parsed["scale"]
-        self._growth_factor = parsed["growth_factor"]
-        self._backoff_factor = parsed["backoff_factor"]
-        self._growth_interval = parsed["growth_interval"]
-        self._init_growth_tracker = parsed["_growth_tracker"]
-        for key in ("min_scale", "max_scale"):
-            if key in state_dict and parsed.get(key) != getattr(self, f"_{key}"):
-                warnings.warn(
-                    f"load_state_dict: {key}={getattr(self, f'_{key}')} given to the constructor is "
-                    f"replaced by the checkpoint's {key}={parsed.get(key)}",
-                    stacklevel=2,
-                )
-                setattr(self, f"_{key}", parsed.get(key))
-        if saved_policy != policy.name:
-            warnings.warn(
-                f"load_state_dict: the {fmt} state was saved under policy={saved_policy!r}; this "
-                f"scaler continues it with policy={policy.name!r}",
-                stacklevel=2,
-            )
-        if replace_settings:
-            warnings.warn(
-                f"load_state_dict: hysteresis={self._hysteresis}, consecutive_hysteresis="
-                f"{self._consecutive_hysteresis} given to the constructor are replaced by the "
-                f"checkpoint's hysteresis={settings[0]}, consecutive_hysteresis={settings[1]}",
-                stacklevel=2,
-            )
-            self._policy = policy
-            self._hysteresis, self._consecutive_hysteresis = settings
-        self._skip_record.restore(parsed.get("num_updates", 0), parsed.get("num_skipped_steps", 0))
-        saved_state = {k: parsed[k] for k in (*_POLICY_STATE_KEYS, "num_updates") if k in parsed}
-        self._init_policy_state = policy.state_from_checkpoint(
-            saved_state, parsed["_growth_tracker"]
-        )
-        if self._scale is not None:
-            self._scale.fill_(parsed["scale"])
-        if self._growth_tracker is not None:
-            self._growth_tracker.fill_(parsed["_growth_tracker"])
-        self._policy_state = None
-        if self._scale is not None:
-            self._materialised_policy_state()
+        loaded = parse_state(state_dict, self._config)
+        for message in loaded.warnings:
+            warnings.warn(message, stacklevel=2)
+        self._config = loaded.config
+        self._initial = loaded.values
+        self._skips.restore(loaded.num_updates, loaded.num_skipped)
+        self._host_updates = loaded.num_updates
+        if self._state is not None:
+            self._state.write(loaded.values)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -1059,74 +558,217 @@ class GradScaler(torch.amp.GradScaler):
                     "A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."
                 )
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_policy_state"] = self._policy_state_values()
-            state["_scale"] = None
+            _, values, totals = self._read()
+            skips = SkipLog()
+            skips.folded, skips.num_reported = totals, self._skips.num_reported
+            state.update(_initial=values, _skips=skips, _state=None, _scale=None)
             state["_growth_tracker"] = None
-            state["_policy_state"] = None
-        # A ProcessGroup cannot be pickled: the copy uses the default group.
-        state["_process_group"] = None
         state["_last_found_inf"] = None
         state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
         return state
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(device={self._device!r}, enabled={self._enabled}, "
-            f"growth_factor={self._growth_factor}, backoff_factor={self._backoff_factor}, "
-            f"growth_interval={self._growth_interval}, grad_layout={self._grad_layout!r}, "
-            f"min_scale={self._min_scale}, max_scale={self._max_scale}, "
-            f"policy={self._policy.name!r}, hysteresis={self._hysteresis}, "
-            f"consecutive_hysteresis={self._consecutive_hysteresis}, "
-            f"raise_error_at_min_scale={self._raise_error_at_min_scale}, "
-            f"skip_nonfinite={self._skip_nonfinite})"
-        )
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._config.scaler_kwargs().items())
+        return f"{type(self).__name__}(device={self._device!r}, {settings})"
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ScalerConfig,
+        device: str = "cuda",
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> GradScaler:
+        """Build a scaler from a :class:`~distscaler.config.ScalerConfig`.
+
+        ``ScalerConfig.from_deepspeed(ds_config)`` gives DeepSpeed's fp16 behaviour. ``kwargs``:
+        constructor arguments a config does not hold (``grad_layout``...).
+
+        Raises:
+            TypeError: ``config`` is not a ScalerConfig, or ``kwargs`` repeats one of its fields.
+        """
+        if not isinstance(config, ScalerConfig):
+            raise TypeError(f"config must be a ScalerConfig, got: {type(config).__name__}")
+        settings = config.scaler_kwargs()
+        repeated = sorted(set(settings) & set(kwargs))
+        if repeated:
+            raise TypeError(
+                f"from_config got {repeated} both in config and as keyword arguments; "
+                "use dataclasses.replace(config, ...) to change a config"
+            )
+        return cls(device, process_group=process_group, **settings, **kwargs)
+
+    # ------------------------------------------------------------------ reads
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Incurs one host read (sync)."""
+        if not self._enabled:
+            return 1.0
+        return self._read()[1].scale
+
+    def _get_growth_tracker(self) -> int:
+        return self._read()[1].growth_tracker if self._enabled else 0
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The agreed overflow flag of the last :meth:`update`, without reading it on the host.
+
+        0-dim float32 on the scale's device, 1.0 when that iteration's step(s) were skipped, else
+        0.0; identical on every rank. None before the first update and when disabled. A new tensor
+        at every update, so a caller may keep it.
+        """
+        return self._last_found_inf if self._enabled else None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the optimizer step(s) of the last iteration were skipped, the same on every rank.
+
+        One host read (the explicit sync). False before the first update and when disabled.
+        """
+        if not self._enabled or self._last_found_inf is None:
+            return False
+        return bool(self._read(self._last_found_inf)[0][0])
+
+    @property
+    def skip_totals(self) -> SkipTotals:
+        """Updates, skipped updates, and the last skip's number and scale, so far (one host read).
+
+        Also the periodic report's read, for loops whose step is replayed from a CUDA graph (the
+        host then never runs ``update()``): call it outside the graph, at least every 2**24 steps.
+        """
+        return self._read()[2] if self._enabled else SkipTotals()
+
+    # ------------------------------------------------------------------ settings
+
+    def get_growth_factor(self) -> float:
+        """The scale growth factor."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Raises ValueError, changing nothing, when out of range."""
+        self._set_config(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The scale backoff factor."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Raises ValueError, changing nothing, when out of
+        range."""
+        self._set_config(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval, in optimizer steps."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (steps, in [1, 2**31 - 1]). Raises ValueError, changing nothing,
+        when out of range."""
+        self._set_config(growth_interval=new_interval)
+
+    def get_min_scale(self) -> float | None:
+        """The lower bound of the scale, or None."""
+        return self._config.min_scale
+
+    def get_max_scale(self) -> float | None:
+        """The upper bound of the scale, or None."""
+        return self._config.max_scale
+
+    @property
+    def config(self) -> ScalerConfig:
+        """The scaler's settings (a frozen :class:`~distscaler.config.ScalerConfig`)."""
+        return self._config
+
+    @property
+    def device_type(self) -> str:
+        """The device type of the scale (the ``device`` argument)."""
+        return self._device
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group given at construction (None: the default group when initialized)."""
+        return self._verdict.process_group
+
+    # ------------------------------------------------------------------ DeepSpeed-style access
+
+    @property
+    def cur_scale(self) -> float:
+        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``); :meth:`get_scale`."""
+        return self.get_scale()
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``); :meth:`get_scale`."""
+        return self.get_scale()
+
+    def _policy_counter(self, key: str) -> int:
+        if key not in get_policy(self._config.policy).state_keys:
+            raise AttributeError(
+                f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
+                f"has policy={self._config.policy!r}"
+            )
+        values = self._read()[1] if self._enabled else self._initial
+        return values.policy[key]
+
+    @property
+    def cur_iter(self) -> int:
+        """Updates so far (DeepSpeed's ``cur_iter``; ``policy="deepspeed"``). One host read.
+
+        Raises:
+            AttributeError: the policy is not ``"deepspeed"``.
+        """
+        return self._policy_counter("cur_iter")
+
+    @property
+    def last_overflow_iter(self) -> int:
+        """``cur_iter`` of the last overflow, -1 before any (``policy="deepspeed"``). One host read.
+
+        Raises:
+            AttributeError: the policy is not ``"deepspeed"``.
+        """
+        return self._policy_counter("last_overflow_iter")
+
+    @property
+    def cur_hysteresis(self) -> int:
+        """Overflows left before the next backoff (DeepSpeed's ``cur_hysteresis``; Megatron's
+        ``hysteresis_tracker`` for ``policy="megatron"``). One host read.
+
+        Raises:
+            AttributeError: the policy has no hysteresis (``"torch"``, ``"static"``).
+        """
+        if self._config.policy == "megatron":
+            return self._policy_counter("hysteresis_tracker")
+        return self._policy_counter("cur_hysteresis")
+
+    def update_scale(self, overflow: bool) -> None:
+        """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
+
+        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``, for code written against it: the
+        same as an :meth:`update` whose verdict was ``overflow``, instead of it (it also ends the
+        iteration for every optimizer). No collective (``overflow`` must already be agreed), no
+        host read except the ``raise_error_at_min_scale`` check. No-op when disabled.
+
+        Raises:
+            TypeError: ``overflow`` is not a bool.
+            LossScaleAtMinimumError: see ``raise_error_at_min_scale``.
+        """
+        overflow = V.check_bool("overflow", overflow)
+        if not self._enabled:
+            return
+        self.materialize()
+        assert self._state is not None
+        self._apply(self._state, self._state.one if overflow else self._state.zero, None)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def _check_policy_name(name: str, value: object) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"{name} must be one of {POLICIES}, got: {value!r}")
-    return str(value)
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScalerConfig))
 
 
-# Keys of a policy's state and settings in a state_dict, with their checks.
-_POLICY_STATE_KEYS = ("cur_iter", "last_overflow_iter", "cur_hysteresis", "hysteresis_tracker")
-_POLICY_STATE_CHECKS: tuple[tuple[str, Any, dict[str, Any]], ...] = (
-    ("policy", _check_policy_name, {}),
-    ("hysteresis", V.check_int, {"minimum": 1}),
-    ("consecutive_hysteresis", V.check_bool, {}),
-    ("cur_iter", V.check_int, {"minimum": 0}),
-    ("last_overflow_iter", V.check_int, {"minimum": -1}),
-    ("cur_hysteresis", V.check_int, {"minimum": 1}),
-    # Megatron's tracker keeps counting down below 0 through a run of overflows.
-    ("hysteresis_tracker", V.check_int, {"minimum": -(2**62)}),
-)
+def _check_grad_layout(grad_layout: object) -> None:
+    if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
+        raise ValueError(f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}")
 
 
-#: ``step`` function -> whether it takes torch's deprecated ``grad_scaler`` keyword. Reading a
-#: signature costs tens of microseconds, once per step otherwise.
-_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _step_takes_grad_scaler(step: Any) -> bool:
-    func = getattr(step, "__func__", step)  # the same function behind every bound method
-    try:
-        return _TAKES_GRAD_SCALER[func]
-    except (KeyError, TypeError):
-        pass
-    takes = "grad_scaler" in inspect.signature(step).parameters
-    try:
-        _TAKES_GRAD_SCALER[func] = takes
-    except TypeError:  # not weak-referenceable: not cached
-        pass
-    return takes
-
-
-def _mul_groups_(groups: GradGroups, factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by a 0-dim tensor (one launch per device/dtype group)."""
-    per_device: dict[torch.device, torch.Tensor] = {}
-    for key, grads in groups.items():
-        if key.device not in per_device:
-            per_device[key.device] = factor.to(key.device, non_blocking=True)
-        torch._foreach_mul_(grads, per_device[key.device])
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

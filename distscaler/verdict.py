@@ -1,26 +1,45 @@
-"""The per-rank overflow check and the one collective that turns it into a verdict every rank shares.
+"""The per-rank check and the one collective that turns it into a verdict every rank shares.
 
-Per step each rank builds ``local = [non_finite_flag, sum_j w * |g_j / scale| ** p]`` (float32, shape
-``(2,)``) with torch's multi-tensor kernels: one ``_foreach_norm`` launch per (device, dtype) group of
-gradients, no per-tensor Python loop over values, no host read. One ``all_reduce`` over the verdict
-group then gives every rank the same ``found_inf`` and, when clipping, the same global norm.
+:class:`VerdictGroup` holds the ranks that must agree (the process group, resolved once) and how
+this rank's gradients are gathered (the layouts and a per-optimizer plan). Each of its verdicts is
+one pass over the local gradients with torch's multi-tensor kernels, at most one ``all_reduce`` of
+two float32 over the group, and an epilogue of a few small ops on the device. No host read.
+
+Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
+``all_reduce``, and with clipping one ``sqrt``):
+
+==========================  ====================================================================
+:meth:`~VerdictGroup.check`   ``zeros``, ``_amp_foreach_non_finite_check_and_unscale_`` with a
+                              factor of 1.0 (a fused step without clipping): 2.
+:meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then one
+                              ``_foreach_addcdiv`` for the norm, ``scale / max_norm``-scaled norm,
+                              the overflow flag and the skip record's next counts,
+                              ``nan_to_num`` for the exact flag and ``fmax`` for ``grad_scale``: 6.
+==========================  ====================================================================
+
+The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
+to avoid dividing by zero; here the coefficient ``min(1, max_norm / norm)`` is applied as
+``grad_scale = max(scale, scaled_norm / max_norm)``, which never divides by the norm.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .layouts import GradGroups
+from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
+from .state import DeviceState
 
 __all__ = [
     "VERDICT_NUMEL",
-    "Verdict",
-    "all_reduce_verdict",
+    "ClipVerdict",
+    "VerdictGroup",
     "check_and_unscale_",
-    "local_overflow_flag",
     "local_verdict",
 ]
 
@@ -28,54 +47,239 @@ __all__ = [
 VERDICT_NUMEL = 2
 
 
-def _new_verdict(device: torch.device) -> torch.Tensor:
-    return torch.zeros(VERDICT_NUMEL, dtype=torch.float32, device=device)
+@dataclass(frozen=True, slots=True)
+class ClipVerdict:
+    """What :meth:`VerdictGroup.clip` agreed on, all 0-dim float32 on the scale's device.
+
+    Attributes:
+        norm: global norm of the unscaled gradients, identical on every rank (returned to the user).
+        found_inf: exactly 1.0 if any rank saw inf/NaN (the norm is then non-finite), else 0.0.
+        grad_scale: what a fused optimizer divides the gradients by: ``scale / clip_coef``.
+        ends: the skip record's next counts, made in the epilogue (see ``DeviceState.record_``).
+    """
+
+    norm: torch.Tensor
+    found_inf: torch.Tensor
+    grad_scale: torch.Tensor
+    ends: list[torch.Tensor] | None
 
 
-def local_verdict(
-    groups: GradGroups,
-    *,
-    inv_scale: torch.Tensor,
-    norm_type: float,
-) -> torch.Tensor:
-    """This rank's contribution with a norm, read-only over the gradients (one read per byte).
+class VerdictGroup:
+    """The ranks that must agree on every verdict, and how this rank's gradients are gathered.
 
     Args:
-        groups: local gradients grouped by (device, dtype, weight), still multiplied by the loss
-            scale. ``weight`` multiplies the group's ``sum |g|**p`` (``1 / replicas``, see
-            :mod:`distscaler.layouts`); it is not needed for p = inf (a max ignores repeats).
-        inv_scale: 0-dim float32 tensor ``1 / scale`` on the verdict device.
-        norm_type: ``p`` of the norm to fold in (``math.inf`` allowed).
-
-    Returns:
-        float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
-        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)]. A norm is
-        non-finite when an element is inf/NaN, or (fp32/bf16 gradients only) when the scaled
-        values' sum of ``|g|**p`` exceeds the fp32 range: torch's clip_grad_norm_ would return a
-        non-finite norm there too, on values ``scale`` times smaller.
+        process_group: the group (None: WORLD once ``torch.distributed`` is initialized).
+        layouts: replication weights of the gradients, for norms (see :mod:`distscaler.layouts`).
     """
-    device = inv_scale.device
-    ord_ = float(norm_type)
-    parts = []
-    weights = []
+
+    def __init__(self, process_group: dist.ProcessGroup | None, layouts: LayoutResolver) -> None:
+        self.process_group = process_group
+        self.layouts = layouts
+        self._resolved: tuple[Any, dist.ProcessGroup | None, int] | None = None
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A ProcessGroup cannot be pickled: the copy agrees over the default group.
+        return {"layouts": self.layouts}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(None, state["layouts"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ the group
+
+    def resolve(self) -> tuple[dist.ProcessGroup | None, int]:
+        """(process group, world size); (None, 1) while ``torch.distributed`` is not initialized.
+
+        Looked up once and kept while the default group stays the same object.
+        """
+        world = dist.GroupMember.WORLD if dist.is_available() else None
+        resolved = self._resolved
+        if resolved is not None and resolved[0] is world:
+            return resolved[1], resolved[2]
+        if world is None:
+            group, world_size = None, 1
+        else:
+            group = self.process_group if self.process_group is not None else world
+            world_size = dist.get_world_size(group)
+        self._resolved = (world, group, world_size)
+        return group, world_size
+
+    def grads(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        weighted: bool,
+        allow_fp16: bool,
+        coalesce_sparse: bool = False,
+    ) -> GradGroups:
+        """This step's local gradients of ``optimizer``, grouped (with replication weights if
+        ``weighted``). Grouping is planned once per optimizer and parameter set.
+
+        Raises:
+            ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
+            UnknownLayoutError: ``weighted``, more than one rank, and some layout is unknown.
+        """
+        group, world_size = self.resolve()
+        resolver = self.layouts if weighted else None
+        groups = None
+        for rebuild in (False, True):
+            plan = plan_grads(
+                optimizer,
+                self._plans,
+                resolver=resolver,
+                world_size=world_size,
+                group=group,
+                rebuild=rebuild,
+            )
+            if plan is None:
+                break
+            groups = plan.grads()
+            if groups is not None:
+                break
+        if plan is None or groups is None:  # sparse gradients: the per-gradient path
+            return collect_grads(
+                optimizer,
+                allow_fp16=allow_fp16,
+                coalesce_sparse=coalesce_sparse,
+                resolver=resolver,
+                world_size=world_size,
+                group=group,
+            )
+        if not allow_fp16 and plan.has_fp16():
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        return groups
+
+    # ------------------------------------------------------------------ verdicts
+
+    def check(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
+        """The agreed overflow flag, leaving the gradients' values as they are (a fused step).
+
+        torch's own check kernel with a factor of exactly 1.0 (one launch per (device, dtype) group;
+        it writes back the values it read), then an ``all_reduce(MAX)`` of 2 float32 when the group
+        has more than one rank. Returns a fresh 0-dim float32: exactly 1.0 or 0.0.
+        """
+        groups = self.grads(optimizer, weighted=False, allow_fp16=True)
+        return self._agree_flag(check_and_unscale_(groups, inv_scale=state.one))
+
+    def unscale(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
+        """Divide the gradients by the scale in place and agree on the overflow flag.
+
+        ``_amp_foreach_non_finite_check_and_unscale_`` with torch's ``1 / scale`` (computed in
+        float64, as torch does), so unscaled values are bit-identical to torch's. fp16 gradients are
+        refused with torch's message, before anything changes.
+        """
+        groups = self.grads(optimizer, weighted=False, allow_fp16=False)
+        if any(g.is_sparse for grads in groups.values() for g in grads):  # pragma: no cover
+            groups = collect_grads(optimizer, allow_fp16=False, coalesce_sparse=False)
+        inv_scale = state.scale.double().reciprocal().float()
+        return self._agree_flag(check_and_unscale_(groups, inv_scale=inv_scale))
+
+    def _agree_flag(self, verdict: torch.Tensor) -> torch.Tensor:
+        group, world_size = self.resolve()
+        if world_size > 1:
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+        return verdict[0]
+
+    def clip(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: DeviceState,
+        max_norm: float,
+        norm_type: float,
+        *,
+        fused: bool,
+        skip_nonfinite: bool,
+    ) -> ClipVerdict:
+        """Global norm of the unscaled gradients, overflow flag and ``grad_scale``, agreed.
+
+        One read of every gradient byte, at most one ``all_reduce`` of 2 float32, and (fused) the
+        gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
+        optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
+        """
+        groups = self.grads(optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True)
+        group, world_size = self.resolve()
+        device = state.device
+        scale = state.scale
+        if norm_type == 2.0:
+            total = _scaled_two_norm(groups, device, world_size, group, state.verdict)
+            a, b = state.next_counts()
+            zero, one = state.zero, state.one
+            # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
+            # the record's next counts, in one multi-tensor op.
+            norm, q, flag, nu1, ns1 = torch._foreach_addcdiv(
+                [zero, zero, zero, a, b],
+                [total, total, total, one, one],
+                [scale, state.max_norm(max_norm), state.inf, one, one],
+            )
+            ends: list[torch.Tensor] | None = [nu1, ns1]
+            found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
+        else:
+            local = local_verdict(groups, inv_scale=_inv_scale(scale), norm_type=norm_type)
+            if world_size > 1:
+                all_reduce_verdict(local, group, norm_type=norm_type)
+            norm = local[1] if norm_type == math.inf else local[1].pow(1.0 / norm_type)
+            nonfinite = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
+            found = nonfinite.to(torch.float32) if skip_nonfinite else state.zero
+            q = norm * scale / max_norm
+            ends = None
+        grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
+        if not fused:
+            _div_groups_(groups, grad_scale)
+        return ClipVerdict(norm, found, grad_scale, ends)
+
+    def clip_unscaled(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float,
+        device: torch.device | None,
+    ) -> torch.Tensor:
+        """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
+
+        Adds a collective unless every local gradient is replicated over the whole group (then the
+        local norm is already the global one). Returns the global norm (0-dim float32).
+        """
+        groups = self.grads(optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True)
+        group, world_size = self.resolve()
+        replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
+        if device is None:
+            device = next(iter(groups)).device if groups else torch.device("cpu")
+        one = torch.ones((), dtype=torch.float32, device=device)
+        local = local_verdict(
+            {key._replace(weight=1.0): grads for key, grads in groups.items()}
+            if replicated
+            else groups,
+            inv_scale=one,
+            norm_type=norm_type,
+        )
+        if world_size > 1 and not replicated:
+            all_reduce_verdict(local, group, norm_type=norm_type)
+        norm = local[1] if norm_type == math.inf else local[1].pow(1.0 / norm_type)
+        _div_groups_(groups, torch.fmax(norm / max_norm, one))
+        return norm
+
+
+# ---------------------------------------------------------------------- kernels
+
+
+def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
+    # As torch: the reciprocal in float64, so unscaled values match torch's bit for bit.
+    return scale.double().reciprocal().float()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 at least: a large finite fp16 gradient's square never overflows it. (Not
+    # torch.promote_types, which is a dispatched op.)
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _div_groups_(groups: GradGroups, divisor: torch.Tensor) -> None:
+    """Divide every gradient in place by a 0-dim tensor (one launch per (device, dtype) group)."""
+    per_device: dict[torch.device, torch.Tensor] = {}
     for key, grads in groups.items():
-        norms = _per_tensor_norms(grads, key.device, key.dtype, ord_)
-        parts.append(norms.to(device, torch.float32, non_blocking=True))
-        weights.append(key.weight)
-    if not parts:
-        # A rank with no gradients still joins the collective, with zeros.
-        return _new_verdict(device)
-    per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
-    flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
-    unscaled = per_tensor * inv_scale  # (num_grads,) norms of the unscaled gradients
-    if ord_ == math.inf:
-        stat = unscaled.max()
-    elif all(w == weights[0] for w in weights):
-        stat = unscaled.pow(ord_).sum() * weights[0]
-    else:  # groups of different replication: weight each group's sum
-        sums = [(part * inv_scale).pow(ord_).sum() * w for part, w in zip(parts, weights)]
-        stat = torch.stack(sums).sum()
-    return torch.stack([flag, stat])
+        if key.device not in per_device:
+            per_device[key.device] = divisor.to(key.device, non_blocking=True)
+        torch._foreach_div_(grads, per_device[key.device])
 
 
 #: Dtypes whose 2-norm has a BLAS dot product on CPU (``sdot``/``ddot``).
@@ -86,104 +290,106 @@ _BLAS_DOT_DTYPES = (torch.float32, torch.float64)
 _DOT_MIN_NUMEL = 1 << 15
 
 
-def _per_tensor_norms(
-    grads: list[torch.Tensor], device: torch.device, dtype: torch.dtype, ord_: float
+def _scaled_two_norm(
+    groups: GradGroups,
+    device: torch.device,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    verdict: torch.Tensor,
 ) -> torch.Tensor:
-    """The ``ord_``-norm of each tensor of one (device, dtype) group, in no particular order.
+    """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``.
 
-    Shape ``(len(grads),)``, dtype fp32 at least (fp64 stays fp64): fp16 values never overflow it.
-    One read of each gradient byte. On CPU the 2-norm of large contiguous fp32/fp64 tensors comes
-    from BLAS dot products (``x . x``, then a square root of the per-tensor results): torch's CPU
-    ``_foreach_norm`` loops over ``linalg_vector_norm``, which runs at about half the memory
-    bandwidth the dot product reaches (``launch/bench.py`` measures both). Both give inf/NaN for a
-    tensor holding inf/NaN, and inf when the sum of squares leaves the accumulation dtype's range,
-    so the verdict is the same.
+    One ``_foreach_norm`` per (device, dtype) group and one ``stack``; then at world size 1 one
+    ``linalg_vector_norm``, and otherwise the weighted sum of squares written into ``verdict[1]``
+    (one ``addmv_``), one ``all_reduce`` of ``verdict``, and one ``sqrt``. Accumulated in float32 at
+    least: a large finite fp16 gradient never looks like an overflow. On CPU, large contiguous
+    float32/float64 gradients take BLAS dot products instead (torch's CPU ``_foreach_norm`` loops
+    over ``linalg_vector_norm``, which runs at about half the memory bandwidth the dot reaches;
+    ``launch/bench.py`` measures both): one more op per such gradient, on CPU only.
     """
-    acc_dtype = torch.promote_types(dtype, torch.float32)
-    if not (device.type == "cpu" and ord_ == 2.0 and dtype in _BLAS_DOT_DTYPES):
-        return torch.stack(torch._foreach_norm(grads, ord_, dtype=acc_dtype))
-    large: list[torch.Tensor] = []
-    small: list[torch.Tensor] = []
-    for g in grads:
-        (large if g.numel() >= _DOT_MIN_NUMEL and g.is_contiguous() else small).append(g)
-    parts = []
-    if large:
-        flat = [g if g.dim() == 1 else g.view(-1) for g in large]
-        parts.append(torch.stack([torch.dot(g, g) for g in flat]).sqrt())
-    if small:
-        parts.append(torch.stack(torch._foreach_norm(small, ord_, dtype=acc_dtype)))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    norms: list[torch.Tensor] = []  # per-tensor 2-norms
+    squares: list[torch.Tensor] = []  # per-tensor squared 2-norms (CPU dot products)
+    weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
+    for key, grads in groups.items():
+        if key.device.type == "cpu" and key.dtype in _BLAS_DOT_DTYPES:
+            small = [g for g in grads if g.numel() < _DOT_MIN_NUMEL or not g.is_contiguous()]
+            if len(small) != len(grads):
+                big = [
+                    g.view(-1) for g in grads if g.numel() >= _DOT_MIN_NUMEL and g.is_contiguous()
+                ]
+                squares += [torch.dot(g, g).mul_(key.weight).to(device) for g in big]
+                grads = small
+        if not grads:
+            continue
+        acc = _accumulation_dtype(key.dtype)
+        start = len(norms)
+        part = list(torch._foreach_norm(grads, 2.0, dtype=acc))
+        if key.device != device or acc != torch.float32:
+            part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        norms += part
+        weights.append((start, len(norms), key.weight))
+    uniform = len({w for _, _, w in weights}) <= 1
+    weight = weights[0][2] if weights else 1.0
+    if world_size == 1 and not squares:
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.linalg.vector_norm(torch.stack(norms))
+    out = verdict[1:2]
+    if norms:
+        stacked = torch.stack(norms)  # (num_grads,)
+        if not uniform:  # groups of different replication: weight each group's squares
+            stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
+            weight = 1.0
+        out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
+    else:
+        out.zero_()
+    if squares:
+        out.add_(torch.stack(squares).sum())
+    if world_size > 1:
+        dist.all_reduce(verdict, op=dist.ReduceOp.SUM, group=group)
+    return verdict[1].sqrt()
 
 
-def local_overflow_flag(
-    groups: GradGroups, *, device: torch.device, read_only: bool | None = None
-) -> torch.Tensor:
-    """This rank's overflow flag alone, leaving every gradient value as it is.
-
-    Exact (an element is inf or NaN), never fooled by large finite values. On CUDA and other
-    accelerators: a read-only max-abs pass (``_foreach_norm(ord=inf)``). On CPU, where that kernel
-    is several times slower than the rest, torch's own check ``_amp_foreach_non_finite_check_and_
-    unscale_`` with a factor of exactly 1.0 (what ``torch.amp.GradScaler`` runs for fused
-    optimizers; the values written back are unchanged).
+def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """This rank's contribution to a p-norm verdict, read-only over the gradients (any p).
 
     Args:
-        read_only: force the max-abs pass (True) or the check kernel (False) on every device;
-            None picks per device as above.
+        groups: local gradients grouped by (device, dtype, weight), still multiplied by the loss
+            scale. ``weight`` multiplies the group's ``sum |g|**p`` (``1 / replicas``, see
+            :mod:`distscaler.layouts`); it is not needed for p = inf (a max ignores repeats).
+        inv_scale: 0-dim float32 tensor ``1 / scale`` on the verdict device.
+        norm_type: ``p`` of the norm (``math.inf`` allowed).
 
     Returns:
-        float32 tensor of shape ``(2,)`` on ``device``: [flag, 0.0].
-    """
-
-    def use_max_abs(grad_device: torch.device) -> bool:
-        return grad_device.type != "cpu" if read_only is None else read_only
-
-    checked = {key: grads for key, grads in groups.items() if not use_max_abs(key[0])}
-    if checked:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        verdict = check_and_unscale_(checked, inv_scale=one)
-    else:
-        verdict = _new_verdict(device)
-    max_abs = [
-        torch.stack(torch._foreach_norm(grads, math.inf)).to(device, torch.float32)
-        for key, grads in groups.items()
-        if use_max_abs(key[0])
-    ]
-    if max_abs:
-        per_tensor = max_abs[0] if len(max_abs) == 1 else torch.cat(max_abs)
-        verdict[0] += per_tensor.isfinite().all().logical_not().to(torch.float32)
-    return verdict
-
-
-def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.Tensor:
-    """Unscale gradients in place and flag non-finite values in the same pass (read + write).
-
-    Uses ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel ``torch.amp.GradScaler``
-    uses, so unscaled values are bit-identical to torch's. Returns a local verdict tensor (shape
-    ``(2,)``, float32, on ``inv_scale.device``) whose element 1 is 0.
+        float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
+        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)].
     """
     device = inv_scale.device
-    verdict = _new_verdict(device)
-    per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    ord_ = float(norm_type)
+    parts = []
+    weights = []
     for key, grads in groups.items():
-        grad_device = key.device
-        if grad_device not in per_device:
-            if grad_device == device:
-                found = verdict[0]  # the kernel writes straight into the verdict buffer
-            else:
-                found = torch.zeros((), dtype=torch.float32, device=grad_device)
-            per_device[grad_device] = (found, inv_scale.to(grad_device, non_blocking=True))
-        found, dev_inv_scale = per_device[grad_device]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, dev_inv_scale)
-    for grad_device, (found, _) in per_device.items():
-        if grad_device != device:
-            verdict[0] += found.to(device, non_blocking=True)
-    return verdict
+        acc = _accumulation_dtype(key.dtype)
+        norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=acc))
+        parts.append(norms.to(device, torch.float32, non_blocking=True))
+        weights.append(key.weight)
+    if not parts:
+        # A rank with no gradients still joins the collective, with zeros.
+        return torch.zeros(VERDICT_NUMEL, dtype=torch.float32, device=device)
+    per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
+    flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
+    if ord_ == math.inf:
+        stat = (per_tensor * inv_scale).max()
+    else:
+        sums = [(part * inv_scale).pow(ord_).sum() * w for part, w in zip(parts, weights)]
+        stat = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return torch.stack([flag, stat])
 
 
 def all_reduce_verdict(
     verdict: torch.Tensor, group: dist.ProcessGroup | None, *, norm_type: float | None
 ) -> None:
-    """Combine the local verdicts in place: SUM (or MAX for an inf-norm) over ``group``.
+    """Combine local p-norm verdicts in place: SUM (or MAX for an inf-norm) over ``group``.
 
     One ``all_reduce`` of ``VERDICT_NUMEL`` float32 elements; every rank of ``group`` must call it.
     A flag summed or maxed over ranks is > 0 on every rank as soon as one rank saw a non-finite value.
@@ -192,27 +398,28 @@ def all_reduce_verdict(
     dist.all_reduce(verdict, op=op, group=group)
 
 
-class Verdict:
-    """The agreed outcome of one verdict collective, all on the verdict device, all read lazily.
+def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply gradients in place by ``inv_scale`` and flag non-finite values in the same pass.
 
-    Attributes:
-        found_inf: 0-dim float32, 1.0 if any rank saw a non-finite gradient (or the global norm is
-            non-finite) else 0.0. Identical on every rank.
-        total_norm: 0-dim float32, global norm of the unscaled gradients (None when not asked for).
+    Uses ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel ``torch.amp.GradScaler``
+    uses, so unscaled values are bit-identical to torch's; with ``inv_scale`` exactly 1.0 the values
+    are unchanged. Returns a fresh verdict tensor (shape ``(2,)``, float32, on ``inv_scale.device``):
+    [exactly 1.0 if an element is inf/NaN else 0.0, 0.0].
     """
-
-    __slots__ = ("found_inf", "total_norm")
-
-    def __init__(self, reduced: torch.Tensor, norm_type: float | None) -> None:
-        if norm_type is None:
-            self.total_norm = None
-            self.found_inf = (reduced[0] > 0).to(torch.float32)
+    device = inv_scale.device
+    verdict = torch.zeros(VERDICT_NUMEL, dtype=torch.float32, device=device)
+    others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, grads in groups.items():
+        if key.device == device:
+            found, factor = verdict[0], inv_scale  # the kernel writes into the verdict buffer
         else:
-            if norm_type == math.inf:
-                total = reduced[1]
-            else:
-                total = reduced[1].pow(1.0 / norm_type)
-            self.total_norm = total
-            self.found_inf = torch.logical_or(reduced[0] > 0, total.isfinite().logical_not()).to(
-                torch.float32
-            )
+            if key.device not in others:
+                others[key.device] = (
+                    torch.zeros((), dtype=torch.float32, device=key.device),
+                    inv_scale.to(key.device, non_blocking=True),
+                )
+            found, factor = others[key.device]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor)
+    for found, _ in others.values():
+        verdict[0:1].copy_(torch.maximum(verdict[0], found.to(device, non_blocking=True)))
+    return verdict

@@ -179,8 +179,9 @@ def clip_norms(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
         for p, g in zip(ref_params, ref_grads):
             p.grad = g
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, MAX_NORM, norm_type=norm_type))
-        offset = sum(len(s) for s in full[:shard_rank]) if layout == "sharded" else 0
-        ref_mine = [p.grad for p in ref_params[offset : offset + len(params)]]
+        # distscaler's coefficient is min(1, max_norm / norm) exactly: torch's adds 1e-6 to the
+        # norm (a relative 1e-6 / norm, 2e-4 here), a guard the grad_scale form does not need.
+        ref_mine = [g * min(1.0, MAX_NORM / ref_norm) for g in unscaled]
 
         fused = opt_kind == "fused"
         opt = torch.optim.SGD(params, lr=1.0, fused=fused, foreach=None if fused else False)
@@ -236,12 +237,12 @@ def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
                 scaler.update()
             counts.append(comm.get_total_counts())
             reads.append(len(spy.reads))
-        record = scaler._skip_record.host_values()
+        skipped = scaler.state_dict().get("num_skipped_steps", 0)
         key = f"{opt_kind}-{'clip' if clip else 'noclip'}-{'on' if enabled else 'off'}"
         results[key] = {
             "all_reduces": counts,
             "host_reads": reads,
-            "skipped_total": record[0] if record else 0.0,
+            "skipped_total": float(skipped),
         }
     return results
 

@@ -12,7 +12,7 @@ import torch
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config, get_float16_config
 
 from distscaler import GradScaler, ScalerConfig
-from distscaler.config import DEEPSPEED_FP16_DEFAULTS
+from distscaler.interop import DEEPSPEED_FP16_DEFAULTS
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs" / "deepspeed").glob("*.json"))
 
@@ -89,9 +89,10 @@ def test_every_problem_is_reported_at_once():
     message = str(info.value)
     for part in (
         "unknown fp16 key(s) ['loss_scael']",
-        "fp16.loss_scale_window must be an integer >= 1, got: 0",
-        "fp16.hysteresis must be an integer >= 1, got: 'two'",
-        "fp16.min_loss_scale must be a finite number > 0, got: -1",
+        "fp16.loss_scale_window must be an integer in [1, 2147483647], got: 0",
+        "fp16.hysteresis must be an integer in [1, 9223372036854775807], got: 'two'",
+        "fp16.min_loss_scale must be a finite number in [1.1754943508222875e-38, "
+        "3.4028234663852886e+38] (float32's normal range), got: -1",
         "fp16.initial_scale_power must be an integer in [-126, 127], got: 200",
         "fp16.consecutive_hysteresis must be a bool, got: 1",
     ):
@@ -145,11 +146,13 @@ def test_scaler_config_is_frozen_keyword_only_and_validates_everything():
         ScalerConfig(init_scale=0.0, growth_interval=0, policy="torch", hysteresis=2)
     message = str(info.value)
     for part in (
-        "init_scale must be a finite number > 0, got: 0.0",
-        "growth_interval must be an integer >= 1, got: 0",
-        "hysteresis must be 1 for policy='torch'",
+        "init_scale must be a finite number in [1.1754943508222875e-38, 3.4028234663852886e+38]"
+        " (float32's normal range), got: 0.0",
+        "growth_interval must be an integer in [1, 2147483647], got: 0",
     ):
         assert part in message
+    with pytest.raises(ValueError, match="hysteresis must be 1 for policy='torch'"):
+        ScalerConfig(policy="torch", hysteresis=2)
     with pytest.raises(ValueError, match=r"init_scale must be in \[min_scale, max_scale\]"):
         ScalerConfig(init_scale=1.0, min_scale=2.0)
 

@@ -442,7 +442,7 @@ def test_without_raise_the_scale_clamps_at_min_scale():
     "kwargs, match",
     [
         (dict(policy="apex"), r"policy must be one of .*'deepspeed'.*, got: 'apex'"),
-        (dict(hysteresis=0, policy="deepspeed"), r"hysteresis must be an integer >= 1, got: 0"),
+        (dict(hysteresis=0, policy="deepspeed"), r"hysteresis must be an integer in \[1, 9223372036854775807\], got: 0"),
         (dict(hysteresis=2), r"hysteresis must be 1 for policy='torch'"),
         (dict(consecutive_hysteresis=True, policy="megatron"), r"needs policy='deepspeed'"),
         (dict(raise_error_at_min_scale=True), r"raise_error_at_min_scale=True needs min_scale"),

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distscaler import verdict as verdict_mod
 from distscaler.layouts import collect_grads
-from distscaler.verdict import check_and_unscale_, local_overflow_flag, local_verdict
+from distscaler.verdict import check_and_unscale_, local_verdict
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIALS = [math.inf, -math.inf, math.nan, 6.0e4, -6.0e4, 1e30, 0.0]
@@ -30,9 +31,8 @@ def _groups(tensors):
     dtypes=st.lists(st.sampled_from(DTYPES), min_size=0, max_size=4),
     special=st.sampled_from(SPECIALS),
     where=st.integers(0, 10_000),
-    read_only=st.sampled_from([None, True, False]),
 )
-def test_overflow_flag_is_exactly_elementwise_isfinite(dtypes, special, where, read_only):
+def test_overflow_flag_is_exactly_elementwise_isfinite(dtypes, special, where):
     gen = torch.Generator().manual_seed(where)
     tensors = [(torch.randn(17 + i, generator=gen) * 100).to(d) for i, d in enumerate(dtypes)]
     if tensors:
@@ -42,7 +42,7 @@ def test_overflow_flag_is_exactly_elementwise_isfinite(dtypes, special, where, r
     expected = not all(bool(t.isfinite().all()) for t in tensors)
     groups, params = _groups(tensors)
     before = [p.grad.clone() for p in params]
-    verdict = local_overflow_flag(groups, device=torch.device("cpu"), read_only=read_only)
+    verdict = check_and_unscale_(groups, inv_scale=torch.ones(()))  # a fused step's check
     assert verdict.dtype == torch.float32 and verdict.shape == (2,)
     assert verdict.tolist() == [float(expected), 0.0]
     for p, b in zip(params, before):  # the gradients' values are unchanged
@@ -83,12 +83,10 @@ def test_check_and_unscale_matches_torch_kernel_and_flags():
     special=st.sampled_from([math.inf, -math.inf, math.nan, 6.0e4, 0.0, None]),
     where=st.integers(0, 10_000),
 )
-def test_norm_verdict_over_large_and_small_gradients(dtype, special, where):
-    """Large CPU fp32/fp64 gradients take BLAS dot products, small ones _foreach_norm: the flag is
-    still exactly elementwise isfinite, the sum of squares matches an fp64 reference, and the dot
-    path really ran (counted)."""
-    from distscaler import verdict as verdict_mod
-
+def test_two_norm_over_large_and_small_gradients(dtype, special, where):
+    """Large CPU fp32/fp64 gradients take BLAS dot products, small ones _foreach_norm: the norm is
+    non-finite exactly when an element is, matches an fp64 reference otherwise, and the dot path
+    really ran (counted)."""
     gen = torch.Generator().manual_seed(where)
     big = verdict_mod._DOT_MIN_NUMEL
     tensors = [
@@ -110,15 +108,17 @@ def test_norm_verdict_over_large_and_small_gradients(dtype, special, where):
         return real_dot(a, b)
 
     torch.dot = counting_dot
+    buffer = torch.zeros(2)
     try:
-        flag, sum_sq = local_verdict(groups, inv_scale=torch.tensor(0.25), norm_type=2.0).tolist()
+        norm = verdict_mod._scaled_two_norm(groups, torch.device("cpu"), 1, None, buffer)
     finally:
         torch.dot = real_dot
+    assert norm.dtype == torch.float32 and norm.shape == ()
     wide = [t.double() for t in tensors]
     finite = all(bool(t.isfinite().all()) for t in tensors)
-    expected = sum(float((t * 0.25).pow(2).sum()) for t in wide)
-    assert flag == float(not finite), (flag, expected)
+    assert bool(norm.isfinite()) is finite
     if finite:  # fp32 accumulation of up to 33K squares (dot or _foreach_norm)
-        assert sum_sq == pytest.approx(expected, rel=1e-4)
+        expected = math.sqrt(sum(float(t.pow(2).sum()) for t in wide))
+        assert float(norm) == pytest.approx(expected, rel=1e-4)
     dot_path = dtype in (torch.float32, torch.float64)
     assert sorted(calls) == (sorted([big + 3, 256 * (big // 256 + 1)]) if dot_path else [])

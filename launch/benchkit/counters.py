@@ -1,7 +1,8 @@
-"""Per-step counters: host reads of tensor values and c10d collectives (with their bytes).
+"""Per-step counters: device ops, host reads of tensor values and c10d collectives (with bytes).
 
-Both are modes: whatever runs inside ``with HostReadSpy() as spy`` / ``with CollectiveLog() as log``
-is counted, whichever library issued it (distscaler, torch's scalers, DeepSpeed's checks).
+All are modes: whatever runs inside ``with DispatchCounter() as ops`` / ``with HostReadSpy() as spy``
+/ ``with CollectiveLog() as log`` is counted, whichever library issued it (distscaler, torch's
+scalers, DeepSpeed's checks).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveLog", "HostReadSpy", "count_per_step"]
+__all__ = ["CollectiveLog", "DispatchCounter", "HostReadSpy", "count_per_step"]
 
 # Python-level ways of reading a tensor value on the host. On CUDA each of these is a sync.
 _HOST_READS = {
@@ -62,6 +63,36 @@ class HostReadSpy(TorchFunctionMode):
         optimizer.step = paused_step  # type: ignore[method-assign]
 
 
+#: Ops that make no device work: views, and aliases autograd and tensor creation leave behind.
+_NO_WORK = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it that do work on a device (views left out).
+
+    On a GPU each is (at least) one kernel launch, so the count is what sets the time of a step
+    while it is launch-bound; it is the same on every machine, and countable on a CPU. ``ops`` maps
+    each op's name (``aten._foreach_norm.Scalar``...) to its count; ``total`` is their sum.
+    Collectives (``c10d.allreduce_``...) are ops too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # count the plain-tensor ops and collectives DTensor turns it into
+        if not (func.is_view or func.overloadpacket in _NO_WORK):
+            name = str(func)
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
 class CollectiveLog(TorchDispatchMode):
     """Records every c10d collective dispatched inside it with the bytes of its input tensors."""
 
@@ -87,17 +118,19 @@ class CollectiveLog(TorchDispatchMode):
 def count_per_step(step: Callable[[], Any], *, untimed: Callable[[], Any] | None = None) -> dict:
     """Run ``step()`` once under both counters.
 
-    Returns ``{"collectives": int, "collective_bytes": int, "host_reads": int}``. ``untimed`` (run
-    before, outside the counters) restores the gradients. Reads made inside an optimizer's own
+    Returns ``{"collectives": int, "collective_bytes": int, "host_reads": int, "ops": int}``
+    (``ops``: device ops, :class:`DispatchCounter`). ``untimed`` (run before, outside the counters)
+    restores the gradients. Reads made inside an optimizer's own
     ``step`` are the optimizer's, not the scaler's: pause the spy there with
     :meth:`HostReadSpy.exclude_optimizer` before calling this.
     """
     if untimed is not None:
         untimed()
-    with HostReadSpy() as spy, CollectiveLog() as log:
+    with HostReadSpy() as spy, CollectiveLog() as log, DispatchCounter() as ops:
         step()
     return {
         "collectives": len(log.calls),
         "collective_bytes": sum(n for _, n in log.calls),
         "host_reads": len(spy.reads),
+        "ops": ops.total,
     }

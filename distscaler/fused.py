@@ -1,0 +1,84 @@
+"""The hand-off to fused optimizers: ``grad_scale`` and ``found_inf`` given to the kernel.
+
+Optimizers with ``_step_supports_amp_scaling`` (``Adam``/``AdamW``/``SGD(fused=True)``, and any
+optimizer that follows torch's contract) read ``optimizer.grad_scale`` and ``optimizer.found_inf``
+inside their step: they divide the gradients by ``grad_scale`` and skip (and undo their step count)
+when ``found_inf`` is exactly 1.0. The scaler sets both for the duration of the step only, so no
+value is read on the host and the gradients are never rewritten. Source:
+``torch/amp/grad_scaler.py`` (``GradScaler.step``), ``torch/optim/adam.py`` (``_fused_adam``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["fused_step", "takes_grad_scaler", "uses_fused_scaling"]
+
+#: ``step`` function -> whether it takes torch's deprecated ``grad_scaler`` keyword. Reading a
+#: signature costs tens of microseconds, once per step otherwise.
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
+def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` takes torch's deprecated ``grad_scaler=`` keyword."""
+    step = optimizer.step
+    func = getattr(step, "__func__", step)  # the same function behind every bound method
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return takes
+
+
+def uses_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` takes ``grad_scale``/``found_inf`` attributes (not the old keyword)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
+        not takes_grad_scaler(optimizer)
+    )
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run ``optimizer.step(*args, **kwargs)`` with ``grad_scale`` and ``found_inf`` handed over.
+
+    Args:
+        grad_scale: 0-dim float32 the gradients are divided by (``scale / clip_coef``), or None when
+            they are already unscaled. A ``grad_scale`` the user set on the optimizer stays a factor
+            (torch's rule); None there, as torch's own scaler leaves it after an ``unscale_()``
+            step, means none.
+        found_inf: 0-dim float32, exactly 1.0 to skip the step.
+
+    The optimizer's ``grad_scale``/``found_inf`` attributes are left as they were, also when the
+    step raises. No host read, no collective.
+    """
+    prior = {k: optimizer.__dict__[k] for k in _ATTRIBUTES if k in vars(optimizer)}
+    user_scale = prior.get("grad_scale")
+    if grad_scale is None:
+        grad_scale = user_scale
+    elif user_scale is not None:
+        grad_scale = grad_scale * user_scale
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        for key in _ATTRIBUTES:
+            if key in prior:
+                setattr(optimizer, key, prior[key])
+            else:
+                delattr(optimizer, key)

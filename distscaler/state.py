@@ -1,0 +1,147 @@
+"""The scaler's state on the device, packed so that a step updates it with a handful of ops.
+
+Everything that changes from step to step lives here as device tensors, so that a step never reads
+a value on the host and a CUDA graph replay advances it exactly as an eager step does:
+
+==========================  =============================================================
+``scale``                   0-dim float32, the loss scale (torch's ``_scale``).
+``growth_tracker``          0-dim int32, clean steps since the last backoff or growth
+                            (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``).
+``policy``                  the policy's extra counters, 0-dim int64 each (DeepSpeed's
+                            ``cur_iter``... see :mod:`distscaler.policies`).
+``record``                  float32 ``(4,)``: updates, skipped updates, the number (1-based)
+                            of the last skipped update, all counted since the last *fold*,
+                            and the loss scale that update used.
+constants                   ``zero``, ``one``, ``inf`` and one tensor per ``max_norm``,
+                            made once, so that no step writes a host number into a tensor.
+==========================  =============================================================
+
+The record's counts are float32 so that one foreach op updates them together with the scale used
+(float32 counts integers exactly up to 2**24); the host folds them into Python ints whenever it
+reads them between iterations (:meth:`DeviceState.fold`), which the scaler does at least every
+``skip_log_interval`` updates and every :data:`FOLD_EVERY` updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "HostValues"]
+
+#: Names of the record's lanes, in order.
+RECORD_LANES = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+#: The host folds the record at least this often (in updates): float32 counts stay exact.
+FOLD_EVERY = 1 << 20
+
+
+@dataclass
+class HostValues:
+    """The state as host numbers: before the device state exists, or as read from it."""
+
+    scale: float
+    growth_tracker: int
+    policy: dict[str, int] = field(default_factory=dict)
+
+
+class DeviceState:
+    """The device tensors of one scaler (see the module docstring). Made once per scaler.
+
+    Args:
+        device: where the scale lives (the device of the first scaled loss).
+        values: initial scale, growth tracker and policy counters.
+
+    Creating it costs a few small device writes, once; nothing here reads a value on the host.
+    """
+
+    def __init__(self, device: torch.device, values: HostValues) -> None:
+        def full(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((), value, dtype=dtype, device=device)
+
+        self.device = device
+        self.scale = full(values.scale, torch.float32)
+        self.growth_tracker = full(values.growth_tracker, torch.int32)
+        self.policy = {k: full(v, torch.int64) for k, v in values.policy.items()}
+        self.record = torch.zeros(len(RECORD_LANES), dtype=torch.float32, device=device)
+        #: 0-dim views of the record's lanes, for the foreach update.
+        self.lanes = list(self.record.unbind())
+        self.zero = full(0.0, torch.float32)
+        self.one = full(1.0, torch.float32)
+        self.inf = full(float("inf"), torch.float32)
+        #: ``[flag, sum of squares]`` of the clip verdict at world size > 1 (all-reduced in place).
+        self.verdict = torch.zeros(2, dtype=torch.float32, device=device)
+        self._max_norm: tuple[float, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ constants
+
+    def max_norm(self, value: float) -> torch.Tensor:
+        """0-dim float32 tensor holding ``value``; remade (one fill) only when ``value`` changes.
+
+        Under CUDA graph capture, warm up with the same ``max_norm`` first: a tensor made during
+        capture holds its value only once the graph is replayed.
+        """
+        if self._max_norm is None or self._max_norm[0] != value:
+            self._max_norm = (value, torch.full((), value, dtype=torch.float32, device=self.device))
+        return self._max_norm[1]
+
+    # ------------------------------------------------------------------ the skip record
+
+    def record_(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None = None) -> None:
+        """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
+        and the scale it used. One ``_foreach_lerp_`` (plus one ``_foreach_add`` when ``ends`` is
+        not given). Call before the policy changes the scale.
+
+        Args:
+            found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
+            ends: ``[num_updates + 1, num_skipped + 1]`` as fresh 0-dim tensors, when the verdict
+                already made them (the clip epilogue does, in the same op as the norm).
+        """
+        nu1, ns1 = ends if ends is not None else torch._foreach_add(self.lanes[:2], 1.0)
+        one = self.one
+        # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
+        torch._foreach_lerp_(
+            self.lanes, [nu1, ns1, nu1, self.scale], [one, found_inf, found_inf, found_inf]
+        )
+
+    def next_counts(self) -> list[torch.Tensor]:
+        """The tensors a verdict epilogue builds ``ends`` from: ``[num_updates, num_skipped]``."""
+        return self.lanes[:2]
+
+    # ------------------------------------------------------------------ host reads
+
+    def read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, list[float]]:
+        """Read ``extra`` 0-dim tensors, the state and the record in one host transfer.
+
+        Returns (values of ``extra``, the state as host numbers, the record's four lanes).
+        """
+        keys = list(self.policy)
+        parts = [t.reshape(1).to(torch.float64) for t in (*extra, self.scale, self.growth_tracker)]
+        parts += [self.policy[k].reshape(1).to(torch.float64) for k in keys]
+        parts.append(self.record.to(torch.float64))
+        values = torch.cat(parts).tolist()
+        n = len(extra)
+        state = HostValues(
+            scale=values[n],
+            growth_tracker=int(values[n + 1]),
+            policy={k: int(v) for k, v in zip(keys, values[n + 2 : n + 2 + len(keys)])},
+        )
+        return values[:n], state, values[n + 2 + len(keys) :]
+
+    def fold(self) -> None:
+        """Zero the record's counts after the host has added them to its own (between iterations
+        only: a pending verdict holds ``num_updates + 1`` from before the fold)."""
+        self.record[:3].zero_()
+
+    def write(self, values: HostValues) -> None:
+        """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills."""
+        self.scale.fill_(values.scale)
+        self.growth_tracker.fill_(values.growth_tracker)
+        if set(values.policy) != set(self.policy):
+            device = self.device
+            self.policy = {
+                k: torch.full((), 0, dtype=torch.int64, device=device) for k in values.policy
+            }
+        for key, value in values.policy.items():
+            self.policy[key].fill_(value)
+        self.record.zero_()
