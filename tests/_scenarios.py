@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _harness import HostReadSpy
+from benchkit.counters import DispatchCounter
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -312,9 +313,34 @@ def ddp_end_to_end(rank: int, world_size: int, device: str = "cpu") -> dict[str,
     return results
 
 
+def fused_step_ops(rank: int = 0, world_size: int = 1, device: str = "cpu") -> dict[str, Any]:
+    """Device ops (a dispatch counter) of a clean fused step + update, with and without clipping.
+
+    Also run without a process group, in the test process: the difference is what more ranks add.
+    """
+    out = {}
+    for clip in (False, True):
+        model = make_model().to(device)
+        opt = make_optimizer("fused", model.parameters())
+        scaler = GradScaler(device, init_scale=2.0**8, grad_layout="replicated")
+        for _ in range(3):  # the last one counted, after warm-up
+            opt.zero_grad()
+            with torch.autocast(torch.device(device).type, dtype=torch.float16):
+                loss = model(torch.randn(4, 8, device=device)).float().sum()
+            scaler.scale(loss).backward()
+            with DispatchCounter() as counter:
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+        out["clip" if clip else "noclip"] = counter.ops
+    return out
+
+
 def everything(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """All scenarios in one spawn: starting processes is the expensive part."""
     return {
+        "fused_ops": fused_step_ops(rank, world_size, device),
         "agreement": agreement(rank, world_size, device),
         "clip_norms": clip_norms(rank, world_size, device),
         "empty_rank": empty_rank(rank, world_size, device),

@@ -80,6 +80,19 @@ def test_clip_grad_norm_matches_torch_on_full_gradients(runs, layout, opt_kind, 
         assert res["all_reduces"] == 1
 
 
+def test_more_ranks_add_only_the_all_reduce_to_the_device_ops(runs):
+    _, results = runs
+    single = S.fused_step_ops()  # this process has no process group: world size 1
+    collective = {"c10d.allreduce_.default": 1}
+    # With clipping the squares are summed across ranks: the local sum goes into the verdict
+    # buffer (addmv_, in place of linalg_vector_norm) and the norm is its square root after.
+    clip = {k: v for k, v in single["clip"].items() if k != "aten.linalg_vector_norm.default"}
+    clip |= {"aten.addmv_.default": 1, "aten.sqrt.default": 1, **collective}
+    for r in results:
+        assert r["fused_ops"]["noclip"] == single["noclip"] | collective
+        assert r["fused_ops"]["clip"] == clip
+
+
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
 @pytest.mark.parametrize("opt_kind", S.OPTIMIZERS)
 def test_one_all_reduce_per_step_and_host_reads_only_when_not_fused(runs, opt_kind, clip):

@@ -63,8 +63,10 @@ class HostReadSpy(TorchFunctionMode):
         optimizer.step = paused_step  # type: ignore[method-assign]
 
 
-#: Ops that make no device work: views, and aliases autograd and tensor creation leave behind.
+#: Ops that make no device work: views, aliases autograd and tensor creation leave behind, and the
+#: profiler's record-function markers.
 _NO_WORK = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
+_NO_WORK_NAMESPACES = {"profiler"}
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -83,7 +85,11 @@ class DispatchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # count the plain-tensor ops and collectives DTensor turns it into
-        if not (func.is_view or func.overloadpacket in _NO_WORK):
+        if not (
+            func.is_view
+            or func.overloadpacket in _NO_WORK
+            or func.namespace in _NO_WORK_NAMESPACES
+        ):
             name = str(func)
             self.ops[name] = self.ops.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
