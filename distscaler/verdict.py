@@ -282,14 +282,6 @@ def _div_groups_(groups: GradGroups, divisor: torch.Tensor) -> None:
         torch._foreach_div_(grads, per_device[key.device])
 
 
-#: Dtypes whose 2-norm has a BLAS dot product on CPU (``sdot``/``ddot``).
-_BLAS_DOT_DTYPES = (torch.float32, torch.float64)
-#: Elements from which a CPU gradient's 2-norm comes from a dot product. Below it the few
-#: microseconds of a Python call and a view per tensor cost more than the bandwidth saved, and
-#: ``_foreach_norm`` takes all the small ones in one call.
-_DOT_MIN_NUMEL = 1 << 15
-
-
 def _scaled_two_norm(
     groups: GradGroups,
     device: torch.device,
@@ -299,54 +291,36 @@ def _scaled_two_norm(
 ) -> torch.Tensor:
     """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``.
 
-    One ``_foreach_norm`` per (device, dtype) group and one ``stack``; then at world size 1 one
+    One ``_foreach_norm`` per (device, dtype) group (float32 accumulation at least: a large finite
+    fp16 gradient never looks like an overflow) and one ``stack``; then at world size 1 one
     ``linalg_vector_norm``, and otherwise the weighted sum of squares written into ``verdict[1]``
-    (one ``addmv_``), one ``all_reduce`` of ``verdict``, and one ``sqrt``. Accumulated in float32 at
-    least: a large finite fp16 gradient never looks like an overflow. On CPU, large contiguous
-    float32/float64 gradients take BLAS dot products instead (torch's CPU ``_foreach_norm`` loops
-    over ``linalg_vector_norm``, which runs at about half the memory bandwidth the dot reaches;
-    ``launch/bench.py`` measures both): one more op per such gradient, on CPU only.
+    (one ``addmv_``), one ``all_reduce`` of ``verdict``, and one ``sqrt``. A rank without gradients
+    joins with zeros.
     """
     norms: list[torch.Tensor] = []  # per-tensor 2-norms
-    squares: list[torch.Tensor] = []  # per-tensor squared 2-norms (CPU dot products)
     weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
     for key, grads in groups.items():
-        if key.device.type == "cpu" and key.dtype in _BLAS_DOT_DTYPES:
-            small = [g for g in grads if g.numel() < _DOT_MIN_NUMEL or not g.is_contiguous()]
-            if len(small) != len(grads):
-                big = [
-                    g.view(-1) for g in grads if g.numel() >= _DOT_MIN_NUMEL and g.is_contiguous()
-                ]
-                squares += [torch.dot(g, g).mul_(key.weight).to(device) for g in big]
-                grads = small
-        if not grads:
-            continue
         acc = _accumulation_dtype(key.dtype)
-        start = len(norms)
         part = list(torch._foreach_norm(grads, 2.0, dtype=acc))
         if key.device != device or acc != torch.float32:
             part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        weights.append((len(norms), len(norms) + len(part), key.weight))
         norms += part
-        weights.append((start, len(norms), key.weight))
-    uniform = len({w for _, _, w in weights}) <= 1
-    weight = weights[0][2] if weights else 1.0
-    if world_size == 1 and not squares:
+    if world_size == 1:
         if not norms:
             return torch.zeros((), dtype=torch.float32, device=device)
         return torch.linalg.vector_norm(torch.stack(norms))
     out = verdict[1:2]
     if norms:
         stacked = torch.stack(norms)  # (num_grads,)
-        if not uniform:  # groups of different replication: weight each group's squares
+        weight = weights[0][2]
+        if any(w != weight for _, _, w in weights):  # groups of different replication
             stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
             weight = 1.0
         out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
     else:
         out.zero_()
-    if squares:
-        out.add_(torch.stack(squares).sum())
-    if world_size > 1:
-        dist.all_reduce(verdict, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(verdict, op=dist.ReduceOp.SUM, group=group)
     return verdict[1].sqrt()
 
 

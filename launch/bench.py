@@ -3,11 +3,14 @@ DeepSpeed's overflow check, on the same gradients, interleaved, with the memory-
 
 Sweeps (one knob at a time from a base case of 38M fp32 parameters in 144 tensors, fused AdamW,
 clipping at 1.0): gradient bytes, tensor count at equal bytes, gradient dtype, optimizer (fused,
-foreach, for-loop) x clipping on/off, world size 1/2/4 under torchrun (gloo) for DDP and FSDP2, and
-the collectives of FSDP2/HSDP at up to 4096 ranks with the fake process group. For each case it
-reports the phase's median time, the whole optimizer step, the optimizer alone, the floors (one
-read pass ``_foreach_norm``, one read+write pass ``_foreach_mul_``) and, per step, collectives and
-host reads of each contender. See ``benchkit/contenders.py`` for exactly what each contender runs.
+foreach, for-loop) x clipping on/off, the launch-bound case (tiny gradients, 10 to 10,000 tensors:
+host microseconds and device ops per step), world size 1/2/4 under torchrun (gloo) for DDP and
+FSDP2, and the collectives of FSDP2/HSDP at up to 4096 ranks with the fake process group. For each
+case it reports the phase's median time, the whole optimizer step, the optimizer alone, the floors
+(one read pass ``_foreach_norm``, one read+write pass ``_foreach_mul_``) and, per step, device ops,
+collectives and host reads of each contender. On ``--device cuda`` a captured-graph distscaler
+(``distscaler-graph``: the same sequence replayed from a CUDA graph) runs too. See
+``benchkit/contenders.py`` for exactly what each contender runs.
 
     python launch/bench.py                 # everything, about 10 minutes on a 2-core CPU
     python launch/bench.py --quick         # smoke run, under 2 minutes
@@ -37,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from benchkit.cases import measure, plain_params  # noqa: E402
 from benchkit.contenders import CONTENDERS  # noqa: E402
+from benchkit.launch_cost import measure_launch  # noqa: E402
 from benchkit.report import check_targets, markdown, plot  # noqa: E402
 from benchkit.sweeps import SWEEPS, plan  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -60,7 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweeps", nargs="+", choices=SWEEPS, default=list(SWEEPS), help="default: all"
     )
     parser.add_argument(
-        "--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS), help="default: all"
+        "--contenders",
+        nargs="+",
+        choices=CONTENDERS,
+        default=None,
+        help="default: all (distscaler-graph on --device cuda only)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
@@ -99,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--from-json: no such file: {args.from_json}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    if args.contenders is None:
+        args.contenders = [
+            c for c in CONTENDERS if args.device == "cuda" or c != "distscaler-graph"
+        ]
     return args
 
 
@@ -170,6 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     try:
         for sweep, case in tqdm(p.single, desc="single-process cases", unit="case"):
+            if sweep == "launch":
+                launch = measure_launch(
+                    case,
+                    device=device,
+                    contenders=[c for c in args.contenders if c != "distscaler-graph"],
+                    rounds=rounds,
+                    warmup=warmup,
+                )
+                records.append({"sweep": sweep, **launch})
+                continue
             params = plain_params(case, device)
             record = measure(
                 case,

@@ -20,6 +20,8 @@ from benchkit.contenders import CONTENDERS, build_contender, noop_step
 from benchkit.counters import count_per_step
 
 REPO = Path(__file__).resolve().parents[1]
+#: distscaler-graph needs a CUDA device (its own test below).
+CPU_CONTENDERS = [c for c in CONTENDERS if c != "distscaler-graph"]
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_contenders_leave_the_same_gradients(world_of_one, clip):
     params = plain_params(case, torch.device("cpu"))
     saved = [p.grad.clone() for p in params]
     results = {}
-    for name in CONTENDERS:
+    for name in CPU_CONTENDERS:
         c = build_contender(
             name,
             params=params,
@@ -93,7 +95,7 @@ def test_counts_distinguish_the_contenders(world_of_one):
     params = plain_params(case, torch.device("cpu"))
     counts = {}
     for kind in ("fused", "foreach"):
-        for name in CONTENDERS:
+        for name in CPU_CONTENDERS:
             c = build_contender(
                 name,
                 params=params,
@@ -107,7 +109,9 @@ def test_counts_distinguish_the_contenders(world_of_one):
         "collectives": 0,
         "collective_bytes": 0,
         "host_reads": 0,
+        "ops": 5,
     }
+    assert counts["torch", "fused"]["ops"] == 8  # torch 2.13: the same step, counted the same way
     assert counts["distscaler", "foreach"]["host_reads"] == 1
     assert counts["deepspeed", "fused"]["host_reads"] >= case.tensors
     assert counts["torch-sharded", "foreach"]["collectives"] == 1
@@ -129,17 +133,30 @@ def test_measure_reports_every_field(world_of_one):
         case,
         params=plain_params(case, torch.device("cpu")),
         device=torch.device("cpu"),
-        contenders=CONTENDERS,
+        contenders=CPU_CONTENDERS,
         rounds=2,
         warmup=0,
     )
     assert record["grad_bytes"] == 4000 * 4
     for key in ("optimizer_ms", "floor_read_ms", "floor_read_write_ms", "floor_read_dot_ms"):
         assert record[key] > 0, key
-    assert set(record["phase_ms"]) | set(record["errors"]) == set(CONTENDERS)
+    assert set(record["phase_ms"]) | set(record["errors"]) == set(CPU_CONTENDERS)
     for name, ms in record["phase_ms"].items():
         assert ms > 0 and record["step_ms"][name] > 0
         assert record["counts"][name]["host_reads"] >= 0
+
+
+def test_graph_contender_says_why_it_cannot_run_on_cpu():
+    params = plain_params(Case(params=200, tensors=2), torch.device("cpu"))
+    c = build_contender(
+        "distscaler-graph",
+        params=params,
+        make_optimizer=lambda: make_optimizer("fused", params),
+        optimizer=make_optimizer("fused", params),
+        clip=1.0,
+        device=torch.device("cpu"),
+    )
+    assert c.phase is None and c.error == "CUDA graphs need a CUDA device"
 
 
 @pytest.mark.xdist_group("bench_quick")
@@ -156,9 +173,25 @@ def test_quick_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     records = results["records"]
-    assert {r["sweep"] for r in records} == {"bytes", "tensors", "dtype", "optimizer", "world"}
+    assert {r["sweep"] for r in records} == {
+        "bytes", "tensors", "dtype", "optimizer", "launch", "world"
+    }  # fmt: skip
+    launch = [r for r in records if r["sweep"] == "launch"]
+    records = [r for r in records if r["sweep"] != "launch"]
+    # The launch-bound case: host time and device ops per step, side by side with torch.
+    assert {(r["tensors"], r["clip"]) for r in launch} == {
+        (10, True),
+        (10, False),
+        (144, True),
+        (144, False),
+    }
+    for r in launch:
+        assert r["host_us"]["distscaler"] > 0 and r["host_us"]["torch"] > 0, r
+        assert r["ops"]["distscaler"] == (8 if r["clip"] else 5), r
+        assert r["ops"]["distscaler"] <= r["ops"]["torch"] * (0.5 if r["clip"] else 1.0), r
     for r in records:
         assert r["phase_ms"]["distscaler"] > 0, r
+        assert r["counts"]["distscaler"]["ops"] > 0, r
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
         assert ours["host_reads"] == (0 if r["optimizer"] == "fused" else 1), r
@@ -180,11 +213,12 @@ def test_quick_run_end_to_end(tmp_path):
     assert {s["world_size"] for s in results["simulation"]} == {8, 64}
     assert all(s["ours"]["total"] == 1 for s in results["simulation"])
     report = (out / "results.md").read_text()
-    assert "## Targets" in report and "## Sweep: world" in report
+    assert "## Targets" in report and "## Sweep: world" in report and "## Sweep: launch" in report
     for png in ("phase_vs_bytes.png", "phase_vs_tensors.png", "phase_vs_world_size.png"):
         assert (out / png).stat().st_size > 10_000, png
     names = {t["target"] for t in results["targets"]}
     assert any("collectives per step" in n for n in names)
+    assert any("device ops per step with clipping" in n for n in names)
 
     # --from-json renders the same report again without measuring anything.
     again = tmp_path / "again"

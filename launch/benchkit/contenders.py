@@ -34,8 +34,9 @@ from lm.distributed import local_tensor
 
 __all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step"]
 
-#: Every contender, in the order the reports list them.
-CONTENDERS = ("distscaler", "torch", "torch-sharded", "deepspeed")
+#: Every contender, in the order the reports list them. ``distscaler-graph`` (CUDA only): the same
+#: sequence as ``distscaler``, captured once in a CUDA graph and replayed.
+CONTENDERS = ("distscaler", "torch", "torch-sharded", "deepspeed", "distscaler-graph")
 
 INIT_SCALE = 2.0**16
 
@@ -212,8 +213,48 @@ def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model
     )
 
 
+def _distscaler_graph(
+    *, params, make_optimizer, optimizer, clip, device, layout, model
+) -> Contender:
+    """distscaler's sequence replayed from a CUDA graph (torch's recipe: warm-up on a side stream,
+    static gradients, a capturable fused optimizer for the whole step)."""
+    if device.type != "cuda":
+        raise _NotApplicable("CUDA graphs need a CUDA device")
+    if not optimizer.defaults.get("fused"):
+        raise _NotApplicable("needs a fused optimizer (the only kind a graph can replay sync-free)")
+    capturable = type(optimizer)(params, **{**optimizer.defaults, "capturable": True})
+    base = _distscaler(
+        params=params,
+        make_optimizer=make_optimizer,
+        optimizer=capturable,
+        clip=clip,
+        device=device,
+        layout=layout,
+        model=model,
+    )
+    try:
+        assert base.phase is not None and base.step is not None
+        return Contender("distscaler-graph", phase=_captured(base.phase), step=_captured(base.step))
+    except Exception as exc:  # reported in the tables, as a contender that cannot run here
+        return Contender("distscaler-graph", error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _captured(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 _BUILDERS: dict[str, Callable[..., Contender]] = {
     "distscaler": _distscaler,
+    "distscaler-graph": _distscaler_graph,
     "torch": _torch_scaler(sharded=False),
     "torch-sharded": _torch_scaler(sharded=True),
     "deepspeed": _deepspeed,

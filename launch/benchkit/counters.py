@@ -84,11 +84,11 @@ class DispatchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # count the plain-tensor ops and collectives DTensor turns it into
+            return (
+                NotImplemented  # count the plain-tensor ops and collectives DTensor turns it into
+            )
         if not (
-            func.is_view
-            or func.overloadpacket in _NO_WORK
-            or func.namespace in _NO_WORK_NAMESPACES
+            func.is_view or func.overloadpacket in _NO_WORK or func.namespace in _NO_WORK_NAMESPACES
         ):
             name = str(func)
             self.ops[name] = self.ops.get(name, 0) + 1

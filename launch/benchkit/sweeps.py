@@ -12,8 +12,9 @@ from .cases import DTYPES, OPTIMIZERS, Case
 
 __all__ = ["SINGLE_SWEEPS", "SWEEPS", "Plan", "plan"]
 
-#: Sweeps that run in this process (world size 1, plain tensors).
-SINGLE_SWEEPS = ("bytes", "tensors", "dtype", "optimizer")
+#: Sweeps that run in this process (world size 1, plain tensors). ``launch``: host time and device
+#: ops on tiny gradients (see ``benchkit/launch_cost.py``).
+SINGLE_SWEEPS = ("bytes", "tensors", "dtype", "optimizer", "launch")
 #: Every sweep: the single-process ones, the torchrun worlds, and the fake-process-group simulation.
 SWEEPS = (*SINGLE_SWEEPS, "world", "simulate")
 
@@ -67,6 +68,11 @@ def plan(
         kinds = ("fused", "foreach") if quick else OPTIMIZERS
         single += [
             ("optimizer", base.but(optimizer=k, clip=clip)) for k in kinds for clip in (True, False)
+        ]
+    if "launch" in sweeps:
+        counts = (10, 144) if quick else (10, 144, 1000, 10_000)
+        single += [
+            ("launch", base.but(tensors=t, clip=clip)) for t in counts for clip in (True, False)
         ]
     return Plan(
         single=single,
