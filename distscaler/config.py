@@ -59,6 +59,14 @@ class ScalerConfig:
 
     def __post_init__(self) -> None:
         raise_problems("ScalerConfig", settings_problems(self.scaler_kwargs()))
+        # Valid values in the types the kernels take: a Python int scale of 2**64 is a valid
+        # float32 but not a valid clamp bound; a numpy integer interval is an int.
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
+        for name in ("growth_interval", "hysteresis", "skip_log_interval"):
+            object.__setattr__(self, name, int(getattr(self, name)))
 
     def scaler_kwargs(self) -> dict[str, Any]:
         """The config as keyword arguments of :class:`distscaler.GradScaler` (without ``device``)."""

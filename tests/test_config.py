@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config, get_float16_config
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from distscaler import GradScaler, ScalerConfig
 from distscaler.interop import DEEPSPEED_FP16_DEFAULTS
@@ -195,3 +198,97 @@ def test_from_deepspeed_scaler_follows_deepspeeds_scaler_built_from_the_same_con
             ds.last_overflow_iter,
         )
     assert raised  # min_loss_scale=1 and 2**5: 200 steps at 30% overflows reach the floor
+
+
+# ----------------------------------------------------------------- random input against the kernels
+
+_BAD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e-45, 1e-39, 3.5e38, 1e40, 2**31, 2**63, 2**70, "2", "torch"]),
+)
+
+
+def _mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid values three times out of four (boundaries included), anything else otherwise."""
+    return st.one_of(valid, valid, valid, _BAD)
+
+
+_SCALE = st.one_of(
+    st.floats(1e-30, 1e30), st.sampled_from([1.1754943508222875e-38, 3.4028234663852886e38])
+)
+_SETTINGS = {
+    "init_scale": _mostly(_SCALE),
+    "growth_factor": _mostly(st.floats(1.0001, 1e6)),
+    "backoff_factor": _mostly(st.floats(1e-6, 0.9999)),
+    "growth_interval": _mostly(st.integers(1, 4) | st.just(2**31 - 1)),
+    "min_scale": st.one_of(st.none(), st.none(), st.none(), _SCALE, _BAD),
+    "max_scale": st.one_of(st.none(), st.none(), st.none(), _SCALE, _BAD),
+    "hysteresis": st.one_of(st.just(1), st.just(1), st.integers(1, 3), _BAD),
+    "policy": _mostly(st.sampled_from(["torch", "deepspeed", "megatron", "static"])),
+}
+_STATE = {
+    "scale": _mostly(_SCALE),
+    "_growth_tracker": _mostly(st.integers(0, 3) | st.just(2**31 - 1)),
+    "growth_interval": _SETTINGS["growth_interval"],
+    "growth_factor": _SETTINGS["growth_factor"],
+    "min_scale": _SETTINGS["min_scale"],
+    "max_scale": _SETTINGS["max_scale"],
+    "num_updates": _mostly(st.integers(0, 2**40)),
+}
+
+
+def _train_two_steps(scaler: GradScaler) -> None:
+    """A fused clip + step + update, clean then overflowing: every kernel the settings reach."""
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    scaler.materialize("cpu")
+    for fault in (False, True):
+        for p in params:
+            p.grad = torch.randn(8)
+        if fault:
+            params[1].grad[2] = float("inf")
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.step_was_skipped
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_SETTINGS))
+def test_whatever_the_constructor_accepts_a_step_runs(kwargs):
+    """Random settings: either a ValueError/TypeError that names a setting, raised up front, or a
+    scaler whose steps run (the first step used to fail with "value cannot be converted to type
+    float without overflow" or "Overflow when unpacking long long" for values it had accepted)."""
+    try:
+        scaler = GradScaler("cpu", **kwargs)
+    except (ValueError, TypeError) as e:
+        event("refused")
+        assert any(name in str(e) for name in (*_SETTINGS, "hysteresis")), str(e)
+        return
+    event("accepted")
+    _train_two_steps(scaler)
+    assert math.isfinite(scaler.get_scale()) and scaler.get_scale() > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_STATE))
+def test_whatever_load_state_dict_accepts_a_step_runs(changes):
+    """Random state values: a ValueError (never a bare OverflowError) that leaves the scaler as it
+    was, or a loaded state whose steps run."""
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=4)
+    good = {"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 4}
+    state = {**good, "_growth_tracker": 0, **changes}
+    before = scaler.state_dict()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scaler.load_state_dict(state)
+    except ValueError:
+        event("refused")
+        assert scaler.state_dict() == before
+        return
+    event("accepted")
+    _train_two_steps(scaler)
