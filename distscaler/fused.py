@@ -1,22 +1,27 @@
-"""The hand-off to fused optimizers: ``grad_scale`` and ``found_inf`` given to the kernel.
+"""The optimizer step on the agreed verdict, and the hand-off to fused optimizers.
 
 Optimizers with ``_step_supports_amp_scaling`` (``Adam``/``AdamW``/``SGD(fused=True)``, and any
 optimizer that follows torch's contract) read ``optimizer.grad_scale`` and ``optimizer.found_inf``
 inside their step: they divide the gradients by ``grad_scale`` and skip (and undo their step count)
 when ``found_inf`` is exactly 1.0. The scaler sets both for the duration of the step only, so no
-value is read on the host and the gradients are never rewritten. Source:
+value is read on the host and the gradients are never rewritten. Other optimizers step unless the
+agreed flag, read once on the host, says overflow. Source:
 ``torch/amp/grad_scaler.py`` (``GradScaler.step``), ``torch/optim/adam.py`` (``_fused_adam``).
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
-__all__ = ["fused_step", "takes_grad_scaler", "uses_fused_scaling"]
+from .errors import CallOrderError
+
+__all__ = ["fused_step", "run_step", "takes_grad_scaler", "uses_fused_scaling"]
 
 #: ``step`` function -> whether it takes torch's deprecated ``grad_scaler`` keyword. Reading a
 #: signature costs tens of microseconds, once per step otherwise.
@@ -82,3 +87,53 @@ def fused_step(
                 setattr(optimizer, key, prior[key])
             else:
                 delattr(optimizer, key)
+
+
+def run_step(
+    optimizer: torch.optim.Optimizer,
+    verdict: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    scaler: Any,
+    check: Any,
+    unscale: Any,
+) -> Any:
+    """Run ``optimizer``'s step on the agreed verdict, as ``torch.amp.GradScaler.step`` does.
+
+    Args:
+        verdict: the scaler's per-optimizer state of this iteration (``stage``,
+            ``found_inf_per_device``, ``grad_scale``); ``check()`` / ``unscale()`` fill it when no
+            verdict ran yet.
+        scaler: passed as ``grad_scaler=`` to optimizers of torch's deprecated contract.
+
+    Fused optimizers get ``grad_scale``/``found_inf`` (no host read); others step unless the agreed
+    flag, read once on the host, says overflow. Returns what ``optimizer.step`` returned, or None
+    for a skipped step.
+
+    Raises:
+        CallOrderError: no verdict was recorded for ``optimizer`` (torch's wording).
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if takes_grad_scaler(optimizer):  # torch's deprecated contract: it drives the scaler
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+                "directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            return optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})  # type: ignore[call-overload]
+        if verdict["stage"] is OptState.READY:
+            check()
+        (found_inf,) = verdict["found_inf_per_device"].values()
+        return fused_step(optimizer, verdict["grad_scale"], found_inf, args, kwargs)
+    if verdict["stage"] is OptState.READY:
+        unscale()
+    if len(verdict["found_inf_per_device"]) == 0:
+        raise CallOrderError("No inf checks were recorded for this optimizer.")
+    (found_inf,) = verdict["found_inf_per_device"].values()
+    if found_inf.item():  # the step's one host read: the agreed flag
+        return None
+    return optimizer.step(*args, **kwargs)

@@ -1,11 +1,9 @@
 """``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares.
 
-This module is the torch-compatible face: the constructor, the per-optimizer call-order state, the
-getters and setters, and DeepSpeed-style properties. The work is elsewhere: settings in
-:mod:`~distscaler.config`, the device state in :mod:`~distscaler.state`, the verdict and its
-collective in :mod:`~distscaler.verdict`, the hand-off to fused optimizers in
-:mod:`~distscaler.fused`, scale rules in :mod:`~distscaler.policies`, saving and loading in
-:mod:`~distscaler.persistence`, the skip log in :mod:`~distscaler.telemetry`.
+The torch-compatible face: constructor, per-optimizer call-order state, getters and setters,
+DeepSpeed-style properties. The work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`,
+:mod:`~distscaler.verdict`, :mod:`~distscaler.fused`, :mod:`~distscaler.policies`,
+:mod:`~distscaler.persistence` and :mod:`~distscaler.telemetry`.
 """
 
 from __future__ import annotations
@@ -21,13 +19,13 @@ from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
 from .config import ScalerConfig, raise_problems, settings_problems
-from .errors import MIN_SCALE_MESSAGE, CallOrderError, LossScaleAtMinimumError
-from .fused import fused_step, uses_fused_scaling
+from .errors import CallOrderError
+from .fused import run_step, uses_fused_scaling
 from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
 from .persistence import export_state, parse_state
 from .policies import PolicyName, get_policy
-from .state import FOLD_EVERY, DeviceState, HostValues
-from .telemetry import SkipLog, SkipTotals
+from .state import DeviceState, HostValues, ScalerState
+from .telemetry import SkipTotals
 from .verdict import VerdictGroup
 
 __all__ = ["GradScaler", "OptState"]
@@ -48,60 +46,32 @@ class GradScaler(torch.amp.GradScaler):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
-    parameters, defaults, methods, per-optimizer call-order rules and error wording. For a single
-    process, swapping the import changes no parameter and no scale, bit for bit. On top of torch:
-
-    * Each rank checks its own gradients with fused multi-tensor kernels and the verdicts are
-      combined in **one** ``all_reduce`` of two float32 per optimizer step over ``process_group``,
-      so every rank skips the step, or none does, and every rank updates the scale identically.
-    * :meth:`clip_grad_norm_` folds gradient clipping into that same collective.
-    * Fused optimizers (``_step_supports_amp_scaling``: ``Adam/AdamW/SGD(fused=True)``) receive
-      ``grad_scale`` and the agreed ``found_inf``; no value is read on the host, the gradients are
-      not rewritten, and ``clip_grad_norm_`` + ``step`` + ``update`` can be captured in a CUDA
-      graph. Other optimizers: one in-place multiply, then one host read of the agreed flag.
-    * Every counter (scale, trackers, skip record) lives on the device and a step updates it with
-      a handful of ops (see :mod:`distscaler.verdict` and :mod:`distscaler.state`).
+    parameters, defaults, methods, call-order rules and error wording; for a single process the
+    same parameters and scales, bit for bit. On top of torch: the per-rank verdicts are combined in
+    **one** ``all_reduce`` of two float32 per step over ``process_group`` (every rank skips, or
+    none does, and the scales stay equal); :meth:`clip_grad_norm_` rides on it; fused optimizers
+    get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every counter
+    lives on the device, updated by a handful of ops, so a step can be replayed from a CUDA graph.
 
     Args:
-        device (str, default ``"cuda"``): device type of the scale, as in torch. With ``"cuda"`` and
-            no CUDA available the scaler warns and disables itself, as torch's does.
-        init_scale (float, default ``2.0**16``): initial loss scale, a normal float32 > 0.
-        growth_factor (float, default 2.0): factor (> 1) applied after ``growth_interval`` clean
-            steps.
-        backoff_factor (float, default 0.5): factor in (0, 1) applied after an overflow.
-        growth_interval (int, default 2000): consecutive optimizer steps without inf/NaN gradients
-            after which the scale grows, in [1, 2**31 - 1].
-        enabled (bool, default True): if False, every method is a no-op (``step`` calls
-            ``optimizer.step()``): no collective, no host read.
-        process_group (ProcessGroup, keyword-only, default None): the ranks that must agree. None
-            means WORLD once ``torch.distributed`` is initialized; no collective when it is not, or
-            when the group has one rank.
-        grad_layout (``"replicated"`` | ``"sharded"`` | None, keyword-only, default None): how
-            plain-tensor gradients whose layout is not otherwise known lie across ``process_group``
-            (every rank holds the same, or each holds its own), for the norm of
-            :meth:`clip_grad_norm_` only. DTensor gradients need nothing; DDP and FSDP1 models are
-            learnt with :meth:`register_model`. With None, a norm over more than one rank of
-            gradients of unknown layout raises :class:`~distscaler.errors.UnknownLayoutError`.
-        min_scale, max_scale (float | None, keyword-only): bounds of the scale after each update
-            (torch has none: its scale can decay toward 0).
-        policy (``"torch"`` | ``"deepspeed"`` | ``"megatron"`` | ``"static"``, keyword-only, default
-            ``"torch"``): the scale update rule, run on the device (see
-            :mod:`distscaler.policies`).
-        hysteresis (int, keyword-only, default 1): overflows tolerated before a backoff
-            (``"deepspeed"``/``"megatron"``); every overflow skips the step all the same.
-        consecutive_hysteresis (bool, keyword-only, default False): refill the hysteresis on every
-            clean step (DeepSpeed's; ``"deepspeed"`` only).
-        raise_error_at_min_scale (bool, keyword-only, default False): raise
-            :class:`~distscaler.errors.LossScaleAtMinimumError` with DeepSpeed's message when an
-            overflow would lower a scale already at ``min_scale`` (which must be set). Costs one
-            host read in every :meth:`update`.
-        skip_nonfinite (bool, keyword-only, default True): skip steps with inf/NaN gradients. False
-            (``policy="static"`` only: DeepSpeed's bf16 ``check_grad_overflow: false``) steps with
-            them; the verdict collective still runs.
-        skip_log_interval (int, keyword-only, default 100): every this many ``update()`` calls,
-            the same on every rank, the device-side skip record is read once on the host and new
-            skips are logged (rank 0, logger ``"distscaler"``); 0 reads only when the host reads
-            the scaler anyway.
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's, in
+            torch's order, with the same defaults (``"cuda"`` without CUDA warns and disables, as
+            torch's does); ``init_scale`` must be a normal float32 > 0, ``growth_interval`` in
+            [1, 2**31 - 1] (torch's growth tracker is an int32 tensor). ``enabled=False``: every
+            method is a no-op (``step`` calls ``optimizer.step()``), no collective, no host read.
+        process_group (ProcessGroup | None): the ranks that must agree; None means WORLD once
+            ``torch.distributed`` is initialized (no collective on one rank).
+        grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients that
+            nothing else describes lie across ``process_group``, for the norm of
+            :meth:`clip_grad_norm_` only (see :mod:`distscaler.layouts`); None: such a norm over
+            several ranks raises :class:`~distscaler.errors.UnknownLayoutError`.
+        min_scale, max_scale, policy, hysteresis, consecutive_hysteresis,
+        raise_error_at_min_scale, skip_nonfinite, skip_log_interval: keyword-only settings, each
+            documented on :class:`~distscaler.config.ScalerConfig`: bounds of the scale (torch's
+            has none), the update rule (``"torch"``, ``"deepspeed"``, ``"megatron"``, ``"static"``;
+            :mod:`distscaler.policies`), DeepSpeed's hysteresis options and error at the minimum
+            (one host read per update), stepping through inf/NaN (``"static"`` only), and how
+            often (in updates, the same on every rank) the skip record is read and logged.
 
     Raises:
         ValueError: a setting is out of its valid range (every problem in one message naming the
@@ -148,17 +118,13 @@ class GradScaler(torch.amp.GradScaler):
             )
             self._enabled = False
         self._config = config
-        policy_obj = get_policy(config.policy)
-        self._initial = HostValues(config.init_scale, 0, policy_obj.initial_state(config.rule()))
-        self._state: DeviceState | None = None
+        policy_state = get_policy(config.policy).initial_state(config.rule())
+        self._state = ScalerState(HostValues(config.init_scale, 0, policy_state))
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
-        self._skips = SkipLog()
-        self._host_updates = 0  # update() calls seen by the host, for the periodic read
-        self._last_found_inf: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -178,16 +144,16 @@ class GradScaler(torch.amp.GradScaler):
 
     def _device_state(self, funcname: str) -> DeviceState:
         self._check_scale_growth_tracker(funcname)
-        assert self._state is not None
-        return self._state
+        assert self._state.device is not None
+        return self._state.device
 
     def _record(
         self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **extra: Any
     ) -> dict:
         state = self._per_optimizer_states[id(optimizer)]
         if not self._config.skip_nonfinite:  # a static scale told to step through inf/NaN
-            assert self._state is not None
-            found_inf = self._state.zero
+            assert self._state.device is not None
+            found_inf = self._state.device.zero
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state.update(extra)
         return state
@@ -198,11 +164,9 @@ class GradScaler(torch.amp.GradScaler):
         """Divide the optimizer's gradients by the scale in place and agree on ``found_inf``.
 
         Same semantics and errors as :meth:`torch.amp.GradScaler.unscale_`, plus the verdict: one
-        read+write pass over the gradients (``_amp_foreach_non_finite_check_and_unscale_``, one launch
-        per device/dtype group), then one ``all_reduce`` of 2 float32 on ``process_group`` (every rank
-        of it must call). No host read. Prefer :meth:`clip_grad_norm_` over ``unscale_`` +
-        ``torch.nn.utils.clip_grad_norm_``: with a fused optimizer it reads each gradient byte once
-        instead of about five times, and needs no second collective.
+        read+write pass (torch's check-and-unscale kernel, one launch per device/dtype group), then
+        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call). No host read.
+        Prefer :meth:`clip_grad_norm_` to ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
 
         Raises:
             CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
@@ -234,16 +198,16 @@ class GradScaler(torch.amp.GradScaler):
         ``min(1, max_norm / norm)`` (torch's coefficient without its 1e-6 guard, which this form
         does not need: see :mod:`distscaler.verdict`).
 
-        Cost: one read pass over the gradients (``_foreach_norm``, one launch per device/dtype
-        group), one ``all_reduce`` of 2 float32 on ``process_group`` when it has several ranks (every
-        rank must call; it *is* the step's verdict, :meth:`step` adds none), a few ops on the
-        device, no host read. Fused optimizers: the gradients are not rewritten; the optimizer gets
-        ``grad_scale = scale / clip_coef``. Others: one in-place division by it. After an explicit
-        :meth:`unscale_` the norm is taken from the unscaled gradients (a second all_reduce unless
-        every gradient is replicated over the whole group). A disabled scaler only clips.
+        Cost: one read pass (``_foreach_norm``, one launch per device/dtype group), one
+        ``all_reduce`` of 2 float32 on ``process_group`` when it has several ranks (every rank must
+        call; it *is* the step's verdict, :meth:`step` adds none), a few device ops (six in all at
+        world size 1, see :mod:`distscaler.verdict`), no host read. Fused optimizers get
+        ``grad_scale = scale / clip_coef`` and the gradients are not rewritten; others are divided
+        by it in place. After an explicit :meth:`unscale_` the norm is taken from the unscaled
+        gradients (a second all_reduce unless all are replicated). A disabled scaler only clips.
 
         Args:
-            optimizer: the optimizer whose parameters' gradients are clipped.
+            optimizer: whose parameters' gradients are clipped.
             max_norm (float): maximum norm, finite and > 0.
             norm_type (float, default 2.0): p of the p-norm, > 0; ``math.inf`` for the max norm.
 
@@ -258,11 +222,7 @@ class GradScaler(torch.amp.GradScaler):
             CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
                 :meth:`step`.
         """
-        if not V.is_real(max_norm) or not 0 < float(max_norm) < float("inf"):
-            raise ValueError(f"max_norm must be a finite number > 0, got: {max_norm!r}")
-        if not V.is_real(norm_type) or not float(norm_type) > 0:
-            raise ValueError(f"norm_type must be a number > 0 or math.inf, got: {norm_type!r}")
-        max_norm, norm_type = float(max_norm), float(norm_type)
+        max_norm, norm_type = V.check_clip(max_norm, norm_type)
         if not self._enabled:
             return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None)
         device_state = self._device_state("clip_grad_norm_")
@@ -311,13 +271,12 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
 
-        Same semantics, return value and errors as :meth:`torch.amp.GradScaler.step`. If neither
-        :meth:`unscale_` nor :meth:`clip_grad_norm_` ran for ``optimizer`` in this iteration, the
-        verdict runs here (one ``all_reduce`` of 2 float32 on ``process_group``; every rank must call).
-
-        Cost: fused optimizers: one check pass (torch's check kernel with a factor of 1.0: values
-        unchanged), the kernel gets ``grad_scale`` and ``found_inf``; no host read. Other
-        optimizers: the unscale pass (read + write) and exactly one host read of the agreed flag.
+        Same semantics, return value and errors as :meth:`torch.amp.GradScaler.step`. Without an
+        earlier :meth:`unscale_` or :meth:`clip_grad_norm_` the verdict runs here (one
+        ``all_reduce`` of 2 float32 on ``process_group``; every rank must call). Fused optimizers:
+        one check pass (torch's check kernel with a factor of 1.0: values unchanged), then the
+        kernel gets ``grad_scale`` and ``found_inf``; no host read. Others: the unscale pass and one
+        host read of the agreed flag (see :mod:`distscaler.fused`).
 
         Raises:
             CallOrderError: ``step()`` already called since the last :meth:`update`, or
@@ -332,51 +291,29 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if not uses_fused_scaling(optimizer):
-                # torch's deprecated contract: the optimizer drives the scaler itself.
-                warnings.warn(
-                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                    "directly.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-                kwargs["grad_scaler"] = self
-                retval = optimizer.step(*args, **kwargs)
-                state["stage"] = OptState.STEPPED
-                return retval
-            if state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)
-            (found_inf,) = state["found_inf_per_device"].values()
-            retval = fused_step(optimizer, state["grad_scale"], found_inf, args, kwargs)
-            state["stage"] = OptState.STEPPED
-            return retval
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        if len(state["found_inf_per_device"]) == 0:
-            raise CallOrderError("No inf checks were recorded for this optimizer.")
-        (found_inf,) = state["found_inf_per_device"].values()
-        retval = None
-        if not found_inf.item():  # the step's one host read: the agreed flag
-            retval = optimizer.step(*args, **kwargs)
+        retval = run_step(
+            optimizer,
+            state,
+            args,
+            kwargs,
+            scaler=self,
+            check=lambda: self._check_inf_per_device(optimizer),
+            unscale=lambda: self.unscale_(optimizer),
+        )
         state["stage"] = OptState.STEPPED
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
-        Same semantics as :meth:`torch.amp.GradScaler.update` (for ``policy="torch"``): on overflow
-        the scale is multiplied by ``backoff_factor``, after ``growth_interval`` clean steps by
-        ``growth_factor``, then clamped to ``[min_scale, max_scale]``. Runs on the device, two
-        kernels (the skip record, then the policy; one more with bounds): no collective (the
-        verdict is already global) and no host read, except one read every ``skip_log_interval``
-        calls to log skips (never inside CUDA graph capture).
+        Same semantics as :meth:`torch.amp.GradScaler.update` (``policy="torch"``; others see
+        :mod:`distscaler.policies`), then clamped to ``[min_scale, max_scale]``. Two kernels on the
+        device (the skip record, the policy; one more with bounds), no collective, no host read but
+        one every ``skip_log_interval`` calls (never inside CUDA graph capture).
 
         Args:
-            new_scale (float | Tensor | None): set the scale to this value instead (a normal float32
-                > 0, or a 1-element float32 tensor without grad on the scaler's device type).
+            new_scale (float | Tensor | None): set the scale to this instead (a normal float32 > 0,
+                or a 1-element float32 tensor without grad on the scaler's device type).
 
         Raises:
             CallOrderError: no inf check was recorded since the last update ("No inf checks were
@@ -387,19 +324,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         device_state = self._device_state("update")
         if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor):
-                if (
-                    new_scale.device.type != self._device
-                    or new_scale.numel() != 1
-                    or new_scale.requires_grad
-                ):
-                    raise ValueError(
-                        "new_scale must be a float or a 1-element tensor on device type "
-                        f"{self._device!r} with requires_grad=False, got: {new_scale!r}"
-                    )
-                device_state.scale.copy_(new_scale.reshape(()))
-            else:
-                device_state.scale.fill_(V.check_scale("new_scale", new_scale))
+            self._state.set_scale(new_scale, self._device)
         else:
             states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
             if not states:
@@ -408,28 +333,11 @@ class GradScaler(torch.amp.GradScaler):
             found_inf = found[0].to(device_state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
-            self._apply(device_state, found_inf, states[0]["ends"] if len(found) == 1 else None)
+            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _apply(
-        self, state: DeviceState, found_inf: torch.Tensor, ends: list[torch.Tensor] | None
-    ) -> None:
-        """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0)."""
-        config = self._config
-        policy, rule = get_policy(config.policy), config.rule()
-        if config.raise_error_at_min_scale:
-            # The documented host read of raise_error_at_min_scale.
-            if bool(policy.at_minimum(state.scale, found_inf, state.policy, rule)):
-                raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
-        state.record_(found_inf, ends)  # before the policy: it records the scale used
-        policy.update_(state.scale, state.growth_tracker, found_inf, state.policy, rule)
-        self._last_found_inf = found_inf
-        self._host_updates += 1
-        interval = config.skip_log_interval
-        due = (interval and self._host_updates % interval == 0) or (
-            self._host_updates % FOLD_EVERY == 0
-        )
-        if due and not _capturing(state.device):
+    def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
+        if self._state.update(found_inf, ends, self._config):
             self._read()
 
     # ------------------------------------------------------------------ device state
@@ -437,22 +345,14 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         # Idempotent: integrations (Accelerate's FSDP2 load_state) call it on a scaler in use,
         # where torch's version fails with "_growth_tracker initialized before _scale".
-        if self._state is not None:
-            return
-        self._state = DeviceState(torch.device(dev), self._initial)
-        self._scale = self._state.scale
-        self._growth_tracker = self._state.growth_tracker
+        state = self._state.materialize(dev)
+        self._scale, self._growth_tracker = state.scale, state.growth_tracker
 
     def materialize(self, device: torch.device | str | None = None) -> None:
-        """Create the scale (and the rest of the device state) on ``device`` without scaling a loss.
+        """Create the device state on ``device`` (default: the device type) without scaling a loss.
 
-        For ranks whose gradients arrive already scaled but that never compute a loss themselves:
-        the first stages of a pipeline, whose backward starts from the gradients the last stage
-        sends. :meth:`scale` does this lazily on the ranks that do. No-op when disabled or once
-        created. No collective, no host read.
-
-        Args:
-            device: where the scale lives (the gradients' device); default the scaler's device type.
+        For ranks that never compute a loss (the first stages of a pipeline); :meth:`scale` does it
+        lazily on the others. No-op when disabled or once created. No collective, no host read.
         """
         if self._enabled:
             self._lazy_init_scale_growth_tracker(device or self._device)
@@ -462,39 +362,20 @@ class GradScaler(torch.amp.GradScaler):
 
         Between iterations (no verdict pending) the record's counts are folded into the host's.
         """
-        state = self._state
-        if state is None:
-            return [], self._initial, self._skips.totals(None)
-        values, host, record = state.read(*extra)
-        totals = self._skips.totals(record)
-        if not self._per_optimizer_states:
-            self._skips.fold(record)
-            state.fold()
         _, world_size = self._verdict.resolve()
-        self._skips.report(totals, host.scale, world_size)
-        return values, host, totals
+        fold = not self._per_optimizer_states
+        return self._state.read(*extra, fold=fold, world_size=world_size)
 
     def register_model(
         self, model: torch.nn.Module, *, grad_layout: GradLayout | None = None
     ) -> GradScaler:
         """Learn how ``model``'s gradients are laid out across the ranks, for :meth:`clip_grad_norm_`.
 
-        Call once after wrapping, on every rank (no collective, no host read). Needed where the
-        gradients do not say it themselves: DDP (its ``process_group`` replicates them), FSDP1
-        (its sharding strategy and, for ``HYBRID_SHARD``, its replicate group), and plain modules
-        such as a pipeline stage (pass ``grad_layout="sharded"``; or ``"replicated"``). FSDP2 /
-        HSDP / tensor-parallel gradients are DTensors and need no registration; inside DDP their
-        placements and DDP's replication combine. Can be called for several models (pipeline
-        stages, a model and its EMA); a later call wins for a parameter registered twice.
-
-        Args:
-            model: the wrapped module (DDP, FSDP1, or any module containing them), or a plain one
-                with ``grad_layout``.
-            grad_layout (``"replicated"`` | ``"sharded"`` | None): layout of ``model``'s
-                parameters that no DDP/FSDP1 wrapper inside it covers.
-
-        Returns:
-            ``self``, so that ``scaler = GradScaler(...).register_model(model)`` works.
+        Call once after wrapping, on every rank (no collective, no host read), where gradients do
+        not say it themselves: DDP, FSDP1, and plain modules such as a pipeline stage (with
+        ``grad_layout="sharded"`` or ``"replicated"``: the layout of parameters no DDP/FSDP1
+        wrapper covers). DTensor gradients (FSDP2, HSDP, TP) need nothing. A later call wins for a
+        parameter registered twice (see :mod:`distscaler.layouts`). Returns ``self``.
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
@@ -524,14 +405,11 @@ class GradScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: Any) -> None:
         """Load a scaler state saved by this class, by another stack, and continue its trajectory.
 
-        Accepted (see :mod:`distscaler.interop`): :class:`torch.amp.GradScaler`'s ``state_dict``;
-        Megatron-LM ``DynamicGradScaler``'s ``{scale, growth_tracker, hysteresis_tracker}``;
-        DeepSpeed's fp16 optimizer ``state_dict``; a DeepSpeed ``DynamicLossScaler``/``LossScaler``
-        object, or the ZeRO optimizer state holding it under ``"loss_scaler"``. Settings a format
-        carries replace the constructor's, as torch does for ``growth_factor`` etc.; a replaced
-        ``min_scale``, ``max_scale``, ``hysteresis`` or ``consecutive_hysteresis`` warns, and so
-        does a state saved under another policy. Every value is checked first and all problems are
-        reported in one error; on error nothing is changed. No-op when disabled.
+        torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
+        object or the ZeRO state holding it (:mod:`distscaler.interop`). Settings a format carries
+        replace the constructor's, as torch does; a replaced bound or hysteresis, or another
+        policy, warns (:mod:`distscaler.persistence`). Every value is checked first, all problems
+        in one error, and on error nothing changes. No-op when disabled.
 
         Raises:
             RuntimeError: ``state_dict`` is empty (saved from a disabled scaler; torch's wording).
@@ -544,11 +422,7 @@ class GradScaler(torch.amp.GradScaler):
         for message in loaded.warnings:
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
-        self._initial = loaded.values
-        self._skips.restore(loaded.num_updates, loaded.num_skipped)
-        self._host_updates = loaded.num_updates
-        if self._state is not None:
-            self._state.write(loaded.values)
+        self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -559,11 +433,8 @@ class GradScaler(torch.amp.GradScaler):
                     "of an iteration, or at the end after scaler.update()."
                 )
             _, values, totals = self._read()
-            skips = SkipLog()
-            skips.folded, skips.num_reported = totals, self._skips.num_reported
-            state.update(_initial=values, _skips=skips, _state=None, _scale=None)
+            state.update(_state=self._state.portable(values, totals), _scale=None)
             state["_growth_tracker"] = None
-        state["_last_found_inf"] = None
         state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
         return state
 
@@ -612,13 +483,9 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def found_inf(self) -> torch.Tensor | None:
-        """The agreed overflow flag of the last :meth:`update`, without reading it on the host.
-
-        0-dim float32 on the scale's device, 1.0 when that iteration's step(s) were skipped, else
-        0.0; identical on every rank. None before the first update and when disabled. A new tensor
-        at every update, so a caller may keep it.
-        """
-        return self._last_found_inf if self._enabled else None
+        """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
+        else 0.0; no host read; a new tensor at every update). None before one and when disabled."""
+        return self._state.last_found_inf if self._enabled else None
 
     @property
     def step_was_skipped(self) -> bool:
@@ -626,16 +493,17 @@ class GradScaler(torch.amp.GradScaler):
 
         One host read (the explicit sync). False before the first update and when disabled.
         """
-        if not self._enabled or self._last_found_inf is None:
+        flag = self._state.last_found_inf
+        if not self._enabled or flag is None:
             return False
-        return bool(self._read(self._last_found_inf)[0][0])
+        return bool(self._read(flag)[0][0])
 
     @property
     def skip_totals(self) -> SkipTotals:
-        """Updates, skipped updates, and the last skip's number and scale, so far (one host read).
+        """Updates, skipped updates, the last skip's number and scale, so far (one host read).
 
-        Also the periodic report's read, for loops whose step is replayed from a CUDA graph (the
-        host then never runs ``update()``): call it outside the graph, at least every 2**24 steps.
+        For a step replayed from a CUDA graph it is the periodic report's read: call it outside the
+        graph, at least every 2**24 steps (the device counts are float32).
         """
         return self._read()[2] if self._enabled else SkipTotals()
 
@@ -646,7 +514,7 @@ class GradScaler(torch.amp.GradScaler):
         return self._config.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Raises ValueError, changing nothing, when out of range."""
+        """Set the growth factor (> 1); ValueError, changing nothing, when out of range."""
         self._set_config(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
@@ -654,8 +522,7 @@ class GradScaler(torch.amp.GradScaler):
         return self._config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Raises ValueError, changing nothing, when out of
-        range."""
+        """Set the backoff factor (in (0, 1)); ValueError, changing nothing, when out of range."""
         self._set_config(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
@@ -663,8 +530,7 @@ class GradScaler(torch.amp.GradScaler):
         return self._config.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (steps, in [1, 2**31 - 1]). Raises ValueError, changing nothing,
-        when out of range."""
+        """Set the growth interval (in [1, 2**31 - 1] steps); ValueError, changing nothing, else."""
         self._set_config(growth_interval=new_interval)
 
     def get_min_scale(self) -> float | None:
@@ -708,25 +574,17 @@ class GradScaler(torch.amp.GradScaler):
                 f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
                 f"has policy={self._config.policy!r}"
             )
-        values = self._read()[1] if self._enabled else self._initial
+        values = self._read()[1] if self._enabled else self._state.initial
         return values.policy[key]
 
     @property
     def cur_iter(self) -> int:
-        """Updates so far (DeepSpeed's ``cur_iter``; ``policy="deepspeed"``). One host read.
-
-        Raises:
-            AttributeError: the policy is not ``"deepspeed"``.
-        """
+        """Updates so far (DeepSpeed's; ``policy="deepspeed"``, else AttributeError). A host read."""
         return self._policy_counter("cur_iter")
 
     @property
     def last_overflow_iter(self) -> int:
-        """``cur_iter`` of the last overflow, -1 before any (``policy="deepspeed"``). One host read.
-
-        Raises:
-            AttributeError: the policy is not ``"deepspeed"``.
-        """
+        """``cur_iter`` of the last overflow, -1 before any (as ``cur_iter``). A host read."""
         return self._policy_counter("last_overflow_iter")
 
     @property
@@ -744,10 +602,8 @@ class GradScaler(torch.amp.GradScaler):
     def update_scale(self, overflow: bool) -> None:
         """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
 
-        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``, for code written against it: the
-        same as an :meth:`update` whose verdict was ``overflow``, instead of it (it also ends the
-        iteration for every optimizer). No collective (``overflow`` must already be agreed), no
-        host read except the ``raise_error_at_min_scale`` check. No-op when disabled.
+        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``: an :meth:`update` whose verdict
+        was ``overflow`` (``overflow`` must already be agreed: no collective). No-op when disabled.
 
         Raises:
             TypeError: ``overflow`` is not a bool.
@@ -757,8 +613,8 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self.materialize()
-        assert self._state is not None
-        self._apply(self._state, self._state.one if overflow else self._state.zero, None)
+        state = self._device_state("update_scale")
+        self._apply(state.one if overflow else state.zero, None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
@@ -768,7 +624,3 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScalerConfig))
 def _check_grad_layout(grad_layout: object) -> None:
     if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
         raise ValueError(f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

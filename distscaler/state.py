@@ -1,4 +1,4 @@
-"""The scaler's state on the device, packed so that a step updates it with a handful of ops.
+"""The scaler's state, on the device and packed so that a step updates it with a handful of ops.
 
 Everything that changes from step to step lives here as device tensors, so that a step never reads
 a value on the host and a CUDA graph replay advances it exactly as an eager step does:
@@ -25,10 +25,19 @@ reads them between iterations (:meth:`DeviceState.fold`), which the scaler does 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "HostValues"]
+from ._validation import check_scale
+from .errors import MIN_SCALE_MESSAGE, LossScaleAtMinimumError
+from .policies import get_policy
+from .telemetry import SkipLog, SkipTotals
+
+if TYPE_CHECKING:
+    from .config import ScalerConfig
+
+__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "HostValues", "ScalerState"]
 
 #: Names of the record's lanes, in order.
 RECORD_LANES = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
@@ -145,3 +154,111 @@ class DeviceState:
         for key, value in values.policy.items():
             self.policy[key].fill_(value)
         self.record.zero_()
+
+
+class ScalerState:
+    """A scaler's state wherever it lives: host numbers until the first scaled loss, then the device
+    tensors; the host's side of the skip record; the update that moves both.
+
+    Args:
+        initial: scale, growth tracker and policy counters to start from.
+    """
+
+    def __init__(self, initial: HostValues) -> None:
+        self.initial = initial
+        self.device: DeviceState | None = None
+        self.skips = SkipLog()
+        #: The agreed flag of the last update (0-dim float32 on the device), None before one.
+        self.last_found_inf: torch.Tensor | None = None
+        self._host_updates = 0  # update() calls seen by the host, for the periodic read
+
+    def materialize(self, device: torch.device | str) -> DeviceState:
+        """The device state, created on ``device`` the first time (idempotent)."""
+        if self.device is None:
+            self.device = DeviceState(torch.device(device), self.initial)
+        return self.device
+
+    def read(
+        self, *extra: torch.Tensor, fold: bool, world_size: int
+    ) -> tuple[list[float], HostValues, SkipTotals]:
+        """Read ``extra`` 0-dim tensors and the state in one host transfer; log new skips.
+
+        Returns (values of ``extra``, the state, the run's totals). With ``fold`` (between
+        iterations only) the record's counts move into the host's totals.
+        """
+        state = self.device
+        if state is None:
+            return [], self.initial, self.skips.totals(None)
+        values, host, record = state.read(*extra)
+        totals = self.skips.totals(record)
+        if fold:
+            self.skips.fold(record)
+            state.fold()
+        self.skips.report(totals, host.scale, world_size)
+        return values, host, totals
+
+    def update(
+        self,
+        found_inf: torch.Tensor,
+        ends: list[torch.Tensor] | None,
+        config: ScalerConfig,
+    ) -> bool:
+        """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
+        record, then the policy, on the device (two kernels with the torch policy). Returns whether
+        the periodic host read is due (every ``skip_log_interval`` and :data:`FOLD_EVERY` updates,
+        the same update on every rank; never inside CUDA graph capture).
+
+        Raises:
+            LossScaleAtMinimumError: ``raise_error_at_min_scale`` and the overflow would lower a
+                scale already at ``min_scale`` (checked with one host read).
+        """
+        state = self.device
+        assert state is not None
+        policy, rule = get_policy(config.policy), config.rule()
+        if config.raise_error_at_min_scale:
+            if bool(policy.at_minimum(state.scale, found_inf, state.policy, rule)):
+                raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
+        state.record_(found_inf, ends)  # before the policy: it records the scale used
+        policy.update_(state.scale, state.growth_tracker, found_inf, state.policy, rule)
+        self.last_found_inf = found_inf
+        self._host_updates += 1
+        interval = config.skip_log_interval
+        due = (interval and self._host_updates % interval == 0) or (
+            self._host_updates % FOLD_EVERY == 0
+        )
+        capturing = state.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return bool(due) and not capturing
+
+    def set_scale(self, new_scale: float | torch.Tensor, device_type: str) -> None:
+        """``update(new_scale)``: a normal float32 > 0, or a 1-element float32 tensor without grad
+        on ``device_type`` (ValueError otherwise, before anything changes)."""
+        state = self.device
+        assert state is not None
+        if not isinstance(new_scale, torch.Tensor):
+            state.scale.fill_(check_scale("new_scale", new_scale))
+        elif (
+            new_scale.device.type != device_type
+            or new_scale.numel() != 1
+            or new_scale.requires_grad
+        ):
+            raise ValueError(
+                "new_scale must be a float or a 1-element tensor on device type "
+                f"{device_type!r} with requires_grad=False, got: {new_scale!r}"
+            )
+        else:
+            state.scale.copy_(new_scale.reshape(()))
+
+    def load(self, values: HostValues, num_updates: int, num_skipped: int) -> None:
+        """Continue from a saved state (``load_state_dict``)."""
+        self.initial = values
+        self.skips.restore(num_updates, num_skipped)
+        self._host_updates = num_updates
+        if self.device is not None:
+            self.device.write(values)
+
+    def portable(self, values: HostValues, totals: SkipTotals) -> ScalerState:
+        """A copy holding host numbers only (for pickling): ``values`` and ``totals`` as read."""
+        copy = ScalerState(values)
+        copy.skips.folded, copy.skips.num_reported = totals, self.skips.num_reported
+        copy._host_updates = self._host_updates
+        return copy
