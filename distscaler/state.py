@@ -68,6 +68,8 @@ class DeviceState:
         def full(value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((), value, dtype=dtype, device=device)
 
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.scale = full(values.scale, torch.float32)
         self.growth_tracker = full(values.growth_tracker, torch.int32)

@@ -75,7 +75,7 @@ class VerdictGroup:
     def __init__(self, process_group: dist.ProcessGroup | None, layouts: LayoutResolver) -> None:
         self.process_group = process_group
         self.layouts = layouts
-        self._resolved: tuple[Any, dist.ProcessGroup | None, int] | None = None
+        self._resolved: tuple[int | None, dist.ProcessGroup | None, int] | None = None
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -88,20 +88,24 @@ class VerdictGroup:
     # ------------------------------------------------------------------ the group
 
     def resolve(self) -> tuple[dist.ProcessGroup | None, int]:
-        """(process group, world size); (None, 1) while ``torch.distributed`` is not initialized.
+        """(process group, world size); the group is None for the default one, and (None, 1)
+        while ``torch.distributed`` is not initialized.
 
-        Looked up once and kept while the default group stays the same object.
+        Looked up once and kept while the default group stays the same. No reference to the default
+        group is kept: one kept past ``destroy_process_group()`` would be torn down at interpreter
+        exit, which aborts gloo ("terminate called without an active exception").
         """
         world = dist.GroupMember.WORLD if dist.is_available() else None
+        key = None if world is None else id(world)
         resolved = self._resolved
-        if resolved is not None and resolved[0] is world:
+        if resolved is not None and resolved[0] == key:
             return resolved[1], resolved[2]
         if world is None:
             group, world_size = None, 1
         else:
-            group = self.process_group if self.process_group is not None else world
+            group = self.process_group
             world_size = dist.get_world_size(group)
-        self._resolved = (world, group, world_size)
+        self._resolved = (key, group, world_size)
         return group, world_size
 
     def grads(

@@ -281,10 +281,10 @@ def uninstall(accelerator: Accelerator) -> GradScaler:
 
 def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> GradScaler:
     if isinstance(scaler, GradScaler):
-        if scaler._device != device_type:
+        if scaler.device_type != device_type:
             raise ValueError(
                 f"scaler's device type must be the accelerator's ({device_type!r}), got: "
-                f"{scaler._device!r}"
+                f"{scaler.device_type!r}"
             )
         return scaler
     if isinstance(scaler, (Mapping, str, os.PathLike)):

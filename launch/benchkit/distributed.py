@@ -250,7 +250,16 @@ def run_worlds(
                     f"world size {world_size} ran past {timeout} s: {' '.join(cmd)}\n"
                     f"{stderr[-_STDERR_TAIL:]}"
                 ) from None
-            if proc.returncode != 0 or not out.exists():
+            teardown_abort = "terminate called without an active exception" in stderr
+            if proc.returncode != 0 and out.exists() and teardown_abort:
+                # The results were written; a rank aborted while gloo was torn down at exit (a
+                # torch hazard, pytorch/pytorch#179291). Keep the results, say so.
+                print(
+                    f"world size {world_size}: a rank aborted at exit after the results were "
+                    "written (gloo teardown); keeping them",
+                    file=sys.stderr,
+                )
+            elif proc.returncode != 0 or not out.exists():
                 raise RuntimeError(
                     f"world size {world_size} failed (exit {proc.returncode}): "
                     f"{_rank_error(stderr)}\n{' '.join(cmd)}\n{(stdout + stderr)[-_STDERR_TAIL:]}"
