@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,14 +88,20 @@ class Run:
         }
 
 
-def capture(run: Run, faults: dict[int, tuple[str, int]]) -> torch.cuda.CUDAGraph:
-    """torch's recipe: ``WARMUP`` eager steps on a side stream, then one step captured (not run)."""
+def capture(
+    run: Run, faults: dict[int, tuple[str, int]], after: Callable[[], Any] | None = None
+) -> torch.cuda.CUDAGraph:
+    """torch's recipe: ``WARMUP`` eager steps on a side stream (``after()`` once each is done),
+    then one step captured (not run)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for step in range(WARMUP):
             run.set_grads(step, faults)
             run.step()
+            if after is not None:
+                torch.cuda.synchronize()
+                after()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -117,18 +124,7 @@ def graphed_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]
         seen = totals.num_skipped
         scales.append(run.scaler.get_scale())
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for step in range(WARMUP):
-            run.set_grads(step, faults)
-            run.step()
-            torch.cuda.synchronize()
-            after_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run.step()
+    graph = capture(run, faults, after=after_step)
     for step in range(WARMUP, STEPS):
         run.set_grads(step, faults)
         graph.replay()

@@ -36,6 +36,7 @@ __all__ = [
     "DTYPES",
     "OPTIMIZERS",
     "Case",
+    "build_contenders",
     "make_optimizer",
     "measure",
     "split_sizes",
@@ -116,20 +117,7 @@ def measure(
         if barrier is not None:
             barrier()
 
-    optimizer = make_optimizer(case.optimizer, params)
-    built = {
-        name: build_contender(
-            name,
-            params=params,
-            make_optimizer=lambda: make_optimizer(case.optimizer, params),
-            optimizer=optimizer,
-            clip=MAX_NORM if case.clip else None,
-            device=device,
-            layout=case.layout,
-            model=model,
-        )
-        for name in contenders
-    }
+    optimizer, built = build_contenders(case, params, device, contenders, model=model)
     fns: dict[str, Callable[[], Any]] = {}
     for name, c in built.items():
         if c.error is None:
@@ -163,6 +151,32 @@ def measure(
         "counts": counts,
         "errors": errors,
     }
+
+
+def build_contenders(
+    case: Case,
+    params: Sequence[nn.Parameter],
+    device: torch.device,
+    contenders: Sequence[str],
+    *,
+    model: nn.Module | None = None,
+) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+    """The case's real optimizer over ``params`` and each contender built over them."""
+    optimizer = make_optimizer(case.optimizer, params)
+    built = {
+        name: build_contender(
+            name,
+            params=params,
+            make_optimizer=lambda: make_optimizer(case.optimizer, params),
+            optimizer=optimizer,
+            clip=MAX_NORM if case.clip else None,
+            device=device,
+            layout=case.layout,
+            model=model,
+        )
+        for name in contenders
+    }
+    return optimizer, built
 
 
 def _leaving_no_amp_attributes(

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from .cases import MAX_NORM, Case, make_optimizer, plain_params
-from .contenders import build_contender
+from .cases import Case, build_contenders, plain_params
 from .counters import count_per_step
 
 __all__ = ["LAUNCH_NUMEL", "launch_table", "launch_targets", "measure_launch"]
@@ -42,18 +41,7 @@ def measure_launch(
     def reset() -> None:
         torch._foreach_copy_(grads, saved)
 
-    optimizer = make_optimizer(case.optimizer, params)
-    built = {
-        name: build_contender(
-            name,
-            params=params,
-            make_optimizer=lambda: make_optimizer(case.optimizer, params),
-            optimizer=optimizer,
-            clip=MAX_NORM if case.clip else None,
-            device=device,
-        )
-        for name in contenders
-    }
+    _, built = build_contenders(case, params, device, contenders)
     phases = {n: c.phase for n, c in built.items() if c.error is None and c.phase is not None}
     times: dict[str, list[float]] = {n: [] for n in phases}
     errors = {n: c.error for n, c in built.items() if c.error is not None}
