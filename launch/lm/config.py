@@ -1,4 +1,8 @@
-"""``TrainConfig``: every setting of the job, loaded from YAML and validated with pydantic."""
+"""``TrainConfig``: every setting of the job, loaded from YAML and validated with pydantic.
+
+The scaler's settings are a ``distscaler.ScalerConfig`` nested under ``scaler:``; the library
+validates them (once, when the config is loaded) and ``GradScaler.from_config`` builds the scaler.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import yaml
 from pydantic import (
     BeforeValidator,
     ConfigDict,
+    PlainValidator,
     Strict,
     StrictBool,
     StrictInt,
@@ -22,9 +27,23 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-__all__ = ["DEFAULT_CONFIG", "ConfigError", "InjectInf", "TrainConfig", "load_config"]
+from distscaler import ScalerConfig
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_SCALER",
+    "ConfigError",
+    "InjectInf",
+    "TrainConfig",
+    "load_config",
+]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+#: The job's scaler: far too high a start (2**20) for fp16 gradients, so the first steps overflow,
+#: are skipped on every rank and back off; then a growth every 25 clean steps until fp16 overflows
+#: again. A ``scaler:`` section in a YAML file changes the keys it names and keeps the others.
+DEFAULT_SCALER = ScalerConfig(init_scale=2.0**20, growth_interval=25)
 
 
 class ConfigError(ValueError):
@@ -47,6 +66,36 @@ def _float_from_yaml_string(value: Any) -> Any:
 
 # Strict: YAML's `true` is not 1, and 2.5 is not an int. A float field takes an int.
 YamlFloat = Annotated[float, BeforeValidator(_float_from_yaml_string), Strict()]
+
+_SCALER_FLOAT_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(ScalerConfig) if str(f.type).startswith("float")
+)
+
+
+def _scaler_config(value: Any) -> ScalerConfig:
+    """The ``scaler:`` section: ``DEFAULT_SCALER`` with the keys given, checked by ScalerConfig."""
+    if isinstance(value, ScalerConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError([f"scaler must be a mapping, got: {value!r}"])
+    valid = [f.name for f in dataclasses.fields(ScalerConfig)]
+    unknown = [k for k in value if k not in valid]
+    if unknown:
+        raise ConfigError(
+            [f"unknown config key 'scaler.{k}'; valid keys: {', '.join(valid)}" for k in unknown]
+        )
+    changes = {
+        k: _float_from_yaml_string(v) if k in _SCALER_FLOAT_FIELDS else v for k, v in value.items()
+    }
+    try:
+        return dataclasses.replace(DEFAULT_SCALER, **changes)
+    except (TypeError, ValueError) as e:
+        lines = [line[2:] for line in str(e).splitlines() if line.startswith("- ")]
+        raise ConfigError([f"scaler: {line}" for line in lines or [str(e)]]) from None
+
+
+# The nested ScalerConfig is validated by distscaler itself, not field by field by pydantic.
+ScalerSection = Annotated[ScalerConfig, PlainValidator(_scaler_config)]
 
 # Lax at the dataclass level (strict would refuse the YAML mappings themselves); the field types
 # above are what make the values strict.
@@ -104,6 +153,9 @@ class TrainConfig:
     """Interval, in steps, of held-out evaluation (always done at the end); 0 = only at end."""
     eval_windows: StrictInt = 128
     """Number of fixed, evenly spaced held-out windows (of block_size bytes) per evaluation."""
+    dist_timeout_s: YamlFloat = 300.0
+    """Seconds a collective, or the start of the process group, waits for the other ranks before
+    it fails (torch's default, 30 minutes on gloo, makes a lost rank look like a hang)."""
 
     # -- data --
     data: StrictStr | None = None
@@ -162,11 +214,9 @@ class TrainConfig:
     # -- mixed precision / scaler --
     amp: StrictBool = True
     """fp16 autocast and loss scaling; False = fp32 with a disabled scaler."""
-    init_scale: YamlFloat = 2.0**20
-    growth_factor: YamlFloat = 2.0
-    backoff_factor: YamlFloat = 0.5
-    growth_interval: StrictInt = 25
-    """Consecutive clean steps before the scale grows."""
+    scaler: ScalerSection = DEFAULT_SCALER
+    """``distscaler.ScalerConfig`` of the job's ``GradScaler`` (``GradScaler.from_config``); in
+    YAML a mapping of its fields (``init_scale``, ``growth_interval``, ``policy``...)."""
     inject_inf: InjectInf | None = None
     """Fault injection, e.g. ``{steps: [40], rank: 1}``; None = off."""
 
@@ -212,14 +262,9 @@ class TrainConfig:
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got: {self.warmup_steps}")
         need(self.decay_steps >= 0, f"decay_steps must be >= 0, got: {self.decay_steps}")
         need(self.max_norm > 0, f"max_norm must be > 0, got: {self.max_norm}")
-        need(self.init_scale > 0, f"init_scale must be > 0, got: {self.init_scale}")
-        need(self.growth_factor > 1, f"growth_factor must be > 1, got: {self.growth_factor}")
         need(
-            0 < self.backoff_factor < 1,
-            f"backoff_factor must be in (0, 1), got: {self.backoff_factor}",
-        )
-        need(
-            self.growth_interval >= 1, f"growth_interval must be >= 1, got: {self.growth_interval}"
+            self.dist_timeout_s > 0,
+            f"dist_timeout_s must be > 0 (seconds), got: {self.dist_timeout_s}",
         )
         if problems:
             raise ConfigError(problems)
