@@ -67,6 +67,12 @@ def _float_from_yaml_string(value: Any) -> Any:
 # Strict: YAML's `true` is not 1, and 2.5 is not an int. A float field takes an int.
 YamlFloat = Annotated[float, BeforeValidator(_float_from_yaml_string), Strict()]
 
+def _as_float(value: Any) -> Any:
+    """A YAML number for a float field: "1e-3" (a string to PyYAML) and 1024 become floats."""
+    value = _float_from_yaml_string(value)
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 _SCALER_FLOAT_FIELDS = frozenset(
     f.name for f in dataclasses.fields(ScalerConfig) if str(f.type).startswith("float")
 )
@@ -84,9 +90,7 @@ def _scaler_config(value: Any) -> ScalerConfig:
         raise ConfigError(
             [f"unknown config key 'scaler.{k}'; valid keys: {', '.join(valid)}" for k in unknown]
         )
-    changes = {
-        k: _float_from_yaml_string(v) if k in _SCALER_FLOAT_FIELDS else v for k, v in value.items()
-    }
+    changes = {k: _as_float(v) if k in _SCALER_FLOAT_FIELDS else v for k, v in value.items()}
     try:
         return dataclasses.replace(DEFAULT_SCALER, **changes)
     except (TypeError, ValueError) as e:
@@ -135,7 +139,7 @@ class TrainConfig:
     __pydantic_config__ = _PYDANTIC_CONFIG
 
     # -- run --
-    steps: StrictInt = 500
+    steps: StrictInt = 200
     """Total number of optimizer steps (a resumed run continues up to this number)."""
     out: StrictStr = "runs/default"
     """Output folder for metrics.jsonl, ckpt.pt and summary.json."""
@@ -145,11 +149,11 @@ class TrainConfig:
     """``auto``: ``cuda:$LOCAL_RANK`` with NCCL where CUDA is available, else the CPU with gloo."""
     num_threads: StrictInt = 0
     """CPU threads per process; 0 = usable cores // processes on this node (at least 1)."""
-    ckpt_interval: StrictInt = 200
+    ckpt_interval: StrictInt = 50
     """Checkpoint interval, in steps (a checkpoint is also written at the end); 0 = only at end."""
-    log_interval: StrictInt = 50
+    log_interval: StrictInt = 25
     """Interval, in steps, of the log lines (the progress bar updates every step)."""
-    eval_interval: StrictInt = 100
+    eval_interval: StrictInt = 50
     """Interval, in steps, of held-out evaluation (always done at the end); 0 = only at end."""
     eval_windows: StrictInt = 128
     """Number of fixed, evenly spaced held-out windows (of block_size bytes) per evaluation."""
@@ -162,7 +166,7 @@ class TrainConfig:
     """Text file or folder to train on; None = the stdlib sources of this interpreter."""
     eval_fraction: YamlFloat = 0.05
     """Fraction of the bytes, taken from the end, held out for evaluation, in (0, 0.5]."""
-    block_size: StrictInt = 128
+    block_size: StrictInt = 64
     """Context length, in bytes (tokens)."""
     batch_size: StrictInt = 16
     """Sequences per data-parallel replica per step (the ranks of one tensor-parallel group or
@@ -189,9 +193,9 @@ class TrainConfig:
     """``pp``: ``ScheduleGPipe`` or ``Schedule1F1B`` of torch.distributed.pipelining."""
 
     # -- model --
-    n_layer: StrictInt = 4
-    n_head: StrictInt = 4
-    d_model: StrictInt = 128
+    n_layer: StrictInt = 2
+    n_head: StrictInt = 2
+    d_model: StrictInt = 64
     dropout: YamlFloat = 0.0
 
     # -- optimizer --
@@ -199,7 +203,7 @@ class TrainConfig:
     """Peak learning rate, reached after warmup_steps."""
     min_lr: YamlFloat = 2e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: StrictInt = 30
+    warmup_steps: StrictInt = 20
     """Linear warmup length, in steps."""
     decay_steps: StrictInt = 0
     """Step at which the cosine decay reaches min_lr; 0 = ``steps``. Fix it to resume a run
