@@ -34,16 +34,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from benchkit.cases import measure, plain_params  # noqa: E402
-from benchkit.contenders import CONTENDERS  # noqa: E402
-from benchkit.launch_cost import measure_launch  # noqa: E402
-from benchkit.report import check_targets, markdown, plot  # noqa: E402
-from benchkit.sweeps import SWEEPS, plan  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+import torch.distributed as dist
+from benchkit.cases import measure, plain_params
+from benchkit.contenders import CONTENDERS
+from benchkit.launch_cost import measure_launch
+from benchkit.report import check_targets, markdown, plot
+from benchkit.sweeps import SWEEPS, plan
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 

@@ -12,6 +12,9 @@ the same gradients are handed, interleaved (A B C A B C ...), to:
   plus the all_reduce over the stages that torchtitan adds;
 * **optimizer alone**: ``optimizer.step()`` on the same gradients, to show what is the optimizer's.
 
+The first two are the benchmark's contenders (``benchkit.contenders``: ``distscaler`` and ``torch``
+/ ``torch-sharded``), given the layout's registration and torch's clip for that layout.
+
 It reports per layout: collectives per step inside the phase (``CommDebugMode``), and the median
 wall time of the phase over ``--repeats`` rounds. The scaler's share is the phase minus the
 optimizer alone. Run it with torchrun (gloo on CPU, NCCL on GPUs); ``hsdp`` needs 4 ranks::
@@ -28,25 +31,26 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from benchkit.contenders import build_contender, optimizer_like
+from benchkit.timing import interleave
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchkit.timing import interleave  # noqa: E402
-
-from distscaler import GradScaler  # noqa: E402
-from lm.config import load_config  # noqa: E402
-from lm.distributed import Dist, local_tensor, setup_distributed  # noqa: E402
-from lm.optim import make_optimizer  # noqa: E402
-from lm.parallel import Parallel, build_parallel  # noqa: E402
+from common.distributed import Dist, setup_distributed
+from common.tensors import local_tensor
+from distscaler import GradScaler
+from lm.config import load_config
+from lm.layout import Parallel
+from lm.optim import make_optimizer
+from lm.parallel import build_parallel
 
 LAYOUTS = ("ddp", "fsdp1", "fsdp2", "hsdp", "tp", "pp")
+#: The scale of the gradients and of every scaler: low enough that no layout overflows.
+INIT_SCALE = 2.0**10
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,24 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Contender:
-    """One way of running the scaler phase; ``run`` does clip + step + update once."""
-
-    def __init__(self, name: str, run: Any) -> None:
-        self.name = name
-        self.run = run
-        self.collectives: Counter[str] = Counter()
-
-
-def _torch_recipe(par: Parallel, parallelism: str, optimizer: Any, device: torch.device, cfg: Any):
-    """torch's own scaler and clip for this layout (what a torch user writes today)."""
-    if parallelism in ("ddp", "pp"):
-        scaler: Any = torch.amp.GradScaler(device.type, init_scale=cfg.init_scale)
-    else:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device.type, init_scale=cfg.init_scale)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+def _torch_clip(par: Parallel, parallelism: str, params: list[torch.Tensor]) -> Any:
+    """torch's clip for this layout (what a torch user writes today), given the max norm."""
 
     def clip(max_norm: float) -> None:
         if parallelism == "fsdp1":
@@ -95,45 +83,46 @@ def _torch_recipe(par: Parallel, parallelism: str, optimizer: Any, device: torch
         else:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def run(max_norm: float) -> None:
-        scaler.unscale_(optimizer)
-        clip(max_norm)
-        scaler.step(optimizer)
-        scaler.update()
-
-    return scaler, run
+    return clip
 
 
 def _contenders(
-    par: Parallel, parallelism: str, cfg: Any, d: Dist, optimizers: dict[str, Any]
-) -> list[_Contender]:
-    contenders = []
+    par: Parallel, parallelism: str, args: argparse.Namespace, d: Dist, optimizers: dict[str, Any]
+) -> dict[str, Any]:
+    """name -> one clip + step + update with the real optimizer (benchkit's ``step``), or the
+    optimizer alone. torch's scaler is ``torch.amp.GradScaler`` for DDP and pipeline stages,
+    ``ShardedGradScaler`` for the sharded layouts."""
+    torch_name = "torch" if parallelism in ("ddp", "pp") else "torch-sharded"
+    runs: dict[str, Any] = {}
     for kind, optimizer in optimizers.items():
-        ours = par.setup_scaler(GradScaler(d.device.type, init_scale=cfg.init_scale))
-        ours.materialize(d.device)  # pipeline stages without the loss scale nothing themselves
+        params = [p for g in optimizer.param_groups for p in g["params"]]
 
-        def ours_run(max_norm: float, ours: GradScaler = ours, optimizer: Any = optimizer) -> None:
-            ours.clip_grad_norm_(optimizer, max_norm)
-            ours.step(optimizer)
-            ours.update()
+        def fresh(optimizer: Any = optimizer) -> Any:
+            return optimizer_like(optimizer, [dict(g) for g in optimizer.param_groups])
 
-        torch_scaler, torch_run = _torch_recipe(par, parallelism, optimizer, d.device, cfg)
-        torch_scaler.scale(torch.ones((), device=d.device))  # creates its scale
-        contenders += [
-            _Contender(f"distscaler/{kind}", ours_run),
-            _Contender(f"torch/{kind}", torch_run),
-            _Contender(f"optimizer/{kind}", lambda _, o=optimizer: o.step()),
-        ]
-    return contenders
+        for name in ("distscaler", torch_name):
+            contender = build_contender(
+                name,
+                params=params,
+                make_optimizer=fresh,
+                optimizer=optimizer,
+                clip=args.max_norm,
+                device=d.device,
+                layout=parallelism,
+                init_scale=INIT_SCALE,
+                setup_scaler=par.setup_scaler,
+                torch_clip=_torch_clip(par, parallelism, params),
+            )
+            if contender.error is not None or contender.step is None:
+                raise RuntimeError(f"{name} cannot run on {parallelism}: {contender.error}")
+            runs[f"{name.split('-')[0]}/{kind}"] = contender.step
+        runs[f"optimizer/{kind}"] = optimizer.step
+    return runs
 
 
 def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, Any]:
     cfg = load_config(
-        args.config,
-        parallelism=parallelism,
-        n_layer=args.n_layer,
-        d_model=args.d_model,
-        init_scale=2.0**10,
+        args.config, parallelism=parallelism, n_layer=args.n_layer, d_model=args.d_model
     )
     par = build_parallel(cfg, d)
     fused = make_optimizer(par.state_module, cfg, d.device)
@@ -145,7 +134,7 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
 
     gen = torch.Generator().manual_seed(cfg.seed + par.dp_rank)
     x = torch.randint(0, 256, (cfg.batch_size, cfg.block_size), generator=gen).to(d.device)
-    warm = par.setup_scaler(GradScaler(d.device.type, init_scale=cfg.init_scale))
+    warm = par.setup_scaler(GradScaler(d.device.type, init_scale=INIT_SCALE))
     par.forward_backward(x, x.roll(-1, 1), fused, warm, cfg)
     params = [p for g in fused.param_groups for p in g["params"]]
     saved = [None if p.grad is None else local_tensor(p.grad).detach().clone() for p in params]
@@ -158,28 +147,29 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
 
     from torch.distributed.tensor.debug import CommDebugMode
 
-    contenders, failed = [], {}
-    for c in _contenders(par, parallelism, cfg, d, optimizers):
+    runs, collectives, failed = {}, {}, {}
+    for name, run in _contenders(par, parallelism, args, d, optimizers).items():
         restore()  # one counted round each; a recipe torch cannot run is reported, not timed
         try:
             with CommDebugMode() as comm:
-                c.run(args.max_norm)
+                run()
         except RuntimeError as e:
-            failed[c.name] = str(e).splitlines()[0]
+            failed[name] = str(e).splitlines()[0]
             for optimizer in optimizers.values():  # what torch's scaler leaves behind on error
                 for key in ("grad_scale", "found_inf"):
                     vars(optimizer).pop(key, None)
             continue
+        counts: Counter[str] = Counter()
         for op, n in comm.get_comm_counts().items():
-            c.collectives[str(op).split(".")[-1]] += n
-        contenders.append(c)
+            counts[str(op).split(".")[-1]] += n
+        runs[name], collectives[name] = run, dict(counts)
 
     def restore_in_step() -> None:  # every rank starts each timed call together
         restore()
         d.barrier()
 
     times = interleave(
-        {c.name: (lambda c=c: c.run(args.max_norm)) for c in contenders},
+        runs,
         reset=restore_in_step,
         rounds=args.repeats,
         warmup=args.warmup,
@@ -189,12 +179,10 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
     if late:  # it ran in the counted round: a failure now is not a missing torch feature
         raise RuntimeError(f"contenders failed while timed: {late}")
     # Every rank's median; the slowest rank sets the pace of a step.
-    medians = torch.tensor(
-        [statistics.median(times[c.name]) for c in contenders], dtype=torch.float64
-    )
+    medians = torch.tensor([statistics.median(times[name]) for name in runs], dtype=torch.float64)
     if d.enabled:
         dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    ms = dict(zip([c.name for c in contenders], (medians * 1e3).tolist()))
+    ms = dict(zip(runs, (medians * 1e3).tolist()))
     scaler_ms = {
         name: ms[name] - ms[f"optimizer/{name.split('/')[1]}"]
         for name in ms
@@ -207,7 +195,9 @@ def measure(parallelism: str, args: argparse.Namespace, d: Dist) -> dict[str, An
         "num_params": par.num_params,
         "device": str(d.device.type),
         "collectives": {
-            c.name: dict(c.collectives) for c in contenders if not c.name.startswith("optimizer/")
+            name: counts
+            for name, counts in collectives.items()
+            if not name.startswith("optimizer/")
         },
         "median_ms": ms,
         "scaler_phase_ms": scaler_ms,

@@ -9,13 +9,24 @@ needs no download. ``--data PATH`` takes any file or folder instead (all files, 
 The backend and device are picked automatically: NCCL and ``cuda:$LOCAL_RANK`` where CUDA is
 available, gloo and the CPU otherwise. fp16 autocast is used on both.
 
-Single node, two processes (two CPU processes here, or two GPUs)::
+Single node, two processes (two CPU processes here, or two GPUs); the default config
+(``configs/default.yaml``) is sized for a 2-core CPU, fp16 units or not::
 
     torchrun --standalone --nproc-per-node=2 launch/train.py
 
+GPUs, one process per GPU, a ~85M-parameter model with a context of 512 bytes::
+
+    torchrun --standalone --nproc-per-node=gpu launch/train.py --config configs/gpu.yaml
+
+Surviving a lost worker: torchrun restarts every worker (up to N times) and ``--resume auto``
+continues from the last checkpoint in ``--out`` (or starts at step 0 if there is none yet), with
+the same step, scale, optimizer and RNG state, so the run ends as an undisturbed one would::
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 launch/train.py --resume auto
+
 Two nodes, one process each, c10d rendezvous (run on each node; HOST is the first node)::
 
-    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=job1 launch/train.py
 
 Other layouts (``lm/parallel.py``; each also runs on GPUs, one process per GPU)::
@@ -30,7 +41,8 @@ Other layouts (``lm/parallel.py``; each also runs on GPUs, one process per GPU):
 
 A layout that does not fit the world size (hsdp on 2 ranks with hsdp_shard_size 2, tp or pp on
 a world size that is not a multiple of tp_size / pp_stages) exits with code 2 and says why,
-before any process group is created.
+before any process group is created. So does a missing package of the ``train`` extra (tqdm,
+PyYAML, pydantic, numpy, matplotlib): ``pip install -e ".[train]"``.
 
 Single process, no torch.distributed::
 
@@ -38,7 +50,7 @@ Single process, no torch.distributed::
 
 A seconds-long smoke run (tiny model; any text file)::
 
-    torchrun --standalone --nproc-per-node=2 launch/train.py --config configs/smoke.yaml \
+    torchrun --standalone --nproc-per-node=2 launch/train.py --config configs/smoke.yaml \\
         --data launch/train.py --out runs/smoke
 
 Options (config values come from the ``TrainConfig`` defaults, then the YAML file, then the
@@ -50,47 +62,48 @@ command line)::
     --out DIR       output folder (default: runs/default)
     --data PATH     text file or folder to train on instead of the stdlib sources
     --parallelism L ddp | fsdp1 | fsdp2 | hsdp | tp | pp (config key ``parallelism``)
-    --resume        continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
+    --resume [auto] continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
                     states; metrics.jsonl keeps the lines up to that step and grows from there.
+                    ``--resume auto``: the same if DIR holds a checkpoint, a fresh start if not.
                     Every rank reads the checkpoint: across nodes DIR must be on a shared
-                    filesystem.
+                    filesystem. On another world size the state carries over (DCP reshards
+                    sharded layouts) but the data order changes (a warning says so).
 
 With the default config the scaler is visibly at work: it starts at 2**20, backs off on the first
-steps' overflows (skipped on every rank), then grows every ``growth_interval`` clean steps until
-fp16 overflows again. ``inject_inf: {steps: [...], rank: R}`` writes an inf into one gradient on
-rank R only (its local shard under FSDP/TP, its stage under pp), after the gradients are reduced,
-to show that every rank still skips that step.
+steps' overflows (skipped on every rank), then grows every ``scaler.growth_interval`` clean steps
+until fp16 overflows again. ``inject_inf: {steps: [...], rank: R}`` writes an inf into one
+gradient on rank R only (its local shard under FSDP/TP, its stage under pp), after the gradients
+are reduced, to show that every rank still skips that step.
 
 Outputs, written by rank 0 into ``--out``:
 
-* ``metrics.jsonl``: one JSON object per optimizer step: ``step``, ``loss`` (rank 0's
-  micro-batch), ``scale`` (the loss scale used for that step), ``skipped``, ``grad_norm`` (global
-  norm of the unscaled gradients before clipping; ``null`` when non-finite), ``lr``,
-  ``tokens_per_s`` (all ranks), and ``eval_loss`` on evaluation steps.
+* ``metrics.jsonl``: one JSON object per optimizer step, each step exactly once (also across
+  resumes): ``step``, ``loss`` (rank 0's micro-batch), ``scale`` (the loss scale used for that
+  step), ``skipped``, ``grad_norm`` (global norm of the unscaled gradients before clipping;
+  ``null`` when non-finite), ``lr``, ``tokens_per_s`` (all ranks), and ``eval_loss`` on
+  evaluation steps.
 * ``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state; for every
   layout but ddp the model and optimizer are in ``ckpt_dcp/step-N/`` (torch.distributed.checkpoint,
-  every rank writes its shards). ``--resume`` needs the same layout and world size.
+  every rank writes its shards).
 * ``summary.json``: the figures of the final summary, among them what the scaler phase
   (``clip_grad_norm_`` + ``step`` + ``update``) costs: ``scaler_collectives_per_step`` and
   ``scaler_collectives`` (counted with CommDebugMode on the second step of the run) and
-  ``scaler_phase_ms_median`` (median wall time over the other steps; CUDA events on GPUs).
+  ``scaler_phase_ms_median`` (median wall time over the other steps; CUDA events on GPUs), and
+  ``resumed_from`` (step and scaler state of the checkpoint a resumed run started from).
+* ``metrics.png``: loss and scale per step (``python launch/plot_metrics.py DIR`` redraws it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
 import time
 from typing import Any
 
-import torch.distributed as dist
-
-from lm.config import DEFAULT_CONFIG, ConfigError, load_config
-from lm.distributed import setup_distributed
-from lm.loop import train
-from lm.parallel import check_parallelism
+from common.requirements import require
 
 logger = logging.getLogger("train")
 
@@ -109,9 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Byte-level GPT trained with fp16 autocast and distscaler.GradScaler, "
         "laid out by --parallelism (DDP, FSDP1, FSDP2, HSDP, tensor or pipeline parallel).",
     )
-    parser.add_argument(
-        "--config", help=f"YAML config file (default: {DEFAULT_CONFIG}, if it exists)"
-    )
+    parser.add_argument("--config", help="YAML config file (default: configs/default.yaml)")
     parser.add_argument("--steps", type=int, help="total number of optimizer steps")
     parser.add_argument("--out", help="output folder (default: runs/default)")
     parser.add_argument("--data", help="text file or folder (default: the stdlib *.py sources)")
@@ -121,7 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how the model is laid out over the ranks (default: the config's, ddp)",
     )
     parser.add_argument(
-        "--resume", action="store_true", help="continue from OUT/ckpt.pt and append to metrics"
+        "--resume",
+        nargs="?",
+        const="always",
+        choices=["always", "auto"],
+        help="continue from OUT/ckpt.pt and its metrics; 'auto': only if it exists",
     )
     return parser.parse_args(argv)
 
@@ -129,6 +144,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    # Before anything is started or written: a missing package is named now, not at the plot.
+    require("train", "launch/train.py")
+    import torch.distributed as dist
+
+    from common.distributed import launched, setup_distributed
+    from lm.config import DEFAULT_CONFIG, ConfigError, load_config
+    from lm.parallel import check_parallelism
+    from lm.trainer import Trainer
+
     setup_logging(int(os.environ.get("RANK", 0)))
     config_path = args.config
     if config_path is None and DEFAULT_CONFIG.is_file():
@@ -145,18 +169,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         # From the launcher's environment, before any process group exists: a layout that does
         # not fit the world size exits here rather than hang in a collective.
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched else 1
-        problems = check_parallelism(cfg, world_size, launched=launched)
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched() else 1
+        problems = check_parallelism(cfg, world_size, launched=launched())
         if problems:
             raise ConfigError(problems)
     except ConfigError as e:
         logger.error("%s: %s", config_path or "(built-in defaults)", e)
         raise SystemExit(2) from None
-    d = setup_distributed(cfg.device)
+    d = setup_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
+    if d.device.type == "cuda" and args.config is None:
+        logger.info("configs/default.yaml is sized for CPUs; on GPUs try --config configs/gpu.yaml")
     # No teardown after an error: destroy_process_group is collective-like and would hang the
     # ranks that are still running (torchrun stops them instead).
-    summary = train(cfg, d, config_path=config_path, resume=args.resume, t_start=t_start)
+    summary = Trainer(cfg, d, config_path=config_path, resume=args.resume, t_start=t_start).run()
+    # The trainer is gone; collect its cycles too while the process group lives: a DDP model
+    # freed after destroy_process_group destroys gloo's group on this thread, which then waits
+    # for gloo's worker threads while they wait for the GIL it holds (a hang at exit).
+    gc.collect()
     if d.enabled:
         d.barrier()  # every rank is done communicating before any rank tears its connections down
         dist.destroy_process_group()

@@ -36,12 +36,14 @@ Outputs in ``--out`` (rank 0): ``metrics.jsonl`` (per step: ``step``, ``loss``, 
 ``skipped`` from ``accelerator.optimizer_step_was_skipped``, ``grad_norm`` from
 ``accelerator.clip_grad_norm_``, ``lr``), ``summary.json`` (every rank's skipped steps, final
 scale and parameter digest, and whether they agree) and ``state/`` (``accelerator.save_state``).
-The job fails if the ranks disagree.
+The job fails if the ranks disagree (``lm.agreement.ranks_agree``, the check of ``train.py``).
+Every package it needs (the ``accelerate`` extra) is checked before it starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -50,20 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import GradScalerKwargs, gather_object
-
-from distscaler import GradScaler, ScalerConfig
-from distscaler.integrations.accelerate import install
-from lm.config import DEFAULT_CONFIG, ConfigError, TrainConfig, load_config
-from lm.data import get_batch, load_corpus
-from lm.distributed import params_digest
-from lm.loop import inject_inf_
-from lm.metrics import METRICS_NAME, SUMMARY_NAME, step_record
-from lm.model import ByteGPT
-from lm.optim import lr_at, make_optimizer
+from common.requirements import require
 
 logger = logging.getLogger("train_accelerate")
 
@@ -72,6 +61,8 @@ class Progress:
     """The step and this rank's batch sampler, checkpointed with ``register_for_checkpointing``."""
 
     def __init__(self, seed: int) -> None:
+        import torch
+
         self.step = 0
         self.sampler = torch.Generator().manual_seed(seed)
 
@@ -85,7 +76,7 @@ class Progress:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--config", help="YAML config (default: configs/default.yaml)")
     parser.add_argument("--steps", type=int, help="total number of optimizer steps")
     parser.add_argument("--out", help="output folder (default: runs/accelerate)")
     parser.add_argument("--data", help="text file or folder (default: the stdlib *.py sources)")
@@ -95,18 +86,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_scaler(cfg: TrainConfig, args: argparse.Namespace, device_type: str) -> Any:
-    """What ``install`` gets: a ScalerConfig from ``--ds-config``, else None (GradScalerKwargs)."""
-    if not cfg.amp:
-        return GradScaler(device_type, enabled=False)
-    if args.ds_config:
+def scaler_config(cfg: Any, args: argparse.Namespace) -> Any:
+    """What ``install`` gets: the ScalerConfig of ``--ds-config``'s fp16 section, else the job
+    config's ``scaler`` section (disabled without ``amp``)."""
+    from distscaler import ScalerConfig
+
+    if args.ds_config and cfg.amp:
         return ScalerConfig.from_deepspeed(args.ds_config)
-    return None  # install() builds it from the accelerator's GradScalerKwargs
+    return cfg.scaler if cfg.amp else dataclasses.replace(cfg.scaler, enabled=False)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    require("accelerate", "launch/train_accelerate.py")
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+
+    from common.tensors import params_digest
+    from distscaler.integrations.accelerate import install
+    from lm.agreement import RankView, ranks_agree
+    from lm.config import DEFAULT_CONFIG, ConfigError, load_config
+    from lm.data import get_batch, load_corpus
+    from lm.faults import inject_inf_
+    from lm.metrics import METRICS_NAME, SUMMARY_NAME, step_record, write_summary
+    from lm.model import ByteGPT
+    from lm.optim import lr_at, make_optimizer
+
     config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     out = args.out or "runs/accelerate"
     try:
@@ -119,14 +127,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mixed_precision="fp16" if cfg.amp else "no",
         # Without a GPU, processes started by torch's launcher join a gloo group (MULTI_CPU).
         cpu=cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()),
-        kwargs_handlers=[
-            GradScalerKwargs(
-                init_scale=cfg.init_scale,
-                growth_factor=cfg.growth_factor,
-                backoff_factor=cfg.backoff_factor,
-                growth_interval=cfg.growth_interval,
-            )
-        ],
     )
     rank, world_size = accelerator.process_index, accelerator.num_processes
     logging.basicConfig(
@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if inject_steps and not 0 <= inject_rank < world_size:
         raise ValueError(f"inject_inf.rank must be in [0, {world_size}), got: {inject_rank}")
 
-    # One call: distscaler scales, skips, clips and checkpoints for this accelerator.
-    scaler = install(accelerator, make_scaler(cfg, args, accelerator.device.type))
+    # One call: distscaler scales, skips, clips and checkpoints for this accelerator
+    # (GradScaler.from_config of the config's scaler section or of --ds-config's fp16 section).
+    scaler = install(accelerator, scaler_config(cfg, args))
 
     train_data, held_out, num_files = load_corpus(cfg)
     torch.manual_seed(cfg.seed)
@@ -217,29 +218,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accelerator.save_state(str(state_dir))
 
     final_scale = scaler.get_scale()
-    view = {
-        "rank": rank,
-        "skipped_steps": skipped_steps,
-        "final_scale": final_scale,
-        "params": params_digest(accelerator.unwrap_model(model).parameters()),
-    }
+    view = RankView(
+        rank=rank,
+        skipped_steps=tuple(skipped_steps),
+        scale=final_scale,
+        params_digest=params_digest(accelerator.unwrap_model(model).parameters()),
+    )
     views = gather_object([view])
-    consistent = all({**v, "rank": 0} == {**views[0], "rank": 0} for v in views)
+    problems = ranks_agree(views)
+    for problem in problems:
+        logger.error("ranks disagree: %s", problem)
+    consistent = not problems
     summary = {
         "steps": progress.step,
         "world_size": world_size,
         "distributed_type": str(accelerator.distributed_type),
         "inject_steps": sorted(inject_steps),
-        "ranks": views,
+        "ranks": [dataclasses.asdict(v) for v in views],
         "ranks_consistent": consistent,
         "final_scale": final_scale,
         "wall_s": time.perf_counter() - t_start,
         "learning_rate": scheduler.get_last_lr()[0],
     }
     if accelerator.is_main_process:
-        with open(Path(cfg.out) / SUMMARY_NAME, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+        write_summary(Path(cfg.out) / SUMMARY_NAME, summary)
         logger.info(
             "done: %d steps, skipped %s, final scale %g; ranks consistent: %s",
             progress.step,
@@ -257,7 +259,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     del raw_model
     gc.collect()
     if not consistent:
-        raise SystemExit("ranks disagree on skipped steps, scale or parameters: " + str(views))
+        raise SystemExit(
+            "ranks disagree on skipped steps, scale or parameters: " + "; ".join(problems)
+        )
     return summary
 
 

@@ -14,7 +14,6 @@ from there Accelerate's real FSDP2 code runs on gloo (``fully_shard`` in ``prepa
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from pathlib import Path
@@ -22,6 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import mlp
+
+from common.tensors import params_digest
 
 NUM_STEPS = 4
 INJECT_STEP = 2  # an inf on the last rank only, after DDP's all-reduce
@@ -44,21 +46,6 @@ def _accelerator(fsdp2: bool = False) -> Any:
     return accelerator
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def _digest(tensors: Any) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        h.update(t.contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _setup(kind: str, fused: bool, fsdp2: bool = False, **scaler_kwargs: Any) -> tuple:
     from distscaler import GradScaler
     from distscaler.integrations.accelerate import install
@@ -68,7 +55,7 @@ def _setup(kind: str, fused: bool, fsdp2: bool = False, **scaler_kwargs: Any) ->
         accelerator.scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
         accelerator.native_amp = True
         scaler = accelerator.scaler
-    model = _model()
+    model = mlp(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
     model, optimizer = accelerator.prepare(model, optimizer)
     if kind == "ours":  # after prepare(): the harder case (the optimizer is already wrapped)
@@ -84,7 +71,7 @@ def _train(accelerator: Any, model: Any, optimizer: Any, scaler: Any, steps: ran
     for step in steps:
         gen = torch.Generator().manual_seed(100 * step + rank)
         x = torch.randn(4, 8, generator=gen)
-        before = _digest(model.parameters())
+        before = params_digest(model.parameters())
         loss = model(x).float().pow(2).mean()
         accelerator.backward(loss)
         if step == INJECT_STEP and rank == world - 1:
@@ -103,8 +90,8 @@ def _train(accelerator: Any, model: Any, optimizer: Any, scaler: Any, steps: ran
         out["skipped"].append(accelerator.optimizer_step_was_skipped)
         out["scales"].append(scaler.get_scale())
         out["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        out["unchanged"].append(_digest(model.parameters()) == before)
-    out["params"] = _digest(model.parameters())
+        out["unchanged"].append(params_digest(model.parameters()) == before)
+    out["params"] = params_digest(model.parameters())
     return out
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchkit.counters import HostReadSpy  # re-exported for the tests
+
+from common.probes import HostReadSpy  # re-exported for the tests
 
 __all__ = ["HostReadSpy", "spawn"]
 

@@ -24,7 +24,6 @@ Nothing here asserts across ranks; every rank runs the same collectives in the s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -33,23 +32,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _harness import HostReadSpy
+from _common import (
+    FAULTS,
+    OPTIMIZERS,
+    TARGETS,
+    digest,
+    make_optimizer,
+    mlp,
+    optim_digest,
+    target_ranks,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from common.probes import HostReadSpy
+from common.tensors import local_tensor
+from common.wrapping import fully_shard_blocks
 from distscaler import GradScaler
 from distscaler.layouts import UnknownLayoutError
-from lm.distributed import local_tensor
 
-OPTIMIZERS = ("fused", "foreach", "forloop")
-FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-TARGETS = ("first", "last", "all")
 INIT_SCALE = 2.0**10
 GROWTH_INTERVAL = 2
 #: Below every gradient norm of these models, so the clip really scales the gradients.
 MAX_NORM = 1e-3
 DEVICE = "cpu"
+#: Widths of the layouts' model: three Linear layers (indices 0, 2, 4 of the Sequential).
+DIMS = (8, 16, 16, 4)
 
 Fault = tuple[str, str]  # (fault name, target)
 
@@ -76,49 +85,9 @@ def first_rank_schedule() -> list[Fault | None]:
     return [None, ("inf", "first"), None, ("-inf", "first"), ("nan", "first"), None]
 
 
-def target_ranks(target: str, world_size: int) -> set[int]:
-    return {"first": {0}, "last": {world_size - 1}, "all": set(range(world_size))}[target]
-
-
-def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
-    return torch.optim.AdamW(list(params), lr=1e-2, **flags[kind])
-
-
-def mlp(seed: int, dims: tuple[int, ...] = (8, 16, 16, 4)) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(a, b))
-    return nn.Sequential(*layers)
-
-
-def digest(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(
-            local_tensor(t)
-            .detach()
-            .reshape(-1)
-            .contiguous()
-            .cpu()
-            .view(torch.uint8)
-            .numpy()
-            .tobytes()
-        )
-    return h.hexdigest()
-
-
 def state_digest(opt: torch.optim.Optimizer) -> tuple[str, str]:
     params = [p for g in opt.param_groups for p in g["params"]]
-    state = []
-    for p in params:
-        for key in sorted(opt.state.get(p, {})):
-            value = opt.state[p][key]
-            state.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
-    return digest(params), digest(state)
+    return digest(params), optim_digest(opt)
 
 
 def local_values(opt: torch.optim.Optimizer) -> list[float]:
@@ -228,7 +197,7 @@ def build_fsdp1(rank: int, world_size: int, opt_kind: str, *, strategy: str, ori
             DEVICE, (world_size // 2, 2), mesh_dim_names=("replicate", "shard")
         )
     model = FSDP(
-        mlp(0),
+        mlp(0, DIMS),
         sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
         use_orig_params=orig,
@@ -257,33 +226,28 @@ def build_fsdp1(rank: int, world_size: int, opt_kind: str, *, strategy: str, ori
     )
 
 
+def _linears(model: nn.Module) -> list[nn.Module]:
+    return [layer for layer in model.children() if isinstance(layer, nn.Linear)]
+
+
 def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    model = mlp(0)
+    model = mlp(0, DIMS)
     if variant == "fp16":  # 1-D mesh, fp16 compute, fp32 gradient reduction and sharded grads
         mesh = init_device_mesh(DEVICE, (world_size,))
         mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard_blocks(_linears(model), model, mesh, mp_policy=mp)
         dp_seed = rank
     elif variant == "mixed":  # fp32 + bf16 parameters in one optimizer (two dtype groups)
         mesh = init_device_mesh(DEVICE, (world_size,))
         model[2].to(torch.bfloat16)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_blocks(_linears(model), model, mesh)
         dp_seed = rank
     elif variant == "hsdp":  # 2-D mesh: replicate x shard
         mesh = init_device_mesh(DEVICE, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_blocks(_linears(model), model, mesh)
         dp_seed = rank
     elif variant in ("tp", "tp-partial"):  # 2-D mesh: shard (FSDP) x tp
         from torch.distributed.tensor import Replicate
@@ -301,10 +265,7 @@ def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> B
         # sub-mesh and its gradient does not say that the tp ranks hold copies of it: the test
         # registers it as replicated (without that, clip_grad_norm_ raises; see unknown_layouts).
         parallelize_module(model, mesh["tp"], plan)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard_blocks(_linears(model), model, mesh["dp"])
         dp_seed = mesh.get_coordinate()[0]  # the TP ranks of one replica see the same batch
     else:
         raise ValueError(variant)
@@ -321,7 +282,7 @@ def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> B
 def build_ddp_no_sync(rank: int, world_size: int, opt_kind: str) -> Built:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(mlp(0))
+    model = DDP(mlp(0, DIMS))
     opt = make_optimizer(opt_kind, model.parameters())
 
     def backward(scale: Callable[[torch.Tensor], torch.Tensor], step: int) -> None:
@@ -614,13 +575,13 @@ def unknown_layouts(rank: int, world_size: int) -> dict[str, Any]:
 
     for case in UNKNOWN_CASES:
         if case == "fsdp1-unregistered":
-            model: nn.Module = FSDP(mlp(0), device_id=torch.device(DEVICE))
+            model: nn.Module = FSDP(mlp(0, DIMS), device_id=torch.device(DEVICE))
         elif case == "fsdp2-sub-mesh":  # sharded over a 1-rank dp sub-mesh: copies on the tp ranks
-            model = mlp(0)
+            model = mlp(0, DIMS)
             mesh = init_device_mesh(DEVICE, (1, world_size), mesh_dim_names=("dp", "tp"))
             fully_shard(model, mesh=mesh["dp"])
         else:
-            model = mlp(0)
+            model = mlp(0, DIMS)
         opt = make_optimizer("fused", model.parameters())
         scaler = GradScaler(DEVICE, init_scale=INIT_SCALE)
         copies = case == "fsdp2-sub-mesh"  # the tp ranks of one replica see the same batch

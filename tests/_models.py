@@ -1,12 +1,9 @@
-"""Tiny models and a training loop shared by the single-process tests."""
+"""A tiny model and a training loop shared by the single-process tests."""
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-FAULT_VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+from _common import FAULTS, make_optimizer
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -18,22 +15,6 @@ def make_model(seed: int = 0) -> torch.nn.Module:
         torch.nn.GELU(),
         torch.nn.Linear(32, 4),
     )
-
-
-def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=1e-2, fused=True)
-    if kind == "foreach":
-        return torch.optim.AdamW(params, lr=1e-2, foreach=True)
-    if kind == "forloop":
-        return torch.optim.AdamW(params, lr=1e-2, foreach=False)
-    if kind == "sgd-fused":
-        # No momentum: torch 2.13's fused SGD leaves a momentum buffer uninitialised when its very
-        # first step is skipped (found_inf), with torch's scaler and ours alike.
-        return torch.optim.SGD(params, lr=1e-2, fused=True)
-    if kind == "sgd-forloop":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False)
-    raise ValueError(kind)
 
 
 def train(
@@ -68,7 +49,7 @@ def train(
         scaler.scale(loss).backward()
         if step in faults:
             kind, index = faults[step]
-            params[index % len(params)].grad.view(-1)[0] = FAULT_VALUES[kind]
+            params[index % len(params)].grad.view(-1)[0] = FAULTS[kind]
         if clip == "ours":
             scaler.clip_grad_norm_(opt, max_norm=0.5)
         elif clip == "torch":
@@ -78,12 +59,3 @@ def train(
         scaler.update()
         scales.append(scaler.get_scale())
     return model, opt, scales
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = []
-    for state in opt.state.values():
-        for key in sorted(state):
-            value = state[key]
-            out.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
-    return out

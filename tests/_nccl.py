@@ -8,7 +8,6 @@ scenarios on CPU, which is how the GPU scenarios are dry-run on machines without
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import math
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import _scenarios as S
 import torch
 import torch.distributed as dist
+from _common import make_optimizer, mlp, model_digest
 from _harness import spawn
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -62,7 +62,7 @@ def sync_free_fused_step(rank: int, world_size: int, device: str) -> dict[str, A
     """
     results: dict[str, Any] = {}
     for clip in (False, True):
-        model = S.make_model().to(device)
+        model = mlp().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         scaler = GradScaler(device, skip_log_interval=0, grad_layout="replicated")
         syncs, skipped = [], []
@@ -105,13 +105,6 @@ def _sync_warnings() -> Iterator[list[str]]:
     messages.extend(str(w.message) for w in records if SYNC_WARNING in str(w.message))
 
 
-def _local_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().to_local().cpu().numpy().tobytes())  # type: ignore[operator]
-    return h.hexdigest()
-
-
 def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
     """FSDP2 ``fully_shard`` on a 1-D mesh with an fp16 ``MixedPrecisionPolicy``.
 
@@ -128,11 +121,11 @@ def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     results: dict[str, Any] = {}
     for opt_kind, clip in itertools.product(("fused", "foreach"), (False, True)):
-        model = S.make_model().to(device)
+        model = mlp().to(device)
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        opt = S.make_optimizer(opt_kind, model.parameters())
+        opt = make_optimizer(opt_kind, model.parameters())
         scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2)
         gen = torch.Generator().manual_seed(10 + rank)  # different data on every rank
         out: dict[str, list] = {
@@ -162,7 +155,7 @@ def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
                 out["ref_norms"].append(
                     float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
                 )
-            before = _local_digest(model)
+            before = model_digest(model)
             with CommDebugMode() as comm:
                 if clip:
                     out["norms"].append(float(scaler.clip_grad_norm_(opt, 1.0)))
@@ -171,7 +164,7 @@ def fsdp2_agreement(rank: int, world_size: int, device: str) -> dict[str, Any]:
             out["all_reduces"].append(comm.get_total_counts())
             out["skipped"].append(scaler.step_was_skipped)
             out["scales"].append(scaler.get_scale())
-            out["unchanged"].append(before == _local_digest(model))
+            out["unchanged"].append(before == model_digest(model))
         results[f"{opt_kind}-{'clip' if clip else 'noclip'}"] = out
     return results
 
@@ -184,21 +177,22 @@ def fsdp1_cpu_offload(rank: int, world_size: int, device: str) -> dict[str, Any]
     (next to the gathered reference), the devices of the gradients, collectives, and host reads
     per step (``HostReadSpy``; the optimizer's own excluded): a constant, not one per gradient.
     """
-    from _harness import HostReadSpy
     from torch.distributed.fsdp import CPUOffload, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    from common.probes import HostReadSpy
+
     results: dict[str, Any] = {}
     for opt_kind in ("fused", "foreach"):
         model = FSDP(
-            S.make_model(),
+            mlp(),
             sharding_strategy=ShardingStrategy.FULL_SHARD,
             cpu_offload=CPUOffload(offload_params=True),
             auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
             device_id=torch.device(device),
         )
-        opt = S.make_optimizer(opt_kind, model.parameters())  # over the CPU flat shards
+        opt = make_optimizer(opt_kind, model.parameters())  # over the CPU flat shards
         scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2).register_model(model)
         spy = HostReadSpy()
         spy.exclude_optimizer(opt)

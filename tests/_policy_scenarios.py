@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _scenarios import digest, make_model
+from _common import digest, mlp
 
 from distscaler import GradScaler
 
@@ -44,7 +44,7 @@ def snapshot(scaler: GradScaler) -> list:
 def policies_on_ranks(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kwargs in POLICY_KWARGS.items():
-        model = make_model()
+        model = mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scaler = GradScaler("cpu", **kwargs)
         data = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
@@ -62,7 +62,7 @@ def policies_on_ranks(rank: int, world_size: int) -> dict[str, Any]:
             scaler.update()
             run["skipped"].append(scaler.step_was_skipped)
             run["trajectory"].append(snapshot(scaler))
-        run["params"] = digest(*model.parameters())
+        run["params"] = digest(model.parameters())
         out[name] = run
     dist.barrier()
     return out

@@ -7,60 +7,31 @@ its values, so one rank's surprise can never hang the others. The parent process
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _harness import HostReadSpy
-from benchkit.counters import DispatchCounter
+from _common import (
+    FAULTS,
+    OPTIMIZERS,
+    TARGETS,
+    make_optimizer,
+    mlp,
+    model_digest,
+    optim_digest,
+    target_ranks,
+)
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.probes import DispatchCounter, HostReadSpy
 from distscaler import GradScaler
 
-OPTIMIZERS = ("fused", "foreach", "forloop")
-FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-TARGETS = ("first", "last", "all")
 INJECT_STEPS = (2, 4)
 NUM_STEPS = 7
 MAX_NORM = 0.005  # below every norm in clip_norms, so clipping really scales
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}
-    return torch.optim.AdamW(params, lr=1e-2, **flags[kind])
-
-
-def digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def model_digest(model: torch.nn.Module) -> str:
-    return digest(*model.parameters())
-
-
-def optim_digest(opt: torch.optim.Optimizer) -> str:
-    tensors = []
-    for state in opt.state.values():
-        for key in sorted(state):
-            value = state[key]
-            tensors.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
-    return digest(*tensors)
-
-
-def target_ranks(target: str, world_size: int) -> set[int]:
-    return {"first": {0}, "last": {world_size - 1}, "all": set(range(world_size))}[target]
 
 
 def train_steps(
@@ -74,7 +45,7 @@ def train_steps(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """Identical data on every rank (replicated gradients, as after DDP); a fault on chosen ranks."""
-    model = make_model().to(device)
+    model = mlp().to(device)
     opt = make_optimizer(opt_kind, model.parameters())
     gen = torch.Generator().manual_seed(1)
     is_distscaler = isinstance(scaler, GradScaler)
@@ -162,7 +133,7 @@ def clip_norms(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
     """Norms and clipped gradients against torch.nn.utils.clip_grad_norm_ on the gathered gradients."""
     results = {}
     for layout, opt_kind, norm_type in itertools.product(
-        ("sharded", "replicated"), ("forloop", "fused"), (2.0, 1.0, math.inf)
+        ("sharded", "replicated"), ("for-loop", "fused"), (2.0, 1.0, math.inf)
     ):
         dtypes = (torch.float32, torch.float32, torch.float64)
         shard_rank = rank if layout == "sharded" else 0
@@ -215,7 +186,7 @@ def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
     """
     results = {}
     for opt_kind, clip, enabled in itertools.product(OPTIMIZERS, (False, True), (True, False)):
-        model = make_model().to(device)
+        model = mlp().to(device)
         opt = make_optimizer(opt_kind, model.parameters())
         scaler = GradScaler(
             device, init_scale=2.0**8, growth_interval=3, enabled=enabled, grad_layout="replicated"
@@ -238,12 +209,11 @@ def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
                 scaler.update()
             counts.append(comm.get_total_counts())
             reads.append(len(spy.reads))
-        skipped = scaler.state_dict().get("num_skipped_steps", 0)
         key = f"{opt_kind}-{'clip' if clip else 'noclip'}-{'on' if enabled else 'off'}"
         results[key] = {
             "all_reduces": counts,
             "host_reads": reads,
-            "skipped_total": float(skipped),
+            "skipped_total": float(scaler.state_dict().get("num_skipped_steps", 0)),
         }
     return results
 
@@ -252,7 +222,7 @@ def empty_rank(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
     """The last rank has no gradients at all (a frozen stage); rank 0 overflows on step 1."""
     results = {}
     for opt_kind, clip in itertools.product(OPTIMIZERS, (False, True)):
-        model = make_model().to(device)
+        model = mlp().to(device)
         opt = make_optimizer(opt_kind, model.parameters())
         scaler = GradScaler(device, init_scale=2.0**8, grad_layout="sharded")
         skipped, scales, norms = [], [], []
@@ -283,7 +253,7 @@ def ddp_end_to_end(rank: int, world_size: int, device: str = "cpu") -> dict[str,
     """DDP, fp16 autocast, different data per rank, an inf injected after DDP's all-reduce."""
     results = {}
     for opt_kind in OPTIMIZERS:
-        model = DDP(make_model().to(device))
+        model = DDP(mlp().to(device))
         opt = make_optimizer(opt_kind, model.parameters())
         # DDP's gradients are replicated over its process group: learnt from the wrapper.
         scaler = GradScaler(device, init_scale=2.0**10, growth_interval=3).register_model(model)
@@ -320,7 +290,7 @@ def fused_step_ops(rank: int = 0, world_size: int = 1, device: str = "cpu") -> d
     """
     out = {}
     for clip in (False, True):
-        model = make_model().to(device)
+        model = mlp().to(device)
         opt = make_optimizer("fused", model.parameters())
         scaler = GradScaler(device, init_scale=2.0**8, grad_layout="replicated")
         for _ in range(3):  # the last one counted, after warm-up

@@ -1,16 +1,9 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-# The helpers (_harness, _scenarios) are imported by name, here and in spawned ranks.
-sys.path.insert(0, str(Path(__file__).parent))
-# launch/ too: the benchmark's counters (benchkit) and the reference job (lm) are shared with tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 
 # Tiny tensors: intra-op threads only contend with the other xdist worker on a 2-core runner.
 torch.set_num_threads(1)

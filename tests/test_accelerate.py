@@ -27,6 +27,7 @@ from pathlib import Path
 import _accelerate_scenarios as S
 import pytest
 import torch
+from _common import mlp
 from _harness import spawn
 
 accelerate = pytest.importorskip("accelerate")  # a test extra; CI installs it
@@ -60,11 +61,6 @@ def make_accelerator():
     GradientState._reset_state()
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
 def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     fused = kind == "fused"
     return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
@@ -93,7 +89,7 @@ def _stock(make_accelerator, kind: str, **scaler_kwargs):
     accelerator = make_accelerator(mixed_precision="fp16")
     accelerator.scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
     accelerator.native_amp = True
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, kind))
     return accelerator, model, optimizer
 
@@ -113,7 +109,7 @@ def test_skip_flag_is_right_for_fused_optimizers_where_accelerate_misses_it(make
     assert [s[0] for s in stock] == [False, False, kind == "foreach", False]
 
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     optimizer = _optimizer(model, kind)
     install(accelerator)  # before prepare()
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -126,7 +122,7 @@ def test_skip_flag_is_right_for_fused_optimizers_where_accelerate_misses_it(make
 
 def test_overflow_absorbed_by_hysteresis_is_still_a_skipped_step(make_accelerator):
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     install(accelerator, GradScaler("cpu", init_scale=1024.0, policy="deepspeed", hysteresis=2))
     res = _run(accelerator, model, optimizer, steps=4, inject={1, 2})
@@ -143,7 +139,7 @@ def test_clip_grad_norm_goes_through_the_scaler_and_matches_torch(make_accelerat
     stock = _run(*stock_run, steps=3, inject=set(), clip=max_norm)
 
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, kind))
     scaler = install(accelerator)
     calls = []
@@ -163,7 +159,7 @@ def test_clip_grad_norm_goes_through_the_scaler_and_matches_torch(make_accelerat
 
 def test_clip_grad_norm_of_a_parameter_subset_falls_back_with_a_warning(make_accelerator):
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "foreach"))
     scaler = install(accelerator)
     accelerator.backward(model(torch.randn(4, 8)).float().pow(2).mean())
@@ -181,7 +177,7 @@ def test_clip_grad_norm_of_a_parameter_subset_falls_back_with_a_warning(make_acc
 
 def test_save_and_load_state_round_trip_the_scaler_exactly(make_accelerator, tmp_path):
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     scaler = install(accelerator, GradScaler("cpu", init_scale=512.0, growth_interval=3))
     _run(accelerator, model, optimizer, steps=6, inject={1})
@@ -194,7 +190,7 @@ def test_save_and_load_state_round_trip_the_scaler_exactly(make_accelerator, tmp
 
     # A resumed run: fresh accelerator, model, optimizer and scaler.
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     resumed = install(accelerator, GradScaler("cpu", init_scale=512.0, growth_interval=3))
     assert resumed.state_dict() != saved
@@ -204,7 +200,7 @@ def test_save_and_load_state_round_trip_the_scaler_exactly(make_accelerator, tmp
 
 def test_gradient_accumulation_steps_and_updates_once_per_sync(make_accelerator):
     accelerator = make_accelerator(mixed_precision="fp16", gradient_accumulation_steps=2)
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     scaler = install(accelerator, GradScaler("cpu", init_scale=1024.0, growth_interval=1))
     flags, scales = [], []
@@ -231,7 +227,7 @@ def test_deepspeed_fp16_section_in_one_call(make_accelerator, given, tmp_path):
         "fp16": {"enabled": True, "initial_scale_power": 10, "hysteresis": 2, "min_loss_scale": 1},
     }
     accelerator = make_accelerator(mixed_precision="fp16")
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     if given == "config":
         scaler = install(accelerator, ScalerConfig.from_deepspeed(ds_config))
@@ -252,7 +248,7 @@ def test_cpu_gets_fp16_autocast_whether_installed_before_or_after_prepare(make_a
     for when in ("before", "after"):
         accelerator = make_accelerator(mixed_precision="fp16")
         assert accelerator.scaler is None and not accelerator.native_amp  # Accelerate on CPU
-        model = _model()
+        model = mlp(0)
         optimizer = _optimizer(model, "fused")
         if when == "before":
             install(accelerator)
@@ -282,7 +278,7 @@ def test_install_validates_and_uninstall_restores(make_accelerator):
         install(accelerator, GradScaler("cuda", enabled=False))
     assert accelerator.scaler is None and installed_scaler(accelerator) is None  # untouched
 
-    model = _model()
+    model = mlp(0)
     model, optimizer = accelerator.prepare(model, _optimizer(model, "fused"))
     scaler = install(accelerator)
     assert installed_scaler(accelerator) is scaler and accelerator.scaler is scaler
@@ -410,7 +406,7 @@ def test_train_accelerate_runs_with_accelerate_launch_on_two_cpu_processes(tmp_p
     assert summary["distributed_type"] == "DistributedType.MULTI_CPU"
     assert summary["ranks_consistent"] and summary["steps"] == 8
     assert [r["skipped_steps"] for r in summary["ranks"]] == [[5], [5]]
-    assert len({r["params"] for r in summary["ranks"]}) == 1
+    assert len({r["params_digest"] for r in summary["ranks"]}) == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [r["step"] == 5 for r in records]
     assert records[5]["scale"] == records[4]["scale"] / 2  # backed off after the skip

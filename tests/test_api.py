@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 import torch
-from _harness import HostReadSpy
-from _models import make_model, make_optimizer, optimizer_tensors, train
+from _common import make_optimizer, optimizer_tensors
+from _models import make_model, train
 
 import distscaler
+from common.probes import HostReadSpy
 
 
 def backward(scaler, model, *, fault=False):
@@ -79,9 +80,9 @@ CALL_ORDER = [
 
 @pytest.mark.parametrize(
     "misuse, opt_kind",
-    [(m, k) for m in CALL_ORDER for k in ("fused", "forloop")]
+    [(m, k) for m in CALL_ORDER for k in ("fused", "for-loop")]
     # Fused optimizers take fp16 gradients (there is no unscale pass to refuse them).
-    + [(_fp16_grads, "forloop")],
+    + [(_fp16_grads, "for-loop")],
     ids=lambda x: x if isinstance(x, str) else x.__name__.strip("_"),
 )
 def test_misuse_raises_what_torch_raises(misuse, opt_kind):
@@ -130,7 +131,7 @@ def test_no_inf_check_error_is_both_runtime_and_assertion_error():
 
 def test_clip_after_explicit_unscale_clips_the_unscaled_gradients():
     model = make_model()
-    opt = make_optimizer("forloop", model.parameters())
+    opt = make_optimizer("for-loop", model.parameters())
     scaler = distscaler.GradScaler("cpu", init_scale=256.0)
     backward(scaler, model)
     scaler.unscale_(opt)
@@ -247,7 +248,7 @@ def test_bad_constructor_argument_is_named(kwargs, error, match):
 )
 def test_bad_clip_argument_is_named_and_changes_nothing(kwargs, match):
     model = make_model()
-    opt = make_optimizer("forloop", model.parameters())
+    opt = make_optimizer("for-loop", model.parameters())
     scaler = distscaler.GradScaler("cpu")
     backward(scaler, model)
     before = [p.grad.clone() for p in model.parameters()]
@@ -423,7 +424,7 @@ def test_pickle_round_trip():
 
 def test_disabled_scaler_is_a_true_no_op():
     model = make_model()
-    opt = make_optimizer("forloop", model.parameters())
+    opt = make_optimizer("for-loop", model.parameters())
     scaler = distscaler.GradScaler("cpu", enabled=False)
     spy = HostReadSpy()
     spy.exclude_optimizer(opt)
@@ -554,7 +555,7 @@ def test_fused_step_and_update_never_sync_on_cuda(clip):
 
 def test_fp16_gradients_in_clip_raise_and_leave_the_optimizer_ready():
     model = make_model().half()
-    opt = make_optimizer("forloop", model.parameters())
+    opt = make_optimizer("for-loop", model.parameters())
     scaler = distscaler.GradScaler("cpu", init_scale=4.0)
     loss = model(torch.randn(4, 8, dtype=torch.float16)).float().pow(2).mean()
     scaler.scale(loss).backward()

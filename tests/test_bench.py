@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from benchkit.cases import Case, make_optimizer, measure, plain_params, split_sizes
 from benchkit.contenders import CONTENDERS, build_contender, noop_step
-from benchkit.counters import count_per_step
+
+from common.probes import count_per_step
 
 REPO = Path(__file__).resolve().parents[1]
 #: distscaler-graph needs a CUDA device (its own test below).

@@ -10,6 +10,7 @@ import math
 
 import _scenarios as S
 import pytest
+from _common import FAULTS, OPTIMIZERS, TARGETS, target_ranks
 from _harness import spawn
 
 WORLD_SIZES = [
@@ -29,14 +30,14 @@ def expected_skips() -> list[bool]:
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
-@pytest.mark.parametrize("target", S.TARGETS)
-@pytest.mark.parametrize("fault", list(S.FAULTS))
-@pytest.mark.parametrize("opt_kind", S.OPTIMIZERS)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 def test_inf_on_one_rank_skips_step_on_every_rank(runs, opt_kind, fault, target, clip):
     world_size, results = runs
     key = f"{opt_kind}-{fault}-{target}-{'clip' if clip else 'noclip'}"
     ours = [r["agreement"][key]["ours"] for r in results]
-    faulty = S.target_ranks(target, world_size)
+    faulty = target_ranks(target, world_size)
 
     # Guard: the fault was really injected on the chosen ranks only, and seen there.
     for rank, run in enumerate(ours):
@@ -64,7 +65,7 @@ def test_inf_on_one_rank_skips_step_on_every_rank(runs, opt_kind, fault, target,
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "linf"])
-@pytest.mark.parametrize("opt_kind", ["forloop", "fused"])
+@pytest.mark.parametrize("opt_kind", ["for-loop", "fused"])
 @pytest.mark.parametrize("layout", ["sharded", "replicated"])
 def test_clip_grad_norm_matches_torch_on_full_gradients(runs, layout, opt_kind, norm_type):
     _, results = runs
@@ -94,7 +95,7 @@ def test_more_ranks_add_only_the_all_reduce_to_the_device_ops(runs):
 
 
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
-@pytest.mark.parametrize("opt_kind", S.OPTIMIZERS)
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 def test_one_all_reduce_per_step_and_host_reads_only_when_not_fused(runs, opt_kind, clip):
     _, results = runs
     for r in results:
@@ -108,7 +109,7 @@ def test_one_all_reduce_per_step_and_host_reads_only_when_not_fused(runs, opt_ki
 
 
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
-@pytest.mark.parametrize("opt_kind", S.OPTIMIZERS)
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 def test_rank_without_gradients_joins_the_verdict(runs, opt_kind, clip):
     _, results = runs
     runs_ = [r["empty_rank"][f"{opt_kind}-{clip}"] for r in results]
@@ -117,7 +118,7 @@ def test_rank_without_gradients_joins_the_verdict(runs, opt_kind, clip):
         assert run == runs_[0]
 
 
-@pytest.mark.parametrize("opt_kind", S.OPTIMIZERS)
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
 def test_ddp_end_to_end(runs, opt_kind):
     world_size, results = runs
     runs_ = [r["ddp"][opt_kind] for r in results]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import FAULT_VALUES, make_model, optimizer_tensors, train
+from _common import FAULTS, optimizer_tensors
+from _models import make_model, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distscaler
 
-OPTIMIZERS = ["fused", "foreach", "forloop", "sgd-fused", "sgd-forloop"]
+OPTIMIZERS = ["fused", "foreach", "for-loop", "sgd-fused", "sgd-for-loop"]
 
 faults_strategy = st.dictionaries(
     keys=st.integers(0, 23),
-    values=st.tuples(st.sampled_from(list(FAULT_VALUES)), st.integers(0, 5)),
+    values=st.tuples(st.sampled_from(list(FAULTS)), st.integers(0, 5)),
     max_size=8,
 )
 
@@ -56,7 +57,7 @@ def test_matches_torch_gradscaler_bit_for_bit(
         assert scales[step] < previous[step], f"fault at step {step} was not seen"
 
 
-@pytest.mark.parametrize("opt_kind", ["fused", "forloop", "sgd-forloop"])
+@pytest.mark.parametrize("opt_kind", ["fused", "for-loop", "sgd-for-loop"])
 def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_kind):
     faults = {3: ("inf", 1), 9: ("nan", 4)}
     kwargs = dict(init_scale=2.0**12, growth_interval=4)

@@ -2,7 +2,8 @@
 
 DeepSpeed is the oracle itself (``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``, a test
 dependency); Megatron-LM's ``DynamicGradScaler`` hard-codes CUDA tensors, so its rule is restated
-below from DESIGN.md section 5 as an independent reference (and, where megatron-core's source is
+below from its source (megatron-core's ``megatron/core/optimizer/grad_scaler.py``,
+``DynamicGradScaler.update``) as an independent reference (and, where megatron-core's source is
 available, the real class runs on CPU under a device-rewriting mode: see
 ``test_megatron_reference_matches_megatron_core``).
 """
@@ -18,13 +19,15 @@ from typing import Any
 import _policy_scenarios as PS
 import pytest
 import torch
-from _harness import HostReadSpy, spawn
-from _models import make_model, make_optimizer
+from _common import make_optimizer
+from _harness import spawn
+from _models import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import distscaler
+from common.probes import HostReadSpy
 from distscaler import GradScaler, LossScaleAtMinimumError
 
 DS_PARITY_EXAMPLES = 400  # random overflow sequences of test_deepspeed_policy_matches_...
@@ -193,7 +196,7 @@ def real_step_driver(scaler: GradScaler, opt_kind: str):
 @given(
     p=ds_params,
     overflows=st.lists(st.booleans(), min_size=1, max_size=30),
-    opt_kind=st.sampled_from(["fused", "forloop"]),
+    opt_kind=st.sampled_from(["fused", "for-loop"]),
 )
 def test_deepspeed_policy_matches_dynamic_loss_scaler_in_real_steps(p, overflows, opt_kind):
     ref, ours = build_pair(p)
@@ -208,7 +211,8 @@ def test_deepspeed_policy_matches_dynamic_loss_scaler_in_real_steps(p, overflows
 
 
 class MegatronReference:
-    """DESIGN.md section 5's statement of Megatron's DynamicGradScaler rule, in plain Python."""
+    """Megatron's DynamicGradScaler rule (``megatron/core/optimizer/grad_scaler.py``, ``update``),
+    in plain Python."""
 
     def __init__(self, init, min_scale, growth_factor, backoff_factor, interval, hysteresis):
         self.scale, self.min_scale = init, min_scale

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 from benchkit.contenders import noop_step
-from benchkit.counters import DispatchCounter, HostReadSpy
 
 import distscaler
+from common.probes import DispatchCounter, HostReadSpy
 
 NUM_TENSORS = 144
 

@@ -9,7 +9,9 @@ same training (same function, same batches: data parallel over 2 replicas) must 
 losses and the same global gradient norms as each other: FSDP1 (registered flat parameters),
 FSDP2 (DTensor shards) and FSDP2 x TP on 2 x 2 ranks (2-D DTensors, replicated norms) take the
 norm from different layouts, so a replica counted twice or a shard missed shows up as a
-mismatch. ``ddp`` is covered by tests/test_train.py.
+mismatch. ``ddp`` is covered by tests/test_train.py. The fsdp2 run's sharded checkpoint (DCP)
+resumes twice: on 2 ranks (bit exact), and on 1 rank (the scaler's state carries over, the data
+order changes).
 
 Launches are grouped: the 2-rank jobs run concurrently, then the 4-rank ones; each gets its own
 rendezvous (``--standalone``: a free port per launch).
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from test_train import (  # the launch helpers of the DDP job's tests
     JOB_TIMEOUT_S,
@@ -40,11 +43,9 @@ from test_train import (  # the launch helpers of the DDP job's tests
     _summary,
 )
 
-sys.path.insert(0, str(TRAIN.parent))  # as `python launch/train.py` does (test_train did too)
-
-from lm.config import TrainConfig  # noqa: E402
-from lm.parallel import check_parallelism  # noqa: E402
-from lm.pipeline import stage_blocks  # noqa: E402
+from lm.config import TrainConfig
+from lm.parallel import check_parallelism
+from lm.pipeline import stage_blocks
 
 pytestmark = pytest.mark.xdist_group("train_parallelism")
 
@@ -70,11 +71,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     config = tmp / "smoke.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    one_rank = tmp / "smoke_1rank.yaml"  # no rank 1 to inject on (the inf was before the resume)
+    one_rank.write_text(yaml.safe_dump({**cfg, "inject_inf": None}))
 
-    def job(name: str, parallelism: str, nproc: int, steps: int, **kw: Any) -> list[str]:
+    def job(
+        name: str, parallelism: str, nproc: int, steps: int, cfg: Path = config, **kw: Any
+    ) -> list[str]:
         return (
             _standalone(nproc)
-            + _job_args(tmp / name, steps=steps, config=config, data=corpus, **kw)
+            + _job_args(tmp / name, steps=steps, config=cfg, data=corpus, **kw)
             + ["--parallelism", parallelism]
         )
 
@@ -82,12 +87,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         [(name, job(name, par, n, STEPS)) for name, par, n in JOBS_2]
         + [("fsdp2_straight", job("fsdp2_straight", "fsdp2", 2, RESUME_STEPS))],
         [(name, job(name, par, n, STEPS)) for name, par, n in JOBS_4],
-        # fsdp2 stopped at STEPS (its checkpoint, DCP), continued to RESUME_STEPS
-        [("fsdp2_resume", job("fsdp2", "fsdp2", 2, RESUME_STEPS, resume=True))],
+        # fsdp2 stopped at STEPS (its checkpoint, DCP), continued to RESUME_STEPS on 2 ranks and
+        # on 1 ("--resume auto": it finds the checkpoint)
+        [
+            ("fsdp2_resume", job("fsdp2", "fsdp2", 2, RESUME_STEPS, resume=True)),
+            ("fsdp2_on1", job("fsdp2_on1", "fsdp2", 1, RESUME_STEPS, one_rank, resume="auto")),
+        ],
     ]
     for group in groups:
         names = [name for name, _ in group]
-        if "fsdp2_resume" in names:  # the first fsdp2 run's outputs, before the resume rewrites
+        if "fsdp2_resume" in names:  # the first fsdp2 run's outputs, before the resumes rewrite
+            shutil.copytree(tmp / "fsdp2", tmp / "fsdp2_on1")
             shutil.copytree(
                 tmp / "fsdp2", tmp / "fsdp2_first", ignore=shutil.ignore_patterns("ckpt*")
             )
@@ -96,6 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     outputs["fsdp2"] = tmp / "fsdp2_first"
     outputs["fsdp2_resumed"] = tmp / "fsdp2"
     outputs["fsdp2_straight"] = tmp / "fsdp2_straight"
+    outputs["fsdp2_on1"] = tmp / "fsdp2_on1"
     return outputs
 
 
@@ -163,6 +174,38 @@ def test_fsdp2_resume_from_dcp_continues_bit_exact(runs: dict[str, Path]) -> Non
             assert got[key] == want[key], (got["step"], key)
     assert _summary(runs["fsdp2_resumed"])["steps_this_run"] == RESUME_STEPS - STEPS
     assert len(list((runs["fsdp2_resumed"] / "ckpt_dcp").iterdir())) == 1  # older ones removed
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_another_world_size_with_the_scalers_state(
+    runs: dict[str, Path],
+) -> None:
+    """fsdp2's DCP checkpoint of 2 ranks, resumed on 1: DCP reshards model and optimizer; the
+    scale, growth tracker and skip counts carry over, and a warning says the data order changes."""
+    out = runs["fsdp2_on1"]
+    summary = _summary(out)
+    assert summary["world_size"] == 1 and summary["steps_this_run"] == RESUME_STEPS - STEPS
+    # It started from the 2-rank checkpoint of step STEPS: 1 skip so far (the inf).
+    resumed = summary["resumed_from"]
+    assert resumed["step"] == STEPS and resumed["num_skipped_steps"] == 1
+    records, straight = _metrics(out), _metrics(runs["fsdp2_straight"])
+    assert [r["step"] for r in records] == list(range(1, RESUME_STEPS + 1))
+    # The smoke model never overflows by itself, so the scale does not depend on the data: with
+    # the scale and growth tracker restored, it follows the 2-rank run's step for step, and both
+    # end in the same scaler state.
+    assert resumed["scale"] == straight[STEPS]["scale"]
+    assert [(r["scale"], r["skipped"]) for r in records] == [
+        (r["scale"], r["skipped"]) for r in straight
+    ]
+    ends = [
+        torch.load(run / "ckpt.pt", map_location="cpu", weights_only=True)
+        for run in (out, runs["fsdp2_straight"])
+    ]
+    assert [e["world_size"] for e in ends] == [1, 2]
+    for key in ("scale", "_growth_tracker", "num_skipped_steps", "num_updates"):
+        assert ends[0]["scaler"][key] == ends[1]["scaler"][key], key
+    log = (out.parent / "fsdp2_on1.log").read_text()
+    assert "saved by 2 rank(s), on 1" in log and "the data order changes" in log
 
 
 # ---------------------------------------------------------------- invalid combinations

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lm.distributed import local_tensor
+from common.probes import count_per_step
+from common.tensors import local_tensor
 
 from .contenders import build_contender, floors
-from .counters import count_per_step
 from .timing import interleave, median_ms
 
 __all__ = [

@@ -22,6 +22,7 @@ What each one runs (``clip`` = a max norm, or None for no clipping):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,9 @@ import torch
 from torch import nn
 
 import distscaler
-from lm.distributed import local_tensor
+from common.tensors import local_tensor
 
-__all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step"]
+__all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step", "optimizer_like"]
 
 #: Every contender, in the order the reports list them. ``distscaler-graph`` (CUDA only): the same
 #: sequence as ``distscaler``, captured once in a CUDA graph and replayed.
@@ -72,6 +73,9 @@ def build_contender(
     device: torch.device,
     layout: str = "single",
     model: nn.Module | None = None,
+    init_scale: float = INIT_SCALE,
+    setup_scaler: Callable[[distscaler.GradScaler], Any] | None = None,
+    torch_clip: Callable[[float], Any] | None = None,
 ) -> Contender:
     """Build contender ``name`` over ``params`` (their ``.grad`` hold loss-scaled gradients).
 
@@ -82,6 +86,11 @@ def build_contender(
         clip: max norm, or None for no clipping.
         layout: "single" (one process, plain tensors), "ddp" or "fsdp2" (DTensor gradients).
         model: the DDP module (distscaler registers it).
+        init_scale: the scale the gradients carry (every scaler starts at it).
+        setup_scaler: tells a distscaler scaler the gradients' layout (``register_model``...)
+            instead of ``layout``'s default (the DDP ``model`` under "ddp").
+        torch_clip: the clip of torch's recipe for this layout, given the max norm, instead of
+            ``torch.nn.utils.clip_grad_norm_(params, clip)`` (FSDP1's own, a pipeline's...).
     """
     try:
         builder = _BUILDERS[name]
@@ -96,6 +105,9 @@ def build_contender(
             device=device,
             layout=layout,
             model=model,
+            init_scale=init_scale,
+            setup_scaler=setup_scaler,
+            torch_clip=torch_clip,
         )
     except _NotApplicable as exc:
         return Contender(name, error=str(exc))
@@ -105,10 +117,14 @@ class _NotApplicable(Exception):
     """This contender has no way to run in this configuration (said in the report)."""
 
 
-def _distscaler(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+def _distscaler(
+    *, params, make_optimizer, optimizer, clip, device, layout, model, init_scale, setup_scaler, **_
+) -> Contender:
     def make() -> distscaler.GradScaler:
-        scaler = distscaler.GradScaler(device.type, init_scale=INIT_SCALE)
-        if layout == "ddp":
+        scaler = distscaler.GradScaler(device.type, init_scale=init_scale)
+        if setup_scaler is not None:
+            setup_scaler(scaler)
+        elif layout == "ddp":
             scaler.register_model(model)
         scaler.materialize(device)
         return scaler
@@ -130,7 +146,9 @@ def _distscaler(*, params, make_optimizer, optimizer, clip, device, layout, mode
 
 
 def _torch_scaler(sharded: bool):
-    def build(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+    def build(
+        *, params, make_optimizer, optimizer, clip, device, layout, init_scale, torch_clip, **_
+    ) -> Contender:
         name = "torch-sharded" if sharded else "torch"
         if sharded:
             import torch.distributed as dist
@@ -147,7 +165,7 @@ def _torch_scaler(sharded: bool):
             raise _NotApplicable("unscale_ refuses fp16 gradients")
 
         def make() -> Any:
-            scaler = cls(device.type, init_scale=INIT_SCALE)
+            scaler = cls(device.type, init_scale=init_scale)
             scaler.scale(torch.ones((), device=device))  # creates its scale tensor
             return scaler
 
@@ -155,7 +173,10 @@ def _torch_scaler(sharded: bool):
             def run() -> None:
                 if clip is not None:
                     scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(params, clip)
+                    if torch_clip is not None:
+                        torch_clip(clip)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(params, clip)
                 scaler.step(opt)
                 scaler.update()
 
@@ -170,7 +191,9 @@ def _torch_scaler(sharded: bool):
     return build
 
 
-def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model) -> Contender:
+def _deepspeed(
+    *, params, make_optimizer, optimizer, clip, device, layout, init_scale, **_
+) -> Contender:
     if layout == "fsdp2":
         raise _NotApplicable("DeepSpeed has no FSDP2 (DTensor) path")
     try:
@@ -183,7 +206,7 @@ def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model
         checker = CheckOverflow()  # data parallel: the gradients are already all-reduced
         # DeepSpeed's fp16 defaults: loss_scale_window 1000, min_loss_scale 1, hysteresis 2.
         loss_scaler = DynamicLossScaler(
-            init_scale=INIT_SCALE,
+            init_scale=init_scale,
             scale_window=1000,
             min_scale=1.0,
             delayed_shift=2,
@@ -213,25 +236,26 @@ def _deepspeed(*, params, make_optimizer, optimizer, clip, device, layout, model
     )
 
 
-def _distscaler_graph(
-    *, params, make_optimizer, optimizer, clip, device, layout, model
-) -> Contender:
+def optimizer_like(
+    optimizer: torch.optim.Optimizer, params: Any, **overrides: Any
+) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and settings over ``params`` (a list of parameters
+    or of param-group dicts), with ``overrides``. ``optimizer.defaults`` also holds keys its
+    constructor does not take (AdamW's ``decoupled_weight_decay``): those are left out."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(params, **{**settings, **overrides})
+
+
+def _distscaler_graph(*, params, optimizer, device, **kwargs) -> Contender:
     """distscaler's sequence replayed from a CUDA graph (torch's recipe: warm-up on a side stream,
     static gradients, a capturable fused optimizer for the whole step)."""
     if device.type != "cuda":
         raise _NotApplicable("CUDA graphs need a CUDA device")
     if not optimizer.defaults.get("fused"):
         raise _NotApplicable("needs a fused optimizer (the only kind a graph can replay sync-free)")
-    capturable = type(optimizer)(params, **{**optimizer.defaults, "capturable": True})
-    base = _distscaler(
-        params=params,
-        make_optimizer=make_optimizer,
-        optimizer=capturable,
-        clip=clip,
-        device=device,
-        layout=layout,
-        model=model,
-    )
+    capturable = optimizer_like(optimizer, params, capturable=True)
+    base = _distscaler(params=params, optimizer=capturable, device=device, **kwargs)
     try:
         assert base.phase is not None and base.step is not None
         return Contender("distscaler-graph", phase=_captured(base.phase), step=_captured(base.step))

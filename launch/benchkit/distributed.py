@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-# As a script, launch/benchkit/ is sys.path[0]: swap it for launch/, so that ``benchkit`` and ``lm``
+# As a script, launch/benchkit/ is sys.path[0]: swap it for launch/, so that ``benchkit`` and ``common``
 # import as packages and these modules never import as top-level names (``distributed``, ...).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_HERE.parent) not in sys.path:
@@ -45,7 +45,9 @@ from torch import nn  # noqa: E402
 
 from benchkit.cases import OPTIMIZERS, Case, measure  # noqa: E402
 from benchkit.contenders import CONTENDERS, INIT_SCALE  # noqa: E402
-from lm.distributed import Dist, local_tensor, setup_distributed  # noqa: E402
+from common.distributed import Dist, setup_distributed  # noqa: E402
+from common.tensors import local_tensor  # noqa: E402
+from common.wrapping import ddp_device_ids, fully_shard_blocks  # noqa: E402
 
 __all__ = ["LAYOUTS", "Blocks", "build_model", "main", "run_worlds", "slowest_rank"]
 
@@ -91,16 +93,12 @@ def layout_model(model: Blocks, layout: str, d: Dist) -> nn.Module:
     if layout == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [d.device.index] if d.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        return DistributedDataParallel(model, device_ids=ddp_device_ids(d.device))
     if layout == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("dp",))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_blocks(model.blocks, model, mesh)
         return model
     raise ValueError(f"layout must be one of {LAYOUTS}, got: {layout!r}")
 

@@ -20,22 +20,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
+_HERE = Path(__file__).resolve().parent
+# As a script, launch/benchkit/ is sys.path[0]: swap it for launch/, so that ``common`` imports as a
+# package (the same as benchkit/distributed.py).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+if str(_HERE.parent) not in sys.path:
+    sys.path.insert(0, str(_HERE.parent))
 
-try:
-    from .counters import CollectiveLog
-except ImportError:  # run as a script: python launch/benchkit/fake_world.py
-    from counters import CollectiveLog  # type: ignore[no-redef]
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+from common.probes import CollectiveLog  # noqa: E402
+from common.wrapping import fully_shard_blocks  # noqa: E402
 
 WORLD_SIZES = (8, 64, 1024, 4096)
 LAYOUTS = ("fsdp2", "hsdp")
@@ -59,10 +65,7 @@ def _shard(model: nn.Module, layout: str, world_size: int) -> Any:
         mesh = init_device_mesh(
             "cpu", (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
         )
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_blocks([layer for layer in model if isinstance(layer, nn.Linear)], model, mesh)
     return mesh
 
 

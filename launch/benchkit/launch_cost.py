@@ -7,7 +7,7 @@ AdamW, with and without clipping:
 
 * ``host_us``: host time of one phase call, median over interleaved rounds, without waiting for the
   device (on a CPU, where ops run synchronously, it is the whole time);
-* ``ops``: device ops the phase dispatches (:class:`benchkit.counters.DispatchCounter`), the same
+* ``ops``: device ops the phase dispatches (:class:`common.probes.DispatchCounter`), the same
   on every machine: what a GPU launches (per dtype group, independent of the tensor count).
 """
 
@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from common.probes import count_per_step
+
 from .cases import Case, build_contenders, plain_params
-from .counters import count_per_step
 
 __all__ = ["LAUNCH_NUMEL", "launch_table", "launch_targets", "measure_launch"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lm.metrics import PhaseTimer
+from common.probes import PhaseTimer
 
 __all__ = ["Timer", "interleave", "median_ms"]
 
@@ -22,7 +22,7 @@ __all__ = ["Timer", "interleave", "median_ms"]
 class Timer:
     """Wall time of one call in seconds, queued device work from before the call left out.
 
-    Synchronizes the device first, then brackets the call with :class:`lm.metrics.PhaseTimer`
+    Synchronizes the device first, then brackets the call with :class:`common.probes.PhaseTimer`
     (CUDA events on GPUs, so work the call queued is counted; the host clock on CPU).
     """
 

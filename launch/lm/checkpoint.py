@@ -5,7 +5,11 @@ sharded and model-parallel layouts the model and optimizer state go to
 torch.distributed.checkpoint (DCP) in ``ckpt_dcp/step-N/`` (every rank writes its shards; DCP's
 ``get_state_dict`` / ``set_state_dict`` handle FSDP1, FSDP2, HSDP, DTensor and pipeline-stage
 modules alike, a stage's parameter names being unique), and ``ckpt.pt`` (rank 0) holds the rest
-and the folder's name. Resuming needs the same layout and world size.
+and the folder's name.
+
+Resuming needs the same layout. On another world size the model, optimizer and scaler state carry
+over (DCP reshards), but the batches drawn from there on differ from those of a run on the saved
+world size (each data-parallel replica has a sampler of its own): a warning says so.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from common.distributed import Dist, gather_objects
 from distscaler import GradScaler
 from lm.config import TrainConfig
-from lm.distributed import Dist, gather_objects
 
 __all__ = [
     "CKPT_NAME",
@@ -83,6 +87,9 @@ def save_checkpoint(
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         dcp_dir = f"{DCP_DIR}/step-{step:08d}"
+        if d.is_main:  # left half-written by a run killed while saving this step
+            shutil.rmtree(path.parent / dcp_dir, ignore_errors=True)
+        d.barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save(
             {"model": model_state, "optimizer": optim_state}, checkpoint_id=path.parent / dcp_dir
@@ -119,16 +126,31 @@ def load_checkpoint(
     cfg: TrainConfig,
     d: Dist,
 ) -> int:
-    """Loads ``path`` into the given objects on every rank; returns the step it was saved at."""
+    """Loads ``path`` into the given objects on every rank; returns the step it was saved at.
+
+    Raises:
+        FileNotFoundError: there is no ``path``.
+        ValueError: it was saved with another ``parallelism``.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved_as = state.get("parallelism", "ddp")
-    if saved_as != cfg.parallelism or (state.get("dcp") and len(state["rng"]) != d.world_size):
+    if saved_as != cfg.parallelism:
         raise ValueError(
-            f"--resume: {path} was saved with parallelism {saved_as!r} on {len(state['rng'])} "
-            f"ranks; resume with the same layout and world size (now: {cfg.parallelism!r} on "
-            f"{d.world_size})"
+            f"--resume: {path} was saved with parallelism {saved_as!r}; resume with the same "
+            f"layout (now: {cfg.parallelism!r})"
+        )
+    saved_world = int(state.get("world_size", len(state["rng"])))
+    if saved_world != d.world_size and d.is_main:
+        logger.warning(
+            "resuming %s, saved by %d rank(s), on %d: the model, optimizer and scaler state "
+            "(scale, growth tracker, skip counts) carry over, but the data order changes: the "
+            "batches drawn from here on differ from those of a run on %d rank(s)",
+            path,
+            saved_world,
+            d.world_size,
+            saved_world,
         )
     if state.get("dcp"):
         import torch.distributed.checkpoint as dcp
@@ -159,13 +181,7 @@ def load_checkpoint(
         optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     if d.rank < len(state["rng"]):
-        set_rng_state(state["rng"][d.rank], sampler)
-    else:
-        logger.warning(
-            "checkpoint was saved by %d ranks; rank %d keeps fresh RNG and sampler states",
-            len(state["rng"]),
-            d.rank,
-        )
+        set_rng_state(state["rng"][d.rank], sampler)  # a rank beyond the saved ones keeps its own
     saved = state.get("config", {})
     changed = {
         k: (saved[k], v)

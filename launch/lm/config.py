@@ -1,4 +1,8 @@
-"""``TrainConfig``: every setting of the job, loaded from YAML and validated with pydantic."""
+"""``TrainConfig``: every setting of the job, loaded from YAML and validated with pydantic.
+
+The scaler's settings are a ``distscaler.ScalerConfig`` nested under ``scaler:``; the library
+validates them (once, when the config is loaded) and ``GradScaler.from_config`` builds the scaler.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import yaml
 from pydantic import (
     BeforeValidator,
     ConfigDict,
+    PlainValidator,
     Strict,
     StrictBool,
     StrictInt,
@@ -22,9 +27,23 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-__all__ = ["DEFAULT_CONFIG", "ConfigError", "InjectInf", "TrainConfig", "load_config"]
+from distscaler import ScalerConfig
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_SCALER",
+    "ConfigError",
+    "InjectInf",
+    "TrainConfig",
+    "load_config",
+]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+#: The job's scaler: far too high a start (2**20) for fp16 gradients, so the first steps overflow,
+#: are skipped on every rank and back off; then a growth every 25 clean steps until fp16 overflows
+#: again. A ``scaler:`` section in a YAML file changes the keys it names and keeps the others.
+DEFAULT_SCALER = ScalerConfig(init_scale=2.0**20, growth_interval=25)
 
 
 class ConfigError(ValueError):
@@ -47,6 +66,40 @@ def _float_from_yaml_string(value: Any) -> Any:
 
 # Strict: YAML's `true` is not 1, and 2.5 is not an int. A float field takes an int.
 YamlFloat = Annotated[float, BeforeValidator(_float_from_yaml_string), Strict()]
+
+def _as_float(value: Any) -> Any:
+    """A YAML number for a float field: "1e-3" (a string to PyYAML) and 1024 become floats."""
+    value = _float_from_yaml_string(value)
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+_SCALER_FLOAT_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(ScalerConfig) if str(f.type).startswith("float")
+)
+
+
+def _scaler_config(value: Any) -> ScalerConfig:
+    """The ``scaler:`` section: ``DEFAULT_SCALER`` with the keys given, checked by ScalerConfig."""
+    if isinstance(value, ScalerConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError([f"scaler must be a mapping, got: {value!r}"])
+    valid = [f.name for f in dataclasses.fields(ScalerConfig)]
+    unknown = [k for k in value if k not in valid]
+    if unknown:
+        raise ConfigError(
+            [f"unknown config key 'scaler.{k}'; valid keys: {', '.join(valid)}" for k in unknown]
+        )
+    changes = {k: _as_float(v) if k in _SCALER_FLOAT_FIELDS else v for k, v in value.items()}
+    try:
+        return dataclasses.replace(DEFAULT_SCALER, **changes)
+    except (TypeError, ValueError) as e:
+        lines = [line[2:] for line in str(e).splitlines() if line.startswith("- ")]
+        raise ConfigError([f"scaler: {line}" for line in lines or [str(e)]]) from None
+
+
+# The nested ScalerConfig is validated by distscaler itself, not field by field by pydantic.
+ScalerSection = Annotated[ScalerConfig, PlainValidator(_scaler_config)]
 
 # Lax at the dataclass level (strict would refuse the YAML mappings themselves); the field types
 # above are what make the values strict.
@@ -86,7 +139,7 @@ class TrainConfig:
     __pydantic_config__ = _PYDANTIC_CONFIG
 
     # -- run --
-    steps: StrictInt = 500
+    steps: StrictInt = 200
     """Total number of optimizer steps (a resumed run continues up to this number)."""
     out: StrictStr = "runs/default"
     """Output folder for metrics.jsonl, ckpt.pt and summary.json."""
@@ -96,21 +149,24 @@ class TrainConfig:
     """``auto``: ``cuda:$LOCAL_RANK`` with NCCL where CUDA is available, else the CPU with gloo."""
     num_threads: StrictInt = 0
     """CPU threads per process; 0 = usable cores // processes on this node (at least 1)."""
-    ckpt_interval: StrictInt = 200
+    ckpt_interval: StrictInt = 50
     """Checkpoint interval, in steps (a checkpoint is also written at the end); 0 = only at end."""
-    log_interval: StrictInt = 50
+    log_interval: StrictInt = 25
     """Interval, in steps, of the log lines (the progress bar updates every step)."""
-    eval_interval: StrictInt = 100
+    eval_interval: StrictInt = 50
     """Interval, in steps, of held-out evaluation (always done at the end); 0 = only at end."""
     eval_windows: StrictInt = 128
     """Number of fixed, evenly spaced held-out windows (of block_size bytes) per evaluation."""
+    dist_timeout_s: YamlFloat = 300.0
+    """Seconds a collective, or the start of the process group, waits for the other ranks before
+    it fails (torch's default, 30 minutes on gloo, makes a lost rank look like a hang)."""
 
     # -- data --
     data: StrictStr | None = None
     """Text file or folder to train on; None = the stdlib sources of this interpreter."""
     eval_fraction: YamlFloat = 0.05
     """Fraction of the bytes, taken from the end, held out for evaluation, in (0, 0.5]."""
-    block_size: StrictInt = 128
+    block_size: StrictInt = 64
     """Context length, in bytes (tokens)."""
     batch_size: StrictInt = 16
     """Sequences per data-parallel replica per step (the ranks of one tensor-parallel group or
@@ -137,9 +193,9 @@ class TrainConfig:
     """``pp``: ``ScheduleGPipe`` or ``Schedule1F1B`` of torch.distributed.pipelining."""
 
     # -- model --
-    n_layer: StrictInt = 4
-    n_head: StrictInt = 4
-    d_model: StrictInt = 128
+    n_layer: StrictInt = 2
+    n_head: StrictInt = 2
+    d_model: StrictInt = 64
     dropout: YamlFloat = 0.0
 
     # -- optimizer --
@@ -147,7 +203,7 @@ class TrainConfig:
     """Peak learning rate, reached after warmup_steps."""
     min_lr: YamlFloat = 2e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: StrictInt = 30
+    warmup_steps: StrictInt = 20
     """Linear warmup length, in steps."""
     decay_steps: StrictInt = 0
     """Step at which the cosine decay reaches min_lr; 0 = ``steps``. Fix it to resume a run
@@ -162,11 +218,9 @@ class TrainConfig:
     # -- mixed precision / scaler --
     amp: StrictBool = True
     """fp16 autocast and loss scaling; False = fp32 with a disabled scaler."""
-    init_scale: YamlFloat = 2.0**20
-    growth_factor: YamlFloat = 2.0
-    backoff_factor: YamlFloat = 0.5
-    growth_interval: StrictInt = 25
-    """Consecutive clean steps before the scale grows."""
+    scaler: ScalerSection = DEFAULT_SCALER
+    """``distscaler.ScalerConfig`` of the job's ``GradScaler`` (``GradScaler.from_config``); in
+    YAML a mapping of its fields (``init_scale``, ``growth_interval``, ``policy``...)."""
     inject_inf: InjectInf | None = None
     """Fault injection, e.g. ``{steps: [40], rank: 1}``; None = off."""
 
@@ -212,14 +266,9 @@ class TrainConfig:
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got: {self.warmup_steps}")
         need(self.decay_steps >= 0, f"decay_steps must be >= 0, got: {self.decay_steps}")
         need(self.max_norm > 0, f"max_norm must be > 0, got: {self.max_norm}")
-        need(self.init_scale > 0, f"init_scale must be > 0, got: {self.init_scale}")
-        need(self.growth_factor > 1, f"growth_factor must be > 1, got: {self.growth_factor}")
         need(
-            0 < self.backoff_factor < 1,
-            f"backoff_factor must be in (0, 1), got: {self.backoff_factor}",
-        )
-        need(
-            self.growth_interval >= 1, f"growth_interval must be >= 1, got: {self.growth_interval}"
+            self.dist_timeout_s > 0,
+            f"dist_timeout_s must be > 0 (seconds), got: {self.dist_timeout_s}",
         )
         if problems:
             raise ConfigError(problems)

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
+from common.distributed import Dist
 from lm.config import TrainConfig
 from lm.data import get_batch
-from lm.distributed import Dist
-
-if TYPE_CHECKING:
-    from lm.parallel import Parallel
+from lm.layout import Parallel
 
 __all__ = ["evaluate"]
 

@@ -5,20 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 __all__ = [
     "METRICS_NAME",
     "SUMMARY_NAME",
-    "PhaseTimer",
+    "MetricsLog",
     "finite_or_none",
     "read_metrics",
     "step_record",
     "summarize",
+    "write_summary",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,35 +86,33 @@ def summarize(records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     }
 
 
-class PhaseTimer:
-    """Wall time of a region (the job's scaler phase, a benchmark call) between ``start()`` and
-    ``stop()``, in seconds. CUDA events on GPUs: no host sync until :meth:`seconds`."""
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """``summary.json``, written atomically (a kill leaves the previous one or the new one)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._events: tuple[Any, Any] | None = None
-        self._t0 = 0.0
-        self._dt = 0.0
 
-    def start(self) -> None:
-        if self.cuda:
-            self._events = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self._events[0].record()
-        else:
-            self._t0 = time.perf_counter()
+class MetricsLog:
+    """``metrics.jsonl`` of a run, on rank 0: one line per step, each written as it completes.
 
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._dt = time.perf_counter() - self._t0
+    A resumed run keeps the lines up to its checkpoint's step and drops the later ones (they are
+    run again), so the file holds every step exactly once. ``records`` holds them all.
+    """
 
-    def seconds(self) -> float:
-        """Read after the step's own host reads (on CUDA it waits for the end event)."""
-        if self._events is not None:
-            self._events[1].synchronize()
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
-        return self._dt
+    def __init__(self, path: Path, *, resume_step: int | None) -> None:
+        self.path = path
+        self.records = read_metrics(path, resume_step) if resume_step is not None else []
+        # Rewrite rather than append: lines after the checkpoint are about to be run again.
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        tmp.replace(path)
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

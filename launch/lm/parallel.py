@@ -3,7 +3,7 @@
 Every builder starts from the same ``ByteGPT`` (same seed, so the same initial function on every
 rank and in every layout) and returns a :class:`Parallel`: the module the step calls, what the
 optimizer and the checkpoint get, the data-parallel coordinates that pick each rank's batches, and
-how the scaler learns the gradients' layout (DESIGN.md section 4):
+how the scaler learns the gradients' layout (the README's "Sharded and model-parallel layouts"):
 
 ==========  ==========================================================  ========================
 layout      wrapping                                                    scaler learns it from
@@ -26,21 +26,19 @@ the layouts compute the same function; FSDP2's ``MixedPrecisionPolicy`` is not u
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from distscaler import GradScaler
+from common.distributed import Dist
+from common.wrapping import ddp_device_ids, fully_shard_blocks
 from lm.config import TrainConfig
-from lm.distributed import Dist, params_digest
+from lm.layout import Parallel
 from lm.model import ByteGPT
+from lm.pipeline import build_pipeline
 
-__all__ = ["Parallel", "build_parallel", "check_parallelism"]
+__all__ = ["build_parallel", "check_parallelism"]
 
 
 def check_parallelism(cfg: TrainConfig, world_size: int, *, launched: bool) -> list[str]:
@@ -90,72 +88,6 @@ def check_parallelism(cfg: TrainConfig, world_size: int, *, launched: bool) -> l
     return problems
 
 
-@dataclass(kw_only=True)
-class Parallel:
-    """The model laid out over the ranks.
-
-    Attributes:
-        model: the module the train step and the evaluation call (wrapped where a wrapper must
-            run the forward: DDP, FSDP1; ``fully_shard`` and tensor parallelism work in place).
-        state_module: whose ``parameters()`` the optimizer gets and whose state is checkpointed
-            (DDP: the unwrapped module, as before; otherwise ``model``).
-        dp_rank, dp_size: this rank's data-parallel replica and their number: the ranks of one
-            replica (a TP group, one pipeline) draw the same batches.
-        replica_key: ranks with equal keys hold the same full parameters (pp: the stage index).
-        register: modules to ``scaler.register_model(module, grad_layout=...)``.
-        sharded_checkpoint: model and optimizer go to torch.distributed.checkpoint (DCP).
-    """
-
-    name: str
-    model: nn.Module
-    state_module: nn.Module
-    dp_rank: int = 0
-    dp_size: int = 1
-    replica_key: int = 0
-    register: list[tuple[nn.Module, Any]] = field(default_factory=list)
-    sharded_checkpoint: bool = True
-    describe: str = ""
-    num_params: int = 0
-    full_params: Callable[[], Any] = nullcontext
-
-    def setup_scaler(self, scaler: GradScaler) -> GradScaler:
-        for module, grad_layout in self.register:
-            scaler.register_model(module, grad_layout=grad_layout)
-        return scaler
-
-    def forward_backward(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
-        scaler: GradScaler,
-        cfg: TrainConfig,
-    ) -> torch.Tensor:
-        """Forward, ``scaler.scale(loss).backward()``; returns the mean loss (detached)."""
-        with torch.autocast(x.device.type, dtype=torch.float16, enabled=cfg.amp):
-            logits = self.model(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        return loss.detach()
-
-    def loss_sums(self, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> torch.Tensor | None:
-        """Per-sequence summed loss ``(B,)`` in fp32 (None on ranks without the loss)."""
-        with torch.autocast(x.device.type, dtype=torch.float16, enabled=cfg.amp):
-            logits = self.model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-        return loss.view(y.shape).sum(1)
-
-    def params_digest(self) -> str:
-        """SHA-256 of the full parameters (DTensors gathered, FSDP1 unsharded): collective."""
-        with self.full_params():
-            return params_digest(self.state_module.parameters())
-
-
-def _device_ids(d: Dist) -> list[int] | None:
-    return [d.device.index] if d.device.type == "cuda" else None
-
-
 def _ddp(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
     if not d.enabled:
         return Parallel(
@@ -167,7 +99,7 @@ def _ddp(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
         )
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    wrapped = DDP(model, device_ids=_device_ids(d))
+    wrapped = DDP(model, device_ids=ddp_device_ids(d.device))
     return Parallel(
         name="ddp",
         model=wrapped,
@@ -206,19 +138,11 @@ def _fsdp1(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
     )
 
 
-def _fully_shard(model: ByteGPT, mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def _fsdp2(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
-    _fully_shard(model, mesh)
+    fully_shard_blocks(model.blocks, model, mesh)
     return Parallel(
         name="fsdp2",
         model=model,
@@ -236,7 +160,9 @@ def _hsdp(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
     mesh = init_device_mesh(
         d.device.type, (replicas, cfg.hsdp_shard_size), mesh_dim_names=("replicate", "shard")
     )
-    _fully_shard(model, mesh)  # a 2-D mesh makes fully_shard hybrid: (Replicate, Shard(0))
+    fully_shard_blocks(
+        model.blocks, model, mesh
+    )  # a 2-D mesh makes fully_shard hybrid: (Replicate, Shard(0))
     return Parallel(
         name="hsdp",
         model=model,
@@ -305,7 +231,7 @@ def _tp(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
     model.head.weight = model.tok_emb.weight  # distribute_module replaced both: tie them again
     describe = f"tensor parallel over {tp} ranks"
     if dp > 1:
-        _fully_shard(model, mesh["dp"])
+        fully_shard_blocks(model.blocks, model, mesh["dp"])
         describe = f"FSDP2 x tensor parallel, mesh (dp={dp}, tp={tp})"
     return Parallel(
         name="tp",
@@ -323,8 +249,6 @@ def build_parallel(cfg: TrainConfig, d: Dist) -> Parallel:
     model = ByteGPT(cfg).to(d.device)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding hides them
     if cfg.parallelism == "pp":
-        from lm.pipeline import build_pipeline
-
         par: Parallel = build_pipeline(model, cfg, d)
     else:
         builders = {"ddp": _ddp, "fsdp1": _fsdp1, "fsdp2": _fsdp2, "hsdp": _hsdp, "tp": _tp}

@@ -19,6 +19,7 @@ DDP's all-reduce when dp > 1, and one broadcast of the loss from the last stage 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,11 +27,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.distributed import Dist
+from common.wrapping import ddp_device_ids
 from distscaler import GradScaler
 from lm.config import TrainConfig
-from lm.distributed import Dist
+from lm.layout import Parallel
 from lm.model import ByteGPT
-from lm.parallel import Parallel
 
 __all__ = ["PipelineLoss", "PipelineParallel", "StageModule", "build_pipeline", "stage_blocks"]
 
@@ -93,14 +95,23 @@ class PipelineLoss:
         return self.scaler.scale(loss)
 
 
+@dataclass(kw_only=True)
 class PipelineParallel(Parallel):
-    """A :class:`Parallel` whose step and evaluation run a pipeline schedule."""
+    """A :class:`Parallel` whose step and evaluation run a pipeline schedule.
+
+    Attributes:
+        schedule: the torch.distributed.pipelining schedule (``ScheduleGPipe``, ``Schedule1F1B``)
+            over this rank's stage.
+        loss_fn: the schedule's loss function (the last stage scales the loss with it).
+        stage, num_stages: this rank's stage and the number of stages.
+        loss_src: global rank of the last stage of replica 0, which broadcasts the loss.
+    """
 
     schedule: Any
     loss_fn: PipelineLoss
     stage: int
     num_stages: int
-    loss_src: int  # global rank of the last stage of replica 0
+    loss_src: int
 
     @property
     def is_first(self) -> bool:
@@ -178,7 +189,7 @@ def build_pipeline(model: ByteGPT, cfg: TrainConfig, d: Dist) -> PipelineParalle
         wrapped = DDP(
             stage_module,
             process_group=mesh["dp"].get_group(),
-            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            device_ids=ddp_device_ids(d.device),
         )
         register = [(wrapped, None)]  # DDP's replication over dp; the stages hold different layers
         describe += f" x DDP over {dp} replicas"
@@ -205,7 +216,7 @@ def build_pipeline(model: ByteGPT, cfg: TrainConfig, d: Dist) -> PipelineParalle
     )
     loss_fn = PipelineLoss()
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.pp_schedule]
-    par = PipelineParallel(
+    return PipelineParallel(
         name="pp",
         model=wrapped,
         state_module=stage_module,
@@ -214,9 +225,9 @@ def build_pipeline(model: ByteGPT, cfg: TrainConfig, d: Dist) -> PipelineParalle
         replica_key=stage,
         register=register,
         describe=describe + f", {cfg.pp_microbatches} micro-batches",
+        schedule=schedule_cls(pipe_stage, n_microbatches=cfg.pp_microbatches, loss_fn=loss_fn),
+        loss_fn=loss_fn,
+        stage=stage,
+        num_stages=num_stages,
+        loss_src=int(mesh.mesh[0, num_stages - 1].item()),
     )
-    par.schedule = schedule_cls(pipe_stage, n_microbatches=cfg.pp_microbatches, loss_fn=loss_fn)
-    par.loss_fn = loss_fn
-    par.stage, par.num_stages = stage, num_stages
-    par.loss_src = int(mesh.mesh[0, num_stages - 1].item())
-    return par

@@ -1,12 +1,14 @@
-"""Per-step counters: device ops, host reads of tensor values and c10d collectives (with bytes).
+"""Probes of a step: its wall time, its device ops, its host reads of tensor values, its c10d
+collectives (with bytes).
 
-All are modes: whatever runs inside ``with DispatchCounter() as ops`` / ``with HostReadSpy() as spy``
-/ ``with CollectiveLog() as log`` is counted, whichever library issued it (distscaler, torch's
-scalers, DeepSpeed's checks).
+``PhaseTimer`` times a region (CUDA events on GPUs). The counters are modes: whatever runs inside
+``with DispatchCounter() as ops`` / ``with HostReadSpy() as spy`` / ``with CollectiveLog() as log``
+is counted, whichever library issued it (distscaler, torch's scalers, DeepSpeed's checks).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveLog", "DispatchCounter", "HostReadSpy", "count_per_step"]
+__all__ = ["CollectiveLog", "DispatchCounter", "HostReadSpy", "PhaseTimer", "count_per_step"]
 
 # Python-level ways of reading a tensor value on the host. On CUDA each of these is a sync.
 _HOST_READS = {
@@ -140,3 +142,37 @@ def count_per_step(step: Callable[[], Any], *, untimed: Callable[[], Any] | None
         "host_reads": len(spy.reads),
         "ops": ops.total,
     }
+
+
+class PhaseTimer:
+    """Wall time of a region (the job's scaler phase, a benchmark call) between ``start()`` and
+    ``stop()``, in seconds. CUDA events on GPUs: no host sync until :meth:`seconds`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: tuple[Any, Any] | None = None
+        self._t0 = 0.0
+        self._dt = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._dt = time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        """Read after the step's own host reads (on CUDA it waits for the end event)."""
+        if self._events is not None:
+            self._events[1].synchronize()
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._dt

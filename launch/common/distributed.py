@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import hashlib
+import datetime
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Dist", "gather_objects", "local_tensor", "params_digest", "setup_distributed"]
+from common.rendezvous import elastic_store, uses_agent_store
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Dist", "gather_objects", "launched", "setup_distributed"]
+
+#: Seconds a collective (or the start of the process group) may wait for a rank before it fails.
+#: torch's own default is 30 minutes on gloo and 10 on NCCL: a lost rank then looks like a hang.
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,9 +50,22 @@ class Dist:
                 dist.barrier()
 
 
-def setup_distributed(device_type: str) -> Dist:
+def launched() -> bool:
+    """Whether a launcher (torchrun) set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup_distributed(device_type: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dist:
     """Picks the device and, when launched by torchrun (RANK / WORLD_SIZE set), initializes the
-    process group: NCCL on CUDA, gloo on the CPU."""
+    process group: NCCL on CUDA, gloo on the CPU.
+
+    ``timeout_s``: seconds a collective may wait for the other ranks before it raises, and the
+    longest the process group's start may take. Under torchrun the group starts from a store of
+    its own for each restart of the workers (:mod:`common.rendezvous`), so ``--max-restarts``
+    restarts cleanly.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 (seconds), got: {timeout_s}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
     use_cuda = device_type == "cuda" or (device_type == "auto" and torch.cuda.is_available())
@@ -58,18 +76,21 @@ def setup_distributed(device_type: str) -> Dist:
             f"device {device_type!r}, got: {local_rank}; start fewer processes per node or set "
             "device: cpu"
         )
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if not launched():
         device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
         return Dist(device=device)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group(backend="gloo")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = {"timeout": timeout, "device_id": device if use_cuda else None}
+    if uses_agent_store():
+        kwargs.update(store=elastic_store(rank, world_size, timeout), rank=rank)
+        kwargs["world_size"] = world_size
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", **kwargs)
     return Dist(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -89,27 +110,3 @@ def gather_objects(obj: Any, d: Dist) -> list[Any]:
     out: list[Any] = [None] * d.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (the same storage: no copy, no
-    communication), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def params_digest(params: Iterable[torch.Tensor]) -> str:
-    """SHA-256 of every parameter's full value: equal digests across ranks mean identical models.
-
-    DTensor parameters (FSDP2, TP) are gathered first: a collective every rank of their mesh must
-    join. FSDP1 callers summon the full parameters around this.
-    """
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-    for p in params:
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        # A copy: numpy() pins its storage, which FSDP1 must free after summoning.
-        h.update(t.detach().cpu().clone().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

@@ -1,0 +1,98 @@
+"""What the test scenarios share: optimizer kinds, faults and the ranks they hit, a small model,
+and digests that compare parameters and optimizer state bit for bit (across ranks or runs)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.tensors import local_tensor
+
+__all__ = [
+    "FAULTS",
+    "OPTIMIZERS",
+    "TARGETS",
+    "digest",
+    "make_optimizer",
+    "mlp",
+    "model_digest",
+    "optim_digest",
+    "optimizer_tensors",
+    "target_ranks",
+]
+
+#: torch's three AdamW implementations (benchkit's spelling too).
+OPTIMIZERS = ("fused", "foreach", "for-loop")
+#: The non-finite values a fault writes into a gradient.
+FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+#: Which ranks a fault hits: the first, the last, or every rank.
+TARGETS = ("first", "last", "all")
+
+
+def target_ranks(target: str, world_size: int) -> set[int]:
+    """The ranks that ``target`` (one of ``TARGETS``) names in a world of ``world_size``."""
+    return {"first": {0}, "last": {world_size - 1}, "all": set(range(world_size))}[target]
+
+
+def make_optimizer(kind: str, params: Iterable[Any], lr: float = 1e-2) -> torch.optim.Optimizer:
+    """AdamW of ``OPTIMIZERS``' kind, or SGD: ``"sgd-fused"``, ``"sgd-for-loop"`` (momentum 0.9)."""
+    params = list(params)
+    if kind in OPTIMIZERS:
+        flags = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(
+            kind, {"foreach": False}
+        )
+        return torch.optim.AdamW(params, lr=lr, **flags)
+    if kind == "sgd-fused":
+        # No momentum: torch 2.13's fused SGD leaves a momentum buffer uninitialised when its very
+        # first step is skipped (found_inf), with torch's scaler and ours alike.
+        return torch.optim.SGD(params, lr=lr, fused=True)
+    if kind == "sgd-for-loop":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
+    raise ValueError(
+        f"kind must be one of {(*OPTIMIZERS, 'sgd-fused', 'sgd-for-loop')}, got: {kind!r}"
+    )
+
+
+def mlp(seed: int = 0, dims: tuple[int, ...] = (8, 16, 4)) -> nn.Sequential:
+    """Linear layers of widths ``dims`` with ReLUs between, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(a, b))
+    return nn.Sequential(*layers)
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 of the bytes of each tensor's local part (a DTensor's shard), in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        local = local_tensor(t).detach().reshape(-1).contiguous().cpu()
+        h.update(local.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every state tensor of ``opt`` (numbers as 0-d tensors), parameter by parameter."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                out.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return out
+
+
+def model_digest(model: nn.Module) -> str:
+    return digest(model.parameters())
+
+
+def optim_digest(opt: torch.optim.Optimizer) -> str:
+    return digest(optimizer_tensors(opt))
