@@ -89,7 +89,8 @@ Outputs, written by rank 0 into ``--out``:
   (``clip_grad_norm_`` + ``step`` + ``update``) costs: ``scaler_collectives_per_step`` and
   ``scaler_collectives`` (counted with CommDebugMode on the second step of the run) and
   ``scaler_phase_ms_median`` (median wall time over the other steps; CUDA events on GPUs), and
-  ``resumed_from`` (step and scaler state of the checkpoint a resumed run started from).
+  ``resumed_from`` (step and scaler state of the checkpoint a resumed run started from), and
+  ``skipped_per_rank`` (each rank's own count of the steps it skipped in this run).
 * ``metrics.png``: loss and scale per step (``python launch/plot_metrics.py DIR`` redraws it).
 """
 

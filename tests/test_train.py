@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -382,6 +383,29 @@ def test_two_ranks_write_metrics_and_resume_continues_bit_exact(
         for key in ("loss", "scale", "skipped", "grad_norm", "lr"):
             assert got[key] == want[key], (got["step"], key)
     assert _summary(first)["steps_this_run"] == 4
+
+
+@pytest.mark.slow
+def test_the_default_command_shows_the_scaler_at_work_within_five_minutes(tmp_path: Path) -> None:
+    """The newcomer's command as the README gives it (default config, stdlib data, 2 ranks):
+    the loss falls by at least 15%, the scale grows at least once, and at least one overflow is
+    skipped on both ranks and followed by a backoff, all read back from metrics.jsonl."""
+    out = tmp_path / "out"
+    _run_jobs([_standalone() + ["--out", str(out)]], [tmp_path / "job.log"], timeout=300)
+    default = yaml.safe_load(DEFAULT.read_text())
+    records = _check_run(out, list(range(1, default["steps"] + 1)))
+    first = statistics.fmean(r["loss"] for r in records[:10])
+    last = statistics.fmean(r["loss"] for r in records[-10:])
+    assert last <= 0.85 * first, (first, last)
+    pairs = list(zip(records, records[1:]))
+    growths = [b["step"] for a, b in pairs if b["scale"] > a["scale"]]
+    backoffs = [a["step"] for a, b in pairs if a["skipped"] and b["scale"] == a["scale"] * 0.5]
+    assert growths and backoffs, (growths, backoffs)
+    summary = _summary(out)
+    assert summary["world_size"] == 2
+    skipped = sum(r["skipped"] for r in records)
+    assert summary["skipped_per_rank"] == [skipped, skipped]
+    assert (summary["num_growths"], summary["num_backoffs"]) == (len(growths), len(backoffs))
 
 
 @pytest.mark.slow

@@ -305,7 +305,8 @@ class Trainer:
             params_digest=self.par.params_digest(),
             replica=self.par.replica_key,
         )
-        problems = ranks_agree(gather_objects(view, d))
+        views = gather_objects(view, d)
+        problems = ranks_agree(views)
         for problem in problems:
             logger.error("ranks disagree: %s", problem)
         if problems:
@@ -327,6 +328,8 @@ class Trainer:
             device=str(d.device),
             num_params=self.par.num_params,
             ranks_consistent=True,
+            # Each rank's own count of the steps it skipped in this run (all equal: checked above)
+            skipped_per_rank=[len(v.skipped_steps) for v in views],
             parallelism=cfg.parallelism,
             layout=self.par.describe,
             scaler_collectives_per_step=sum(self.comm_counts.values())
