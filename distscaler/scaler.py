@@ -1,7 +1,8 @@
 """``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares.
 
-The torch-compatible face: constructor, per-optimizer call-order state, getters and setters,
-DeepSpeed-style properties. The work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`,
+The torch-compatible face: constructor, per-optimizer call-order state, the verdict's entry points;
+the settings' getters and setters come from :class:`~distscaler.config.ScalerSettings`, DeepSpeed's
+loss-scaler attributes from :mod:`~distscaler.deepspeed_api`. The work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`,
 :mod:`~distscaler.verdict`, :mod:`~distscaler.fused`, :mod:`~distscaler.policies`,
 :mod:`~distscaler.persistence` and :mod:`~distscaler.telemetry`.
 """
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from .config import ScalerConfig, raise_problems, settings_problems
+from .config import ScalerConfig, ScalerSettings, raise_problems, settings_problems
+from .deepspeed_api import DeepSpeedScalerAPI
 from .errors import CallOrderError
 from .fused import run_step, uses_fused_scaling
 from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
@@ -42,7 +44,7 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     }
 
 
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
@@ -55,30 +57,22 @@ class GradScaler(torch.amp.GradScaler):
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's, in
-            torch's order, with the same defaults (``"cuda"`` without CUDA warns and disables, as
-            torch's does); ``init_scale`` must be a normal float32 > 0, ``growth_interval`` in
-            [1, 2**31 - 1] (torch's growth tracker is an int32 tensor). ``enabled=False``: every
-            method is a no-op (``step`` calls ``optimizer.step()``), no collective, no host read.
-        process_group (ProcessGroup | None): the ranks that must agree; None means WORLD once
-            ``torch.distributed`` is initialized (no collective on one rank).
-        grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients that
-            nothing else describes lie across ``process_group``, for the norm of
-            :meth:`clip_grad_norm_` only (see :mod:`distscaler.layouts`); None: such a norm over
-            several ranks raises :class:`~distscaler.errors.UnknownLayoutError`.
-        min_scale, max_scale, policy, hysteresis, consecutive_hysteresis,
-        raise_error_at_min_scale, skip_nonfinite, skip_log_interval: keyword-only settings, each
-            documented on :class:`~distscaler.config.ScalerConfig`: bounds of the scale (torch's
-            has none), the update rule (``"torch"``, ``"deepspeed"``, ``"megatron"``, ``"static"``;
-            :mod:`distscaler.policies`), DeepSpeed's hysteresis options and error at the minimum
-            (one host read per update), stepping through inf/NaN (``"static"`` only), and how
-            often (in updates, the same on every rank) the skip record is read and logged.
+            its order, with its defaults (``"cuda"`` without CUDA warns and disables). Disabled:
+            every method is a no-op (``step`` calls ``optimizer.step()``).
+        process_group (ProcessGroup | None): the ranks that must agree; None: WORLD once
+            ``torch.distributed`` is initialized.
+        grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients nothing
+            else describes lie across the group, for :meth:`clip_grad_norm_`
+            (:mod:`distscaler.layouts`).
+        min_scale ... skip_log_interval: keyword-only settings, each with its range on
+            :class:`~distscaler.config.ScalerConfig` (bounds, the update rule of
+            :mod:`distscaler.policies`, DeepSpeed's hysteresis options, skip-log interval).
 
     Raises:
-        ValueError: a setting is out of its valid range (every problem in one message naming the
-            setting, its value and the range; :mod:`distscaler.config`). Checked before anything
-            else happens, also when ``enabled=False``.
-        TypeError: ``device`` is not a string, ``process_group`` not a ProcessGroup, or a bool
-            setting not a bool.
+        ValueError: a setting out of its range (all problems in one message naming each setting,
+            value and range), before anything else happens, also when disabled.
+        TypeError: ``device`` not a string, ``process_group`` not a ProcessGroup, a bool setting
+            not a bool.
     """
 
     def __init__(
@@ -127,9 +121,6 @@ class GradScaler(torch.amp.GradScaler):
         self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
 
     # ------------------------------------------------------------------ helpers
-
-    def _set_config(self, **changes: Any) -> None:
-        self._config = dataclasses.replace(self._config, **changes)  # validated there
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = (
@@ -198,22 +189,19 @@ class GradScaler(torch.amp.GradScaler):
         ``min(1, max_norm / norm)`` (torch's coefficient without its 1e-6 guard, which this form
         does not need: see :mod:`distscaler.verdict`).
 
-        Cost: one read pass (``_foreach_norm``, one launch per device/dtype group), one
-        ``all_reduce`` of 2 float32 on ``process_group`` when it has several ranks (every rank must
-        call; it *is* the step's verdict, :meth:`step` adds none), a few device ops (six in all at
-        world size 1, see :mod:`distscaler.verdict`), no host read. Fused optimizers get
-        ``grad_scale = scale / clip_coef`` and the gradients are not rewritten; others are divided
-        by it in place. After an explicit :meth:`unscale_` the norm is taken from the unscaled
-        gradients (a second all_reduce unless all are replicated). A disabled scaler only clips.
+        Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group
+        has several ranks (every rank must call; it *is* the step's verdict), a few device ops
+        (:mod:`distscaler.verdict`), no host read. Fused optimizers get ``grad_scale = scale /
+        clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
+        :meth:`unscale_` the norm is taken from the unscaled gradients (a second all_reduce unless
+        all are replicated). A disabled scaler only clips.
 
         Args:
-            optimizer: whose parameters' gradients are clipped.
-            max_norm (float): maximum norm, finite and > 0.
-            norm_type (float, default 2.0): p of the p-norm, > 0; ``math.inf`` for the max norm.
+            max_norm (float): finite and > 0. norm_type (float): p of the p-norm, > 0 or inf.
 
         Returns:
-            0-dim float32 tensor on the scale's device: the global norm before clipping, identical on
-            every rank. Non-finite when any rank saw inf/NaN; then the step is skipped everywhere.
+            0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
+            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere).
 
         Raises:
             ValueError: ``max_norm`` or ``norm_type`` out of range.
@@ -271,12 +259,11 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
 
-        Same semantics, return value and errors as :meth:`torch.amp.GradScaler.step`. Without an
-        earlier :meth:`unscale_` or :meth:`clip_grad_norm_` the verdict runs here (one
-        ``all_reduce`` of 2 float32 on ``process_group``; every rank must call). Fused optimizers:
-        one check pass (torch's check kernel with a factor of 1.0: values unchanged), then the
-        kernel gets ``grad_scale`` and ``found_inf``; no host read. Others: the unscale pass and one
-        host read of the agreed flag (see :mod:`distscaler.fused`).
+        torch's semantics, return value and errors. Without an earlier :meth:`unscale_` or
+        :meth:`clip_grad_norm_` the verdict runs here (one ``all_reduce`` of 2 float32; every rank
+        must call). Fused optimizers: one check pass, then ``grad_scale`` and ``found_inf`` go to
+        the kernel, no host read; others: the unscale pass and one host read of the agreed flag
+        (:mod:`distscaler.fused`).
 
         Raises:
             CallOrderError: ``step()`` already called since the last :meth:`update`, or
@@ -306,10 +293,9 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
-        Same semantics as :meth:`torch.amp.GradScaler.update` (``policy="torch"``; others see
-        :mod:`distscaler.policies`), then clamped to ``[min_scale, max_scale]``. Two kernels on the
-        device (the skip record, the policy; one more with bounds), no collective, no host read but
-        one every ``skip_log_interval`` calls (never inside CUDA graph capture).
+        torch's semantics (``policy="torch"``; others: :mod:`distscaler.policies`), clamped to
+        ``[min_scale, max_scale]``. A handful of device ops, no collective, no host read but one
+        every ``skip_log_interval`` calls (never inside CUDA graph capture).
 
         Args:
             new_scale (float | Tensor | None): set the scale to this instead (a normal float32 > 0,
@@ -371,11 +357,9 @@ class GradScaler(torch.amp.GradScaler):
     ) -> GradScaler:
         """Learn how ``model``'s gradients are laid out across the ranks, for :meth:`clip_grad_norm_`.
 
-        Call once after wrapping, on every rank (no collective, no host read), where gradients do
-        not say it themselves: DDP, FSDP1, and plain modules such as a pipeline stage (with
-        ``grad_layout="sharded"`` or ``"replicated"``: the layout of parameters no DDP/FSDP1
-        wrapper covers). DTensor gradients (FSDP2, HSDP, TP) need nothing. A later call wins for a
-        parameter registered twice (see :mod:`distscaler.layouts`). Returns ``self``.
+        Call once after wrapping, on every rank (no collective, no host read), for DDP, FSDP1 and
+        plain modules such as a pipeline stage (``grad_layout`` for parameters no DDP/FSDP1 wrapper
+        covers). DTensor gradients need nothing. A later call wins (:mod:`distscaler.layouts`).
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
@@ -509,42 +493,8 @@ class GradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ settings
 
-    def get_growth_factor(self) -> float:
-        """The scale growth factor."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1); ValueError, changing nothing, when out of range."""
-        self._set_config(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The scale backoff factor."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)); ValueError, changing nothing, when out of range."""
-        self._set_config(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The growth interval, in optimizer steps."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (in [1, 2**31 - 1] steps); ValueError, changing nothing, else."""
-        self._set_config(growth_interval=new_interval)
-
-    def get_min_scale(self) -> float | None:
-        """The lower bound of the scale, or None."""
-        return self._config.min_scale
-
-    def get_max_scale(self) -> float | None:
-        """The upper bound of the scale, or None."""
-        return self._config.max_scale
-
-    @property
-    def config(self) -> ScalerConfig:
-        """The scaler's settings (a frozen :class:`~distscaler.config.ScalerConfig`)."""
-        return self._config
+    # get_/set_growth_factor, get_/set_backoff_factor, get_/set_growth_interval, get_min_scale,
+    # get_max_scale and config: from ScalerSettings, over self._config.
 
     @property
     def device_type(self) -> str:
@@ -557,59 +507,16 @@ class GradScaler(torch.amp.GradScaler):
         return self._verdict.process_group
 
     # ------------------------------------------------------------------ DeepSpeed-style access
+    # cur_scale, loss_scale, cur_iter, last_overflow_iter, cur_hysteresis, update_scale: from
+    # DeepSpeedScalerAPI, over these three hooks.
 
-    @property
-    def cur_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``); :meth:`get_scale`."""
-        return self.get_scale()
+    def _policy_keys(self) -> tuple[str, tuple[str, ...]]:
+        return self._config.policy, get_policy(self._config.policy).state_keys
 
-    @property
-    def loss_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``); :meth:`get_scale`."""
-        return self.get_scale()
+    def _policy_values(self) -> dict[str, int]:
+        return (self._read()[1] if self._enabled else self._state.initial).policy
 
-    def _policy_counter(self, key: str) -> int:
-        if key not in get_policy(self._config.policy).state_keys:
-            raise AttributeError(
-                f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
-                f"has policy={self._config.policy!r}"
-            )
-        values = self._read()[1] if self._enabled else self._state.initial
-        return values.policy[key]
-
-    @property
-    def cur_iter(self) -> int:
-        """Updates so far (DeepSpeed's; ``policy="deepspeed"``, else AttributeError). A host read."""
-        return self._policy_counter("cur_iter")
-
-    @property
-    def last_overflow_iter(self) -> int:
-        """``cur_iter`` of the last overflow, -1 before any (as ``cur_iter``). A host read."""
-        return self._policy_counter("last_overflow_iter")
-
-    @property
-    def cur_hysteresis(self) -> int:
-        """Overflows left before the next backoff (DeepSpeed's ``cur_hysteresis``; Megatron's
-        ``hysteresis_tracker`` for ``policy="megatron"``). One host read.
-
-        Raises:
-            AttributeError: the policy has no hysteresis (``"torch"``, ``"static"``).
-        """
-        if self._config.policy == "megatron":
-            return self._policy_counter("hysteresis_tracker")
-        return self._policy_counter("cur_hysteresis")
-
-    def update_scale(self, overflow: bool) -> None:
-        """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
-
-        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``: an :meth:`update` whose verdict
-        was ``overflow`` (``overflow`` must already be agreed: no collective). No-op when disabled.
-
-        Raises:
-            TypeError: ``overflow`` is not a bool.
-            LossScaleAtMinimumError: see ``raise_error_at_min_scale``.
-        """
-        overflow = V.check_bool("overflow", overflow)
+    def _update_from_overflow(self, overflow: bool) -> None:
         if not self._enabled:
             return
         self.materialize()

@@ -8,6 +8,7 @@ is counted, whichever library issued it (distscaler, torch's scalers, DeepSpeed'
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -123,25 +124,34 @@ class CollectiveLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_per_step(step: Callable[[], Any], *, untimed: Callable[[], Any] | None = None) -> dict:
-    """Run ``step()`` once under both counters.
+def count_per_step(
+    step: Callable[[], Any], *, untimed: Callable[[], Any] | None = None, steps: int = 3
+) -> dict:
+    """Run ``step()`` ``steps`` times under the counters; per key, the median step's count.
 
     Returns ``{"collectives": int, "collective_bytes": int, "host_reads": int, "ops": int}``
-    (``ops``: device ops, :class:`DispatchCounter`). ``untimed`` (run before, outside the counters)
-    restores the gradients. Reads made inside an optimizer's own
-    ``step`` are the optimizer's, not the scaler's: pause the spy there with
-    :meth:`HostReadSpy.exclude_optimizer` before calling this.
+    (``ops``: device ops, :class:`DispatchCounter`). The median leaves out a step that does the
+    work of many, as distscaler's periodic skip report does once every ``skip_log_interval``
+    updates (a host read and a few ops). ``untimed`` (run before each step, outside the counters)
+    restores the gradients. Reads made inside an optimizer's own ``step`` are the optimizer's, not
+    the scaler's: pause the spy there with :meth:`HostReadSpy.exclude_optimizer` before calling
+    this.
     """
-    if untimed is not None:
-        untimed()
-    with HostReadSpy() as spy, CollectiveLog() as log, DispatchCounter() as ops:
-        step()
-    return {
-        "collectives": len(log.calls),
-        "collective_bytes": sum(n for _, n in log.calls),
-        "host_reads": len(spy.reads),
-        "ops": ops.total,
-    }
+    counts: list[dict[str, int]] = []
+    for _ in range(steps):
+        if untimed is not None:
+            untimed()
+        with HostReadSpy() as spy, CollectiveLog() as log, DispatchCounter() as ops:
+            step()
+        counts.append(
+            {
+                "collectives": len(log.calls),
+                "collective_bytes": sum(n for _, n in log.calls),
+                "host_reads": len(spy.reads),
+                "ops": ops.total,
+            }
+        )
+    return {key: statistics.median_low(c[key] for c in counts) for key in counts[0]}
 
 
 class PhaseTimer:
