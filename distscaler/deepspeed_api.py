@@ -2,7 +2,7 @@
 
 Code written against DeepSpeed's ``DynamicLossScaler`` (``deepspeed/runtime/fp16/loss_scaler.py``)
 reads ``cur_scale``, ``loss_scale``, ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis`` and
-calls ``update_scale(overflow)``. :class:`DeepSpeedScalerAPI` gives a scaler those names over two
+calls ``update_scale(overflow)``. :class:`DeepSpeedScalerAPI` gives a scaler those names over the
 hooks the scaler implements; with ``policy="deepspeed"`` the values follow DeepSpeed's rules
 (:mod:`distscaler.policies`).
 """
