@@ -18,7 +18,24 @@ from typing import Any
 from . import _validation as V
 from .policies import POLICIES, PolicyName, ScaleRule
 
-__all__ = ["ScalerConfig", "ScalerSettings", "settings_problems"]
+__all__ = ["FIELD_CHECKS", "ScalerConfig", "ScalerSettings", "settings_problems"]
+
+#: The check and valid range of each numeric or bool setting (``policy`` is checked apart), shared
+#: by :func:`settings_problems` and ``load_state_dict``'s per-key checks (:mod:`distscaler.persistence`).
+FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "enabled": (V.check_bool, {}),
+    "consecutive_hysteresis": (V.check_bool, {}),
+    "raise_error_at_min_scale": (V.check_bool, {}),
+    "skip_nonfinite": (V.check_bool, {}),
+    "init_scale": (V.check_scale, {}),
+    "growth_factor": (V.check_factor, {"low": 1.0, "high": None}),
+    "backoff_factor": (V.check_factor, {"low": 0.0, "high": 1.0}),
+    "growth_interval": (V.check_int, {"minimum": 1, "maximum": V.INT32_MAX}),
+    "hysteresis": (V.check_int, {"minimum": 1}),
+    "skip_log_interval": (V.check_int, {"minimum": 0}),
+    "min_scale": (V.check_scale, {}),  # or None
+    "max_scale": (V.check_scale, {}),  # or None
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,23 +151,13 @@ def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]
     """
     problems: list[tuple[type[Exception], str]] = []
 
-    def check(fn: Any, name: str, *args: Any, **kwargs: Any) -> None:
+    for name, (fn, kwargs) in FIELD_CHECKS.items():
+        if name in ("min_scale", "max_scale") and s[name] is None:
+            continue
         try:
-            fn(name, s[name], *args, **kwargs)
+            fn(name, s[name], **kwargs)
         except (TypeError, ValueError) as e:
             problems.append((type(e), str(e)))
-
-    for name in ("enabled", "consecutive_hysteresis", "raise_error_at_min_scale", "skip_nonfinite"):
-        check(V.check_bool, name)
-    check(V.check_scale, "init_scale")
-    check(V.check_factor, "growth_factor", low=1.0, high=None)
-    check(V.check_factor, "backoff_factor", low=0.0, high=1.0)
-    check(V.check_int, "growth_interval", minimum=1, maximum=V.INT32_MAX)
-    check(V.check_int, "hysteresis", minimum=1)
-    check(V.check_int, "skip_log_interval", minimum=0)
-    for name in ("min_scale", "max_scale"):
-        if s[name] is not None:
-            check(V.check_scale, name)
     if s["policy"] not in POLICIES:
         problems.append((ValueError, f"policy must be one of {POLICIES}, got: {s['policy']!r}"))
     if problems:  # the cross-field checks need valid fields

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import _validation as V
-from .config import ScalerConfig, raise_problems, settings_problems
+from .config import FIELD_CHECKS, ScalerConfig, raise_problems, settings_problems
 from .interop import to_native_state
 from .policies import POLICIES, get_policy
 from .state import HostValues
@@ -74,11 +74,12 @@ def _check_policy_name(name: str, value: object) -> str:
     return str(value)
 
 
+# A state's keys, with the checks of the settings they hold (config.FIELD_CHECKS).
 _SETTINGS: tuple[tuple[str, Any, dict[str, Any]], ...] = (
-    ("scale", V.check_scale, {}),
-    ("growth_factor", V.check_factor, {"low": 1.0, "high": None}),
-    ("backoff_factor", V.check_factor, {"low": 0.0, "high": 1.0}),
-    ("growth_interval", V.check_int, {"minimum": 1, "maximum": V.INT32_MAX}),
+    ("scale", *FIELD_CHECKS["init_scale"]),
+    ("growth_factor", *FIELD_CHECKS["growth_factor"]),
+    ("backoff_factor", *FIELD_CHECKS["backoff_factor"]),
+    ("growth_interval", *FIELD_CHECKS["growth_interval"]),
     ("_growth_tracker", V.check_int, {"minimum": 0, "maximum": V.INT32_MAX}),
 )
 # Keys a state may lack, with their checks.
@@ -86,8 +87,8 @@ _OPTIONAL: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("num_updates", V.check_int, {"minimum": 0}),
     ("num_skipped_steps", V.check_int, {"minimum": 0}),
     ("policy", _check_policy_name, {}),
-    ("hysteresis", V.check_int, {"minimum": 1}),
-    ("consecutive_hysteresis", V.check_bool, {}),
+    ("hysteresis", *FIELD_CHECKS["hysteresis"]),
+    ("consecutive_hysteresis", *FIELD_CHECKS["consecutive_hysteresis"]),
     ("cur_iter", V.check_int, {"minimum": 0}),
     ("last_overflow_iter", V.check_int, {"minimum": -1}),
     ("cur_hysteresis", V.check_int, {"minimum": 1}),
@@ -95,7 +96,7 @@ _OPTIONAL: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("hysteresis_tracker", V.check_int, {"minimum": -(2**62), "maximum": 2**62}),
 )
 #: Keys of the policies' counters in a state.
-POLICY_STATE_KEYS = ("cur_iter", "last_overflow_iter", "cur_hysteresis", "hysteresis_tracker")
+POLICY_STATE_KEYS = tuple(dict.fromkeys(k for p in POLICIES for k in get_policy(p).state_keys))
 
 
 def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
@@ -143,7 +144,7 @@ def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
             check(key, fn, kwargs)
     for key in ("min_scale", "max_scale"):
         if state.get(key) is not None:
-            check(key, V.check_scale, {})
+            check(key, *FIELD_CHECKS[key])
     for key, fn, kwargs in _OPTIONAL:
         if key in state:
             check(key, fn, kwargs)

@@ -42,8 +42,6 @@ class SkipLog:
     def __init__(self) -> None:
         self.folded = SkipTotals()
         self.num_reported = 0
-        #: update() calls since the host last read the record (host-side, for the periodic read).
-        self.since_read = 0
 
     def totals(self, record: list[float] | None) -> SkipTotals:
         """The folded totals plus a device record read as host floats (None: nothing to add)."""
@@ -61,7 +59,6 @@ class SkipLog:
     def fold(self, record: list[float]) -> None:
         """Keep the record's counts on the host (the device then zeroes its own)."""
         self.folded = self.totals(record)
-        self.since_read = 0
 
     def restore(self, num_updates: int, num_skipped: int) -> None:
         """Continue the counts of a checkpointed run (step numbers in the log stay global)."""

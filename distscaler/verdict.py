@@ -173,10 +173,7 @@ class VerdictGroup:
         refused with torch's message, before anything changes.
         """
         groups = self.grads(optimizer, weighted=False, allow_fp16=False)
-        if any(g.is_sparse for grads in groups.values() for g in grads):  # pragma: no cover
-            groups = collect_grads(optimizer, allow_fp16=False, coalesce_sparse=False)
-        inv_scale = state.scale.double().reciprocal().float()
-        return self._agree_flag(check_and_unscale_(groups, inv_scale=inv_scale))
+        return self._agree_flag(check_and_unscale_(groups, inv_scale=_inv_scale(state.scale)))
 
     def _agree_flag(self, verdict: torch.Tensor) -> torch.Tensor:
         group, world_size = self.resolve()
@@ -221,7 +218,7 @@ class VerdictGroup:
             local = local_verdict(groups, inv_scale=_inv_scale(scale), norm_type=norm_type)
             if world_size > 1:
                 all_reduce_verdict(local, group, norm_type=norm_type)
-            norm = local[1] if norm_type == math.inf else local[1].pow(1.0 / norm_type)
+            norm = _p_norm(local, norm_type)
             nonfinite = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
             found = nonfinite.to(torch.float32) if skip_nonfinite else state.zero
             q = norm * scale / max_norm
@@ -258,7 +255,7 @@ class VerdictGroup:
         )
         if world_size > 1 and not replicated:
             all_reduce_verdict(local, group, norm_type=norm_type)
-        norm = local[1] if norm_type == math.inf else local[1].pow(1.0 / norm_type)
+        norm = _p_norm(local, norm_type)
         _div_groups_(groups, torch.fmax(norm / max_norm, one))
         return norm
 
@@ -269,6 +266,11 @@ class VerdictGroup:
 def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
     # As torch: the reciprocal in float64, so unscaled values match torch's bit for bit.
     return scale.double().reciprocal().float()
+
+
+def _p_norm(verdict: torch.Tensor, norm_type: float) -> torch.Tensor:
+    # The norm from an agreed verdict's statistic: sum |g|**p, or max |g| for p = inf.
+    return verdict[1] if norm_type == math.inf else verdict[1].pow(1.0 / norm_type)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

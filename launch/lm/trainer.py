@@ -235,13 +235,16 @@ class Trainer:
             timer=self.timer,
             comm=comm,
         )
-        # The step's host reads, all after it: metrics, the agreed skip flag, next scale.
-        loss_value, norm_value = torch.stack([loss.float(), grad_norm]).tolist()
+        # The step's host reads, all after it: loss, norm and the agreed skip flag in one
+        # transfer, then the next scale.
+        flag = self.scaler.found_inf  # None when the scaler is disabled (amp: false)
+        read = [loss.float(), grad_norm] + ([flag.to(loss.device)] if flag is not None else [])
+        loss_value, norm_value, *skip = torch.stack(read).tolist()
         if comm is not None:
             self.comm_counts = {str(op): n for op, n in comm.get_comm_counts().items()}
         else:
             self.scaler_times.append(self.timer.seconds())
-        skipped = self.scaler.step_was_skipped
+        skipped = bool(skip and skip[0])
         dt = time.perf_counter() - t0
         self.train_time += dt
         if skipped:
