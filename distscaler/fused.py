@@ -98,6 +98,7 @@ def run_step(
     scaler: Any,
     check: Any,
     unscale: Any,
+    on_skip: Any = None,
 ) -> Any:
     """Run ``optimizer``'s step on the agreed verdict, as ``torch.amp.GradScaler.step`` does.
 
@@ -135,5 +136,7 @@ def run_step(
         raise CallOrderError("No inf checks were recorded for this optimizer.")
     (found_inf,) = verdict["found_inf_per_device"].values()
     if found_inf.item():  # the step's one host read: the agreed flag
+        if on_skip is not None:
+            on_skip()
         return None
     return optimizer.step(*args, **kwargs)

@@ -308,6 +308,7 @@ def collect_grads(
     resolver: LayoutResolver | None = None,
     world_size: int = 1,
     group: dist.ProcessGroup | None = None,
+    params_out: list[torch.Tensor] | None = None,
 ) -> GradGroups:
     """Group the optimizer's non-None local gradients by device, dtype and weight, in parameter order.
 
@@ -320,6 +321,8 @@ def collect_grads(
     Args:
         resolver: when given (a norm is to be taken), each group key carries the gradients'
             replication weight for a group of ``world_size`` ranks; otherwise every weight is 1.0.
+        params_out: when given, receives the parameters of the returned gradients, in the order
+            of the groups and of the gradients in them.
 
     Raises:
         ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's "Attempting to unscale FP16
@@ -329,6 +332,7 @@ def collect_grads(
     """
     # Plain tuples while looping (a NamedTuple per gradient costs more than the rest of the loop).
     groups: dict[tuple[torch.device, torch.dtype, float], list[torch.Tensor]] = {}
+    owners: dict[tuple[torch.device, torch.dtype, float], list[torch.Tensor]] = {}
     unknown: list[torch.Tensor] = []
     weigh = resolver is not None and world_size > 1
     fp16 = torch.float16
@@ -358,9 +362,14 @@ def collect_grads(
             same = groups.get(key)
             if same is None:
                 groups[key] = same = []
+                owners[key] = []
             same.append(grad)
+            owners[key].append(param)
     if unknown:
         raise _unknown_layout_error(unknown, world_size)
+    if params_out is not None:
+        for owned in owners.values():
+            params_out.extend(owned)
     return {GroupKey(*key): grads for key, grads in groups.items()}
 
 
@@ -376,23 +385,34 @@ class GradPlan:
     ``.grad`` at each step: two list passes per group, no per-gradient lookup.
     """
 
-    __slots__ = ("groups", "key")
+    __slots__ = ("groups", "key", "params")
 
     def __init__(self, key: tuple, groups: list[tuple[GroupKey, list[torch.Tensor], bool]]) -> None:
         self.key = key
         #: (group key, parameters, whether their gradients are DTensors), in parameter order.
         self.groups = groups
+        #: Every planned parameter, in the order :meth:`grads` returns their gradients.
+        owners: dict[GroupKey, list[torch.Tensor]] = {}
+        for group_key, params, _ in groups:
+            owners.setdefault(group_key, []).extend(params)
+        self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
-    def grads(self) -> GradGroups | None:
-        """This step's local gradients, grouped; parameters without a gradient are left out.
+    def grads(self) -> tuple[GradGroups, tuple[torch.Tensor, ...]] | None:
+        """This step's local gradients, grouped, and their parameters in the same order
+        (:attr:`params` itself when every parameter has a gradient); parameters without a gradient
+        are left out.
 
         None when the gradients no longer match the plan (a model moved or cast since: one
         gradient per group is checked), so that it is rebuilt.
         """
         out: GradGroups = {}
+        owners: dict[GroupKey, list[torch.Tensor]] | None = None
         for key, params, is_dtensor in self.groups:
             grads = [p.grad for p in params]
             if _NoneType in map(type, grads):
+                if owners is None:  # from here on, which parameters are left is kept apart
+                    owners = {k: list(self._params_of(k, out)) for k in out}
+                params = [p for p, g in zip(params, grads) if g is not None]
                 grads = [g for g in grads if g is not None]
                 if not grads:
                     continue
@@ -403,7 +423,15 @@ class GradPlan:
                 return None
             same = out.get(key)
             out[key] = grads if same is None else [*same, *grads]  # type: ignore[assignment,list-item]
-        return out
+            if owners is not None:
+                owners.setdefault(key, []).extend(params)
+        if owners is None:
+            return out, self.params
+        return out, tuple(p for ps in owners.values() for p in ps)
+
+    def _params_of(self, key: GroupKey, done: GradGroups) -> list[torch.Tensor]:
+        # The parameters of the groups already gathered under ``key`` (all had gradients).
+        return [p for k, params, _ in self.groups if k == key for p in params][: len(done[key])]
 
     def has_fp16(self) -> bool:
         return any(key.dtype is torch.float16 for key, _, _ in self.groups)

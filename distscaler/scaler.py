@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
+from .attribution import OverflowReport, OverflowTracker
 from .config import ScalerConfig, ScalerSettings, raise_problems, settings_problems
 from .deepspeed_api import DeepSpeedScalerAPI
 from .errors import CallOrderError
@@ -41,6 +42,8 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
         "grad_scale": None,
         "clipped": False,
         "ends": None,
+        # (optimizer, its gradient codes or None, whether taken after a host read of the flag).
+        "coded": None,
     }
 
 
@@ -119,6 +122,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         self._growth_tracker: torch.Tensor | None = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
+        self._overflows = OverflowTracker()
 
     # ------------------------------------------------------------------ helpers
 
@@ -212,7 +216,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
         if not self._enabled:
-            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None)
+            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None)[0]
         device_state = self._device_state("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
@@ -222,10 +226,17 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
                 "clip_grad_norm_() has already been called on this optimizer since the last update()."
             )
         if state["stage"] is OptState.UNSCALED:
-            norm = self._verdict.clip_unscaled(optimizer, max_norm, norm_type, device_state.device)
+            norm, codes = self._verdict.clip_unscaled(
+                optimizer, max_norm, norm_type, device_state.device
+            )
             (found_inf,) = state["found_inf_per_device"].values()
             nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
-            self._record(optimizer, torch.fmax(found_inf, nonfinite), clipped=True)
+            self._record(
+                optimizer,
+                torch.fmax(found_inf, nonfinite),
+                clipped=True,
+                coded=(optimizer, codes, False),
+            )
             return norm
         fused = uses_fused_scaling(optimizer)
         verdict = self._verdict.clip(
@@ -243,6 +254,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
             ends=verdict.ends,
             stage=OptState.UNSCALED,
             clipped=True,
+            coded=(optimizer, verdict.codes, False),
         )
         return verdict.norm
 
@@ -252,8 +264,14 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         Also the hook that custom optimizers of torch's ``grad_scaler=`` contract call.
         """
         device_state = self._device_state("_check_inf_per_device")
-        found_inf = self._verdict.check(optimizer, device_state)
-        state = self._record(optimizer, found_inf, grad_scale=device_state.scale)
+        verdict = self._verdict.check(optimizer, device_state)
+        state = self._record(
+            optimizer,
+            verdict.found_inf,
+            grad_scale=device_state.scale,
+            ends=verdict.ends,
+            coded=(optimizer, verdict.codes, False),
+        )
         return state["found_inf_per_device"]
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -278,6 +296,10 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
+        if state["stage"] is OptState.UNSCALED and state["coded"] is None and self._attributing:
+            if uses_fused_scaling(optimizer):  # after an explicit unscale_(): no flag read follows
+                device = self._device_state("step").device
+                state["coded"] = (optimizer, self._verdict.codes(optimizer, device), False)
         retval = run_step(
             optimizer,
             state,
@@ -286,9 +308,21 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
             scaler=self,
             check=lambda: self._check_inf_per_device(optimizer),
             unscale=lambda: self.unscale_(optimizer),
+            on_skip=lambda: self._code_skipped(optimizer, state),
         )
         state["stage"] = OptState.STEPPED
         return retval
+
+    def _code_skipped(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        # A non-fused step found skipped by its host read: code the gradients now (one read pass).
+        if self._attributing and state["coded"] is None:
+            device = self._device_state("step").device
+            state["coded"] = (optimizer, self._verdict.codes(optimizer, device), True)
+
+    @property
+    def _attributing(self) -> bool:
+        # Records are kept only while a periodic report will read them.
+        return self._config.skip_log_interval > 0
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
@@ -319,12 +353,24 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
             found_inf = found[0].to(device_state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
+            if self._attributing:
+                coded = [s["coded"] for s in states if s["coded"] is not None]
+                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1)
             self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
         if self._state.update(found_inf, ends, self._config):
-            self._read()
+            totals = self._read()[2]  # the periodic report, the same update on every rank
+            if totals.last_skipped:
+                group, world_size = self._verdict.resolve()
+                self._overflows.report(
+                    totals.last_skipped,
+                    totals.last_skipped_scale,
+                    group=group,
+                    world_size=world_size,
+                    device=self._device_state("update").device,
+                )
 
     # ------------------------------------------------------------------ device state
 
@@ -369,6 +415,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
             raise TypeError(f"model must be a torch.nn.Module, got: {type(model).__name__}")
         _check_grad_layout(grad_layout)
         self._verdict.layouts.register_model(model, grad_layout)
+        self._overflows.register_model(model)
         return self
 
     # ------------------------------------------------------------------ state
@@ -470,6 +517,17 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
         else 0.0; no host read; a new tensor at every update). None before one and when disabled."""
         return self._state.last_found_inf if self._enabled else None
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Which ranks and parameters held inf/NaN at the most recent skipped step reported, or None.
+
+        Filled by the periodic skip report (every ``skip_log_interval`` updates, at the same update
+        on every rank; with ``skip_log_interval=1`` it is current after every :meth:`update`), so
+        it is identical on every rank of ``process_group``; never with ``skip_log_interval=0``.
+        Reading it costs nothing (see :mod:`distscaler.attribution` for what it costs to fill).
+        """
+        return self._overflows.last_overflow
 
     @property
     def step_was_skipped(self) -> bool:

@@ -12,7 +12,7 @@ a value on the host and a CUDA graph replay advances it exactly as an eager step
 ``record``                  float32 ``(4,)``: updates, skipped updates, the number (1-based)
                             of the last skipped update, all counted since the last *fold*,
                             and the loss scale that update used.
-constants                   ``zero``, ``one``, ``inf`` and one tensor per ``max_norm``,
+constants                   ``zero``, ``one``, ``minus_one``, ``inf`` and one tensor per ``max_norm``,
                             made once, so that no step writes a host number into a tensor.
 ==========================  =============================================================
 
@@ -79,6 +79,7 @@ class DeviceState:
         self.lanes = list(self.record.unbind())
         self.zero = full(0.0, torch.float32)
         self.one = full(1.0, torch.float32)
+        self.minus_one = full(-1.0, torch.float32)
         self.inf = full(float("inf"), torch.float32)
         #: ``[flag, sum of squares]`` of the clip verdict at world size > 1 (all-reduced in place).
         self.verdict = torch.zeros(2, dtype=torch.float32, device=device)
@@ -173,6 +174,11 @@ class ScalerState:
         #: The agreed flag of the last update (0-dim float32 on the device), None before one.
         self.last_found_inf: torch.Tensor | None = None
         self._host_updates = 0  # update() calls seen by the host, for the periodic read
+
+    @property
+    def num_host_updates(self) -> int:
+        """``update()`` calls the host has seen (restored with a checkpoint's count)."""
+        return self._host_updates
 
     def materialize(self, device: torch.device | str) -> DeviceState:
         """The device state, created on ``device`` the first time (idempotent)."""

@@ -32,11 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .attribution import TensorCodes, tensor_codes
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
 from .state import DeviceState
 
 __all__ = [
     "VERDICT_NUMEL",
+    "CheckVerdict",
     "ClipVerdict",
     "VerdictGroup",
     "check_and_unscale_",
@@ -56,12 +58,29 @@ class ClipVerdict:
         found_inf: exactly 1.0 if any rank saw inf/NaN (the norm is then non-finite), else 0.0.
         grad_scale: what a fused optimizer divides the gradients by: ``scale / clip_coef``.
         ends: the skip record's next counts, made in the epilogue (see ``DeviceState.record_``).
+        codes: this rank's tensor codes (:mod:`distscaler.attribution`), None without gradients.
     """
 
     norm: torch.Tensor
     found_inf: torch.Tensor
     grad_scale: torch.Tensor
     ends: list[torch.Tensor] | None
+    codes: TensorCodes | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckVerdict:
+    """What :meth:`VerdictGroup.check` agreed on.
+
+    Attributes:
+        found_inf: 0-dim float32, exactly 1.0 if any rank saw inf/NaN, else 0.0.
+        ends: the skip record's next counts (see ``DeviceState.record_``), None without gradients.
+        codes: this rank's tensor codes (:mod:`distscaler.attribution`), None without gradients.
+    """
+
+    found_inf: torch.Tensor
+    ends: list[torch.Tensor] | None
+    codes: TensorCodes | None
 
 
 class VerdictGroup:
@@ -115,9 +134,10 @@ class VerdictGroup:
         weighted: bool,
         allow_fp16: bool,
         coalesce_sparse: bool = False,
-    ) -> GradGroups:
+    ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
         """This step's local gradients of ``optimizer``, grouped (with replication weights if
-        ``weighted``). Grouping is planned once per optimizer and parameter set.
+        ``weighted``), and their parameters in the same order. Grouping is planned once per
+        optimizer and parameter set.
 
         Raises:
             ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
@@ -125,7 +145,7 @@ class VerdictGroup:
         """
         group, world_size = self.resolve()
         resolver = self.layouts if weighted else None
-        groups = None
+        planned = None
         for rebuild in (False, True):
             plan = plan_grads(
                 optimizer,
@@ -137,33 +157,56 @@ class VerdictGroup:
             )
             if plan is None:
                 break
-            groups = plan.grads()
-            if groups is not None:
+            planned = plan.grads()
+            if planned is not None:
                 break
-        if plan is None or groups is None:  # sparse gradients: the per-gradient path
-            return collect_grads(
+        if plan is None or planned is None:  # sparse gradients: the per-gradient path
+            params: list[torch.Tensor] = []
+            groups = collect_grads(
                 optimizer,
                 allow_fp16=allow_fp16,
                 coalesce_sparse=coalesce_sparse,
                 resolver=resolver,
                 world_size=world_size,
                 group=group,
+                params_out=params,
             )
+            return groups, tuple(params)
         if not allow_fp16 and plan.has_fp16():
             raise ValueError("Attempting to unscale FP16 gradients.")
-        return groups
+        return planned
 
     # ------------------------------------------------------------------ verdicts
 
-    def check(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
-        """The agreed overflow flag, leaving the gradients' values as they are (a fused step).
+    def check(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> CheckVerdict:
+        """The agreed overflow flag and this rank's tensor codes, leaving the gradients as they are
+        (a fused step).
 
-        torch's own check kernel with a factor of exactly 1.0 (one launch per (device, dtype) group;
-        it writes back the values it read), then an ``all_reduce(MAX)`` of 2 float32 when the group
-        has more than one rank. Returns a fresh 0-dim float32: exactly 1.0 or 0.0.
+        One read of every gradient byte: the largest magnitude of each gradient (``_foreach_norm``
+        with p = inf, one launch per (device, dtype) group; inf or NaN exactly when the gradient
+        holds one), ``stack``, the codes (``nan_to_num``), their minimum, one ``_foreach_addcdiv``
+        for the flag and the skip record's next counts, ``clamp`` for a flag of exactly 1.0 or 0.0;
+        then an ``all_reduce(MAX)`` of one float32 when the group has more than one rank.
         """
-        groups = self.grads(optimizer, weighted=False, allow_fp16=True)
-        return self._agree_flag(check_and_unscale_(groups, inv_scale=state.one))
+        groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
+        codes = _codes(groups, state.device)
+        if codes is None:
+            found = state.zero.clone()
+            ends = None
+        else:
+            a, b = state.next_counts()
+            one = state.one
+            # The smallest code is negative exactly when a gradient is inf/NaN: -min, clamped to
+            # [0, 1], is the flag; the record's next counts come in the same op.
+            neg_min, nu1, ns1 = torch._foreach_addcdiv(
+                [state.zero, a, b], [codes.amin(), one, one], [state.minus_one, one, one]
+            )
+            found = neg_min.clamp(0.0, 1.0)
+            ends = [nu1, ns1]
+        group, world_size = self.resolve()
+        if world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return CheckVerdict(found, ends, TensorCodes(params, codes) if codes is not None else None)
 
     def unscale(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
         """Divide the gradients by the scale in place and agree on the overflow flag.
@@ -172,8 +215,16 @@ class VerdictGroup:
         float64, as torch does), so unscaled values are bit-identical to torch's. fp16 gradients are
         refused with torch's message, before anything changes.
         """
-        groups = self.grads(optimizer, weighted=False, allow_fp16=False)
+        groups, _ = self.grads(optimizer, weighted=False, allow_fp16=False)
         return self._agree_flag(check_and_unscale_(groups, inv_scale=_inv_scale(state.scale)))
+
+    def codes(self, optimizer: torch.optim.Optimizer, device: torch.device) -> TensorCodes | None:
+        """This rank's tensor codes of ``optimizer``'s gradients as they are now (one read pass:
+        ``_foreach_norm`` with p = inf, ``stack``, ``nan_to_num``). For the paths whose verdict
+        takes no per-tensor statistic (:meth:`unscale`); None without gradients."""
+        groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
+        codes = _codes(groups, device)
+        return None if codes is None else TensorCodes(params, codes)
 
     def _agree_flag(self, verdict: torch.Tensor) -> torch.Tensor:
         group, world_size = self.resolve()
@@ -197,12 +248,14 @@ class VerdictGroup:
         gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
         optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
         """
-        groups = self.grads(optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True)
+        groups, params = self.grads(
+            optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True
+        )
         group, world_size = self.resolve()
         device = state.device
         scale = state.scale
         if norm_type == 2.0:
-            total = _scaled_two_norm(groups, device, world_size, group, state.verdict)
+            total, per_tensor = _scaled_two_norm(groups, device, world_size, group, state.verdict)
             a, b = state.next_counts()
             zero, one = state.zero, state.one
             # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
@@ -215,7 +268,7 @@ class VerdictGroup:
             ends: list[torch.Tensor] | None = [nu1, ns1]
             found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
         else:
-            local = local_verdict(groups, inv_scale=_inv_scale(scale), norm_type=norm_type)
+            local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
             if world_size > 1:
                 all_reduce_verdict(local, group, norm_type=norm_type)
             norm = _p_norm(local, norm_type)
@@ -226,7 +279,8 @@ class VerdictGroup:
         grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
         if not fused:
             _div_groups_(groups, grad_scale)
-        return ClipVerdict(norm, found, grad_scale, ends)
+        codes = None if per_tensor is None else TensorCodes(params, tensor_codes(per_tensor))
+        return ClipVerdict(norm, found, grad_scale, ends, codes)
 
     def clip_unscaled(
         self,
@@ -234,33 +288,61 @@ class VerdictGroup:
         max_norm: float,
         norm_type: float,
         device: torch.device | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, TensorCodes | None]:
         """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
 
         Adds a collective unless every local gradient is replicated over the whole group (then the
-        local norm is already the global one). Returns the global norm (0-dim float32).
+        local norm is already the global one). Returns the global norm (0-dim float32) and this
+        rank's tensor codes (None without gradients).
         """
-        groups = self.grads(optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True)
+        groups, params = self.grads(
+            optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True
+        )
         group, world_size = self.resolve()
         replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
         if device is None:
             device = next(iter(groups)).device if groups else torch.device("cpu")
         one = torch.ones((), dtype=torch.float32, device=device)
-        local = local_verdict(
+        local, per_tensor = _local_verdict(
             {key._replace(weight=1.0): grads for key, grads in groups.items()}
             if replicated
             else groups,
-            inv_scale=one,
-            norm_type=norm_type,
+            one,
+            norm_type,
         )
         if world_size > 1 and not replicated:
             all_reduce_verdict(local, group, norm_type=norm_type)
         norm = _p_norm(local, norm_type)
         _div_groups_(groups, torch.fmax(norm / max_norm, one))
-        return norm
+        codes = None if per_tensor is None else TensorCodes(params, tensor_codes(per_tensor))
+        return norm, codes
 
 
 # ---------------------------------------------------------------------- kernels
+
+
+def _codes(groups: GradGroups, device: torch.device) -> torch.Tensor | None:
+    """Tensor codes of the gradients as they are (float32 ``(num_grads,)`` on ``device``): the
+    largest magnitude of each (``_foreach_norm`` with p = inf, one launch per group: inf or NaN
+    exactly when the gradient holds one, never for finite values), coded. None without any."""
+    parts: list[torch.Tensor] = []
+    wide: list[tuple[int, torch.Tensor]] = []  # float64 groups: coded before the cast to float32
+    for key, grads in groups.items():
+        part = list(torch._foreach_norm(grads, math.inf, dtype=_accumulation_dtype(key.dtype)))
+        if key.dtype == torch.float64:
+            # A finite float64 magnitude past float32's range must not turn into an inf code.
+            coded = tensor_codes(torch.stack(part)).clamp_(max=torch.finfo(torch.float32).max)
+            wide.append((len(parts), coded.to(device, torch.float32, non_blocking=True)))
+            part = [torch.zeros((), dtype=torch.float32, device=device)] * len(part)
+        elif key.device != device:
+            part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        parts += part
+    if not parts:
+        return None
+    codes = tensor_codes(torch.stack(parts))
+    for start, coded in wide:
+        codes[start : start + coded.numel()] = coded
+    return codes
 
 
 def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -294,8 +376,9 @@ def _scaled_two_norm(
     world_size: int,
     group: dist.ProcessGroup | None,
     verdict: torch.Tensor,
-) -> torch.Tensor:
-    """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``, and the
+    per-tensor norms (float32 ``(num_grads,)``, None without gradients).
 
     One ``_foreach_norm`` per (device, dtype) group (float32 accumulation at least: a large finite
     fp16 gradient never looks like an overflow) and one ``stack``; then at world size 1 one
@@ -312,14 +395,14 @@ def _scaled_two_norm(
             part = [n.to(device, torch.float32, non_blocking=True) for n in part]
         weights.append((len(norms), len(norms) + len(part), key.weight))
         norms += part
+    per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
     if world_size == 1:
-        if not norms:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.linalg.vector_norm(torch.stack(norms))
+        if per_tensor is None:
+            return torch.zeros((), dtype=torch.float32, device=device), None
+        return torch.linalg.vector_norm(per_tensor), per_tensor
     out = verdict[1:2]
-    if norms:
-        stacked = torch.stack(norms)  # (num_grads,)
-        weight = weights[0][2]
+    if per_tensor is not None:
+        stacked, weight = per_tensor, weights[0][2]
         if any(w != weight for _, _, w in weights):  # groups of different replication
             stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
             weight = 1.0
@@ -327,10 +410,17 @@ def _scaled_two_norm(
     else:
         out.zero_()
     dist.all_reduce(verdict, op=dist.ReduceOp.SUM, group=group)
-    return verdict[1].sqrt()
+    return verdict[1].sqrt(), per_tensor
 
 
 def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """This rank's contribution to a p-norm verdict (see :func:`_local_verdict`)."""
+    return _local_verdict(groups, inv_scale, norm_type)[0]
+
+
+def _local_verdict(
+    groups: GradGroups, inv_scale: torch.Tensor, norm_type: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's contribution to a p-norm verdict, read-only over the gradients (any p).
 
     Args:
@@ -342,7 +432,8 @@ def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: flo
 
     Returns:
         float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
-        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)].
+        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)], and the per-tensor
+        norms (float32 ``(num_grads,)``, still scaled; None without gradients).
     """
     device = inv_scale.device
     ord_ = float(norm_type)
@@ -355,7 +446,7 @@ def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: flo
         weights.append(key.weight)
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
-        return torch.zeros(VERDICT_NUMEL, dtype=torch.float32, device=device)
+        return torch.zeros(VERDICT_NUMEL, dtype=torch.float32, device=device), None
     per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
     flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
     if ord_ == math.inf:
@@ -363,7 +454,7 @@ def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: flo
     else:
         sums = [(part * inv_scale).pow(ord_).sum() * w for part, w in zip(parts, weights)]
         stat = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-    return torch.stack([flag, stat])
+    return torch.stack([flag, stat]), per_tensor
 
 
 def all_reduce_verdict(

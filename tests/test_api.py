@@ -520,10 +520,14 @@ def test_skips_are_logged_every_interval(caplog):
             scaler.step(opt)
             scaler.update()
         reads.append(len(spy.reads))
-    assert reads == [0, 0, 1, 0, 0, 1]
-    assert (
-        len(caplog.records) == 1 and "1 optimizer step(s) skipped" in caplog.records[0].getMessage()
-    )
+    # The report of step 3 reads the state, then (a step was skipped) the overflow record.
+    assert reads == [0, 0, 2, 0, 0, 1]
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert len(messages) == 2
+    assert messages[0][0] == "INFO" and "1 optimizer step(s) skipped" in messages[0][1]
+    # Not registered: the parameter is named after its place in the optimizer.
+    assert messages[1][0] == "WARNING"
+    assert "step 1 (loss scale 65536): inf in `param_groups[0][0]` on rank 0" in messages[1][1]
 
 
 # ----------------------------------------------------------------- CUDA

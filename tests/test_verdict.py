@@ -91,7 +91,10 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target = tensors[where % len(tensors)]
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
-    norm = verdict_mod._scaled_two_norm(groups, torch.device("cpu"), 1, None, torch.zeros(2))
+    norm, per_tensor = verdict_mod._scaled_two_norm(
+        groups, torch.device("cpu"), 1, None, torch.zeros(2)
+    )
+    assert per_tensor.shape == (len(tensors),)
     assert norm.dtype == torch.float32 and norm.shape == ()
     finite = all(bool(t.isfinite().all()) for t in tensors)
     assert bool(norm.isfinite()) is finite

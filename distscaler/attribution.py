@@ -1,0 +1,330 @@
+"""Overflow attribution: which ranks and which parameters held inf or NaN at the last skipped step.
+
+Every verdict already reads every gradient once and, on the way, takes one statistic per gradient
+tensor (a norm). A non-finite statistic says the tensor held inf or NaN, so naming the culprits costs
+the clean steps almost nothing:
+
+1. **Codes** (:func:`tensor_codes`, one ``nan_to_num`` per step): each gradient's statistic when
+   finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an inf or -inf (and
+   no NaN). Codes are finite, so that a ``lerp`` can keep them.
+2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, one ``lerp_`` per optimizer): a
+   device tensor per optimizer that takes the iteration's codes when the agreed ``found_inf`` is
+   exactly 1.0 and keeps its own when it is 0.0. It always holds this rank's codes of the most
+   recent skipped step, stays on the device and advances under CUDA graph replay.
+3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
+   ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
+   the last report, each rank reads its record (one host read), names its offending tensors and the
+   ranks exchange them in one ``all_gather_into_tensor`` of a fixed :data:`PAYLOAD_BYTES` per rank;
+   nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
+   and is logged on rank 0 (logger ``"distscaler"``, WARNING).
+
+Paths whose verdict takes no per-tensor statistic: a non-fused optimizer without clipping reads the
+agreed flag on the host anyway and codes its gradients (one more read pass) only when it is 1.0; a
+fused optimizer stepped after an explicit ``unscale_()`` codes them at every step (one more read
+pass; :meth:`GradScaler.clip_grad_norm_` avoids it).
+
+Parameter names come from :meth:`GradScaler.register_model` (the module's ``named_parameters()``
+without the wrappers' own attributes: DDP's ``module``, FSDP1's ``_fsdp_wrapped_module``, activation
+checkpointing's ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``); FSDP1 flat
+parameters without ``use_orig_params`` keep the flat parameter's name. Any other parameter is named
+``param_groups[g][i]`` after its place in the optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layouts import _ParamTable
+
+__all__ = [
+    "INF_CODE",
+    "NAN_CODE",
+    "OverflowEntry",
+    "OverflowReport",
+    "OverflowTracker",
+    "TensorCodes",
+    "tensor_codes",
+]
+
+logger = logging.getLogger("distscaler")
+
+#: Code of a gradient tensor holding a NaN.
+NAN_CODE = -1.0
+#: Code of a gradient tensor holding an inf or -inf and no NaN.
+INF_CODE = -2.0
+#: Offending tensors each rank names in a report (the rest are counted).
+LISTED_PER_RANK = 8
+#: Bytes of a parameter name in the exchange (longer names are cut, ending in "...").
+NAME_BYTES = 200
+#: Bytes each rank contributes to a report's one all_gather.
+PAYLOAD_BYTES = 4 + LISTED_PER_RANK * (1 + NAME_BYTES)
+#: Entries the log line names (the rest are counted).
+LOGGED_ENTRIES = 4
+
+_WRAPPER_ATTRIBUTES = frozenset(
+    {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_dp_wrapped_module"}
+)
+_KINDS = {1: "inf", 2: "nan"}
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class OverflowEntry:
+    """One gradient tensor that held inf or NaN.
+
+    Attributes:
+        rank: the rank (in the scaler's process group) that held it.
+        param: the parameter's name (see the module docstring).
+        kind: ``"nan"`` if the tensor held a NaN, else ``"inf"`` (also for -inf).
+    """
+
+    rank: int
+    param: str
+    kind: Literal["inf", "nan"]
+
+
+@dataclass(frozen=True, slots=True)
+class OverflowReport:
+    """Where the inf/NaN of one skipped step were, identical on every rank.
+
+    Attributes:
+        step: the 1-based number of the ``update()`` call of the skipped iteration.
+        scale: the loss scale that iteration used.
+        entries: the offending tensors, sorted by rank, then parameter name (at most
+            :data:`LISTED_PER_RANK` per rank; empty when the overflow came from a finite sum too
+            large for float32, or before the record existed).
+        unlisted: offending tensors beyond :data:`LISTED_PER_RANK` on some rank, counted only.
+    """
+
+    step: int
+    scale: float
+    entries: tuple[OverflowEntry, ...]
+    unlisted: int = 0
+
+    def describe(self, limit: int = LOGGED_ENTRIES) -> str:
+        """``step 130 (loss scale 65536): inf in `fc.weight` on rank 5, nan in ...`` with at most
+        ``limit`` entries named and the rest counted."""
+        parts = [f"{e.kind} in `{e.param}` on rank {e.rank}" for e in self.entries[:limit]]
+        rest = len(self.entries) - len(parts) + self.unlisted
+        if rest:
+            parts.append(f"and {rest} more")
+        what = ", ".join(parts) if parts else "no gradient tensor held inf/NaN (the norm overflowed)"
+        return f"step {self.step} (loss scale {self.scale:g}): {what}"
+
+
+class TensorCodes(NamedTuple):
+    """One optimizer's gradient codes of one iteration on this rank."""
+
+    #: The parameters of the coded gradients, in the order of ``codes``.
+    params: tuple[torch.Tensor, ...]
+    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`).
+    codes: torch.Tensor
+
+
+def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
+    """Codes of per-tensor statistics (norms: >= 0, inf or NaN): the finite statistic itself,
+    :data:`NAN_CODE` for NaN, :data:`INF_CODE` for inf. One ``nan_to_num``; same shape and dtype."""
+    return torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
+
+
+class _Record:
+    """One optimizer's record: the codes of the last skipped step, in the order of ``params``."""
+
+    __slots__ = ("clean", "codes", "host_step", "params", "positions", "scatter")
+
+    def __init__(self, params: tuple[torch.Tensor, ...], device: torch.device) -> None:
+        self.params = params
+        self.codes = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.positions = {id(p): i for i, p in enumerate(params)}
+        self.scatter: dict[tuple[int, ...], torch.Tensor] = {}
+        self.clean: torch.Tensor | None = None
+        #: None: written on the device at every iteration; else the update it was written in.
+        self.host_step: int | None = None
+
+    def dense(self, coded: TensorCodes) -> torch.Tensor | None:
+        """``coded`` in this record's order (absent parameters: clean); None if it holds others."""
+        if coded.params is self.params:
+            return coded.codes
+        key = tuple(map(id, coded.params))
+        index = self.scatter.get(key)
+        if index is None:
+            if any(k not in self.positions for k in key):
+                return None
+            index = torch.tensor(
+                [self.positions[k] for k in key], dtype=torch.long, device=self.codes.device
+            )
+            self.scatter[key] = index
+        return torch.zeros_like(self.codes).index_copy_(0, index, coded.codes)
+
+
+class OverflowTracker:
+    """The records of one scaler's optimizers, the parameter names, and the last report."""
+
+    def __init__(self) -> None:
+        self._names = _ParamTable()
+        self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: The most recent report (see :attr:`GradScaler.last_overflow`).
+        self.last_overflow: OverflowReport | None = None
+        self._attributed = 0  # the last step reported: the same on every rank
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Records and names refer to live tensors: a copy keeps the report only.
+        return {"last_overflow": self.last_overflow, "attributed": self._attributed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.last_overflow, self._attributed = state["last_overflow"], state["attributed"]
+
+    # ------------------------------------------------------------------ names
+
+    def register_model(self, model: nn.Module) -> None:
+        """Name ``model``'s parameters as the user knows them (see the module docstring)."""
+        from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+        def walk(module: nn.Module, prefix: str) -> None:
+            for name, param in module.named_parameters(recurse=False):
+                if self._names.get(param) is None:
+                    self._names.set(param, prefix + name)
+            for name, child in module.named_children():
+                wrapper = name in _WRAPPER_ATTRIBUTES or (
+                    name == "module" and isinstance(module, DistributedDataParallel | DataParallel)
+                )
+                walk(child, prefix if wrapper else f"{prefix}{name}.")
+
+        walk(model, "")
+
+    def _name(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+        name = self._names.get(param)
+        if name is not None:
+            return name
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is param:
+                    return f"param_groups[{g}][{i}]"
+        return "<a parameter not in the optimizer>"
+
+    # ------------------------------------------------------------------ the record
+
+    def record_(
+        self,
+        found_inf: torch.Tensor,
+        coded: list[tuple[torch.optim.Optimizer, TensorCodes | None, bool]],
+        step: int,
+    ) -> None:
+        """Keep this iteration's codes where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
+        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes.
+
+        Args:
+            coded: the optimizers stepped in this iteration, their codes (None: not coded, as a
+                non-fused optimizer's clean step is not; its record is then left as it was) and
+                whether they were taken after the host read the flag (then only on a skip).
+            step: the number of this update.
+        """
+        present = set()
+        for optimizer, codes, after_read in coded:
+            present.add(id(optimizer))
+            if codes is None:
+                continue
+            record = self._records.get(optimizer)
+            dense = None if record is None else record.dense(codes)
+            if record is None or dense is None:
+                record = _Record(codes.params, codes.codes.device)
+                self._records[optimizer] = record
+                dense = codes.codes
+            record.codes.lerp_(dense, found_inf)
+            record.host_step = step if after_read else None
+        for optimizer, record in self._records.items():
+            if id(optimizer) not in present and record.host_step is None:
+                # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
+                if record.clean is None:
+                    record.clean = torch.zeros_like(record.codes)
+                record.codes.lerp_(record.clean, found_inf)
+
+    # ------------------------------------------------------------------ the report
+
+    def report(
+        self,
+        step: int,
+        scale: float,
+        *,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        device: torch.device,
+    ) -> OverflowReport | None:
+        """Attribute skipped step ``step`` (the run's last, used loss scale ``scale``) unless it was
+        already; every rank of ``group`` must call it at the same update (the periodic report).
+
+        Cost when ``step`` is new: one host read of the records; at world size > 1 one
+        ``all_gather_into_tensor`` of :data:`PAYLOAD_BYTES` per rank over ``group`` and one host
+        read of its result. Otherwise nothing.
+        Returns the new report, or None.
+        """
+        if step <= self._attributed:
+            return None
+        self._attributed = step
+        raw = _encode(self._local_entries(step))
+        if world_size > 1:
+            payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+            gathered = torch.empty(world_size * PAYLOAD_BYTES, dtype=torch.uint8, device=device)
+            dist.all_gather_into_tensor(gathered, payload, group=group)
+            raw = gathered.cpu().numpy().tobytes()  # the report's second host read
+        entries: list[OverflowEntry] = []
+        unlisted = 0
+        for rank in range(world_size):
+            listed, total = _decode(raw[rank * PAYLOAD_BYTES : (rank + 1) * PAYLOAD_BYTES])
+            entries += [OverflowEntry(rank, name, kind) for name, kind in listed]  # type: ignore[arg-type]
+            unlisted += total - len(listed)
+        report = OverflowReport(step, scale, tuple(sorted(entries)), unlisted)
+        self.last_overflow = report
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            logger.warning("distscaler: inf/NaN gradients at %s", report.describe())
+        return report
+
+    def _local_entries(self, step: int) -> tuple[list[tuple[str, str]], int]:
+        """This rank's offending tensors at ``step``, sorted by name, and how many there were."""
+        records = [
+            (optimizer, record)
+            for optimizer, record in self._records.items()
+            if record.host_step is None or record.host_step == step
+        ]
+        if not records:
+            return [], 0
+        values = torch.cat([r.codes for _, r in records]).tolist()  # the report's one host read
+        found: list[tuple[str, str]] = []
+        start = 0
+        for optimizer, record in records:
+            for param, code in zip(record.params, values[start : start + len(record.params)]):
+                if code == NAN_CODE or code == INF_CODE:
+                    found.append((self._name(param, optimizer), "nan" if code == NAN_CODE else "inf"))
+            start += len(record.params)
+        found.sort()
+        return found[:LISTED_PER_RANK], len(found)
+
+
+def _encode(local: tuple[list[tuple[str, str]], int]) -> bytes:
+    listed, total = local
+    out = bytearray(total.to_bytes(4, "little"))
+    for name, kind in listed:
+        raw = name.encode()
+        if len(raw) > NAME_BYTES:
+            raw = raw[: NAME_BYTES - 3].decode(errors="ignore").encode() + b"..."
+        out += bytes([1 if kind == "inf" else 2]) + raw.ljust(NAME_BYTES, b"\0")
+    return bytes(out.ljust(PAYLOAD_BYTES, b"\0"))
+
+
+def _decode(raw: bytes) -> tuple[list[tuple[str, str]], int]:
+    total = int.from_bytes(raw[:4], "little")
+    listed = []
+    for i in range(LISTED_PER_RANK):
+        slot = raw[4 + i * (1 + NAME_BYTES) : 4 + (i + 1) * (1 + NAME_BYTES)]
+        if slot[0] in _KINDS:
+            listed.append((slot[1:].rstrip(b"\0").decode(errors="replace"), _KINDS[slot[0]]))
+    return listed, total
