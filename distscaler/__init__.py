@@ -6,6 +6,7 @@ update are agreed by every rank in one collective per optimizer step.
 
 from __future__ import annotations
 
+from .attribution import OverflowEntry, OverflowReport
 from .config import ScalerConfig
 from .errors import CallOrderError, LossScaleAtMinimumError, UnknownLayoutError
 from .scaler import GradScaler, OptState
@@ -16,6 +17,8 @@ __all__ = [
     "GradScaler",
     "LossScaleAtMinimumError",
     "OptState",
+    "OverflowEntry",
+    "OverflowReport",
     "ScalerConfig",
     "SkipTotals",
     "UnknownLayoutError",

@@ -274,7 +274,8 @@ class OverflowTracker:
         if world_size > 1:
             payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
             gathered = torch.empty(world_size * PAYLOAD_BYTES, dtype=torch.uint8, device=device)
-            dist.all_gather_into_tensor(gathered, payload, group=group)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(gathered, payload, group=group)
             raw = gathered.cpu().numpy().tobytes()  # the report's second host read
         entries: list[OverflowEntry] = []
         unlisted = 0

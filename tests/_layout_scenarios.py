@@ -136,6 +136,9 @@ class Built:
     #: Ranks whose stage has no trainable parameters (no gradients to fault).
     no_grads: bool = False
     hooks: list[Any] = field(default_factory=list)
+    #: The model as the user holds it after wrapping (DDP/FSDP1 root, fully_shard-ed module, the
+    #: pipeline stage); for naming parameters.
+    model: nn.Module | None = None
 
 
 def _data(seed: int, step: int, rows: int = 8, dim: int = 8) -> torch.Tensor:
@@ -223,6 +226,7 @@ def build_fsdp1(rank: int, world_size: int, opt_kind: str, *, strategy: str, ori
         pieces=pieces,
         torch_clip=lambda max_norm: model.clip_grad_norm_(max_norm),
         register=[(model, None)],
+        model=model,
     )
 
 
@@ -276,6 +280,7 @@ def build_fsdp2(rank: int, world_size: int, opt_kind: str, *, variant: str) -> B
         pieces=_dtensor_pieces(model),
         torch_clip=_dtensor_clip(model),
         register=[(model[4], "replicated")] if variant == "tp-partial" else [],
+        model=model,
     )
 
 
@@ -305,6 +310,7 @@ def build_ddp_no_sync(rank: int, world_size: int, opt_kind: str) -> Built:
         torch_clip=lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm),
         register=[(model, None)],
         torch_scaler="amp",
+        model=model,
     )
 
 
@@ -384,6 +390,7 @@ def build_pipeline(
         register=[(module, "sharded")],
         torch_scaler="amp",
         no_grads=no_grads,
+        model=module,
     )
 
 
