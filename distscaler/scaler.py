@@ -361,16 +361,38 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
 
     def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
         if self._state.update(found_inf, ends, self._config):
-            totals = self._read()[2]  # the periodic report, the same update on every rank
-            if totals.last_skipped:
-                group, world_size = self._verdict.resolve()
-                self._overflows.report(
-                    totals.last_skipped,
-                    totals.last_skipped_scale,
-                    group=group,
-                    world_size=world_size,
-                    device=self._device_state("update").device,
-                )
+            self._report(self._read()[2])  # the periodic report, the same update on every rank
+
+    def _report(self, totals: SkipTotals) -> None:
+        if totals.last_skipped and self._attributing:
+            group, world_size = self._verdict.resolve()
+            self._overflows.report(
+                totals.last_skipped,
+                totals.last_skipped_scale,
+                group=group,
+                world_size=world_size,
+                device=self._device_state("update").device,
+            )
+
+    def report_overflow(self) -> OverflowReport | None:
+        """Attribute the most recent skipped step now, instead of at the next periodic report,
+        and return :attr:`last_overflow`.
+
+        For a loop that already reads the agreed skip flag (:attr:`step_was_skipped`) and wants the
+        report of that very step. Every rank of ``process_group`` must call it at the same
+        iteration, after :meth:`update`. Cost: one host read; when a skipped step is not yet
+        attributed, one more and one ``all_gather`` of a fixed size (:mod:`distscaler.attribution`).
+        None when disabled, with ``skip_log_interval=0``, or before any skipped step.
+
+        Raises:
+            CallOrderError: called between :meth:`scale`'s verdict and :meth:`update`.
+        """
+        if not self._enabled:
+            return None
+        if self._per_optimizer_states:
+            raise CallOrderError("report_overflow() must be called after update().")
+        self._report(self._read()[2])
+        return self.last_overflow
 
     # ------------------------------------------------------------------ device state
 

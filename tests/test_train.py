@@ -419,6 +419,14 @@ def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
     # Guard against a vacuous pass: the injected inf must have been seen.
     assert [r["step"] for r in records if r["skipped"]] == [3]
     assert records[2]["grad_norm"] is None
+    # The overflow report names the rank and the parameter the fault was written into: the first
+    # parameter of the model (lm.faults), by its name in the unwrapped model.
+    from lm.config import TrainConfig
+    from lm.model import ByteGPT
+
+    first = next(iter(ByteGPT(TrainConfig(d_model=8, n_layer=1, n_head=1)).named_parameters()))[0]
+    assert records[2]["overflow"] == [{"rank": 1, "param": first, "kind": "inf"}]
+    assert all("overflow" not in r for r in records if not r["skipped"])
     assert records[3]["scale"] == records[2]["scale"] * 0.5
     summary = _summary(out)
     assert summary["skipped_steps"] == 1

@@ -121,6 +121,10 @@ def test_inf_on_one_rank_skips_step_on_every_rank_with_one_collective(
     assert [r["step"] for r in records if r["skipped"]] == [INJECT_STEP]
     assert records[INJECT_STEP - 1]["grad_norm"] is None
     assert records[INJECT_STEP]["scale"] == records[INJECT_STEP - 1]["scale"] * 0.5
+    # The overflow report: the inf on rank 1, in its first local gradient, named without wrappers.
+    (entry,) = records[INJECT_STEP - 1]["overflow"]
+    assert (entry["rank"], entry["kind"]) == (1, "inf")
+    assert not entry["param"].startswith(("param_groups", "module.", "_fsdp_wrapped_module"))
     for r in records:
         assert math.isfinite(r["loss"])
         assert r["skipped"] or math.isfinite(r["grad_norm"])

@@ -40,7 +40,9 @@ def step_record(
     lr: float,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One ``metrics.jsonl`` line: ``loss`` and ``grad_norm`` are None where non-finite."""
+    """One ``metrics.jsonl`` line: ``loss`` and ``grad_norm`` are None where non-finite. A skipped
+    step's line also has ``overflow`` (in ``extra``): ``{"rank", "param", "kind"}`` for each
+    gradient tensor that held inf/NaN (``GradScaler.report_overflow``)."""
     return {
         "step": step,
         "loss": finite_or_none(loss),

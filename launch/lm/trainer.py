@@ -149,6 +149,9 @@ class Trainer:
         self.optimizer = make_optimizer(self.par.state_module, cfg, d.device)
         scaler_config = cfg.scaler if cfg.amp else dataclasses.replace(cfg.scaler, enabled=False)
         self.scaler = GradScaler.from_config(scaler_config, d.device.type)
+        # Parameter names for the overflow reports (metrics.jsonl's "overflow"), first: a later
+        # registration with a grad_layout below then sets the layout.
+        self.scaler.register_model(self.par.state_module)
         # The gradients' layout (DDP's replication, FSDP1's sharding, a pipeline stage), for the
         # global norm of clip_grad_norm_; DTensor gradients carry theirs.
         self.par.setup_scaler(self.scaler)
@@ -258,6 +261,11 @@ class Trainer:
             lr=lr,
             tokens_per_s=self.tokens_per_step / dt,
         )
+        if skipped:
+            # Which ranks and parameters held the inf/NaN (every rank calls: they all skipped).
+            report = self.scaler.report_overflow()
+            if report is not None:
+                record["overflow"] = [dataclasses.asdict(e) for e in report.entries]
         self.scale = self.scaler.get_scale()
         if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.steps:
             record["eval_loss"] = evaluate(self.par, self.held_out, cfg, d)
