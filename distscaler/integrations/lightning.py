@@ -75,6 +75,8 @@ try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDPPrecision
     from lightning.fabric.plugins.precision.precision import Precision as _FabricPrecision
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
     from lightning.pytorch.plugins.precision.precision import Precision as _TrainerPrecision
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -93,9 +95,7 @@ __all__ = ["PRECISIONS", "DistScalerPrecision"]
 PRECISIONS = ("16-mixed",)
 
 #: Step-interval schedulers guarded by a plugin: scheduler -> the plugin (see ``_SkipAwareScheduler``).
-_SCHEDULER_OWNERS: weakref.WeakKeyDictionary[Any, DistScalerPrecision] = (
-    weakref.WeakKeyDictionary()
-)
+_SCHEDULER_OWNERS: weakref.WeakKeyDictionary[Any, DistScalerPrecision] = weakref.WeakKeyDictionary()
 _SKIP_AWARE_CLASSES: dict[type, type] = {}
 
 
@@ -148,12 +148,19 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
             )
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda', got: {device!r}")
-        if not torch.amp.is_autocast_available(device):
-            raise ValueError(f"device must be a device type with autocast, got: {device!r}")
+        try:
+            autocast = torch.amp.is_autocast_available(device)
+        except RuntimeError:  # not a device type at all
+            autocast = False
+        if not autocast:
+            raise ValueError(
+                f"device must be a device type with autocast, such as 'cuda' or 'cpu', got: {device!r}"
+            )
         if not isinstance(log_metrics, bool):
             raise TypeError(f"log_metrics must be a bool, got: {log_metrics!r}")
-        self.scaler: GradScaler = _resolve_scaler(scaler, device)
-        self.precision = precision
+        # FSDPPrecision types these as ShardedGradScaler and its literals; this class narrows them.
+        self.scaler: GradScaler = _resolve_scaler(scaler, device)  # type: ignore[assignment]
+        self.precision = "16-mixed"
         self.device = device
         self.log_metrics = log_metrics
         # FSDPPrecision's attribute (tensor dtype for "16-mixed": float32, see convert_input).
@@ -225,7 +232,9 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """Trainer: ``model.backward`` (the loss is scaled already). Fabric: scale, then backward."""
         if _trainer_of(model) is None:
-            return _FabricPrecision.backward(self, self.scaler.scale(tensor), model, *args, **kwargs)
+            return _FabricPrecision.backward(
+                self, self.scaler.scale(tensor), model, *args, **kwargs
+            )
         return _TrainerPrecision.backward(self, tensor, model, *args, **kwargs)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
@@ -303,16 +312,17 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def step_was_skipped(self, optimizer: Optimizer | None = None) -> bool:
         """Whether the last step of ``optimizer`` (None: of any optimizer) was skipped, the same on
-        every rank. One host read. False before the first step."""
+        every rank. One host read. False before the first step. ``optimizer`` may be Fabric's or
+        the Trainer's wrapper."""
         if optimizer is not None:
-            flag = self._found_inf.get(optimizer)
+            flag = self._found_inf.get(_unwrap(optimizer))
             return flag is not None and bool(flag.item())
         return self.scaler.step_was_skipped
 
     def grad_norm(self, optimizer: Optimizer) -> torch.Tensor | None:
         """The global unscaled norm of ``optimizer``'s last clipped step (0-dim float32 on the
         scale's device, non-finite when the step was skipped), or None if it was not clipped."""
-        return self._norms.get(optimizer)
+        return self._norms.get(_unwrap(optimizer))
 
     # ------------------------------------------------------------------ checkpoints, teardown
 
@@ -366,7 +376,9 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def _log(self, model: Any, optimizer: Optimizer, found_inf: torch.Tensor) -> None:
         log = {"batch_size": 1, "sync_dist": False, "add_dataloader_idx": False}
-        model.log("distscaler/skipped", found_inf, on_step=True, on_epoch=True, reduce_fx="sum", **log)
+        model.log(
+            "distscaler/skipped", found_inf, on_step=True, on_epoch=True, reduce_fx="sum", **log
+        )
         one = torch.ones((), dtype=torch.float32, device=found_inf.device)
         model.log("distscaler/scale", self.scaler.scale(one), on_step=True, on_epoch=False, **log)
         norm = self._norms.get(optimizer)
@@ -386,6 +398,15 @@ class _SkipAwareScheduler:
         if owner is not None and owner.step_was_skipped(getattr(self, "optimizer", None)):
             return None
         return super().step(*args, **kwargs)  # type: ignore[misc]
+
+
+def _unwrap(optimizer: Any) -> Any:
+    """The torch optimizer inside Fabric's or the Trainer's optimizer wrapper."""
+    if isinstance(optimizer, _FabricOptimizer):
+        return optimizer.optimizer
+    if isinstance(optimizer, LightningOptimizer):
+        return optimizer._optimizer
+    return optimizer
 
 
 def _trainer_of(module: Any) -> Any:
