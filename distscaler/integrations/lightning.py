@@ -52,7 +52,9 @@ changes with this plugin:
 
 Strategies: ``SingleDeviceStrategy``, the ``ddp`` family, ``FSDPStrategy`` (FSDP1, which accepts
 only an ``FSDPPrecision``: this class is one, and keeps its fp16 ``MixedPrecision`` config for
-FSDP1) and ``ModelParallelStrategy``. DeepSpeed and XLA bring their own precision (Lightning refuses
+FSDP1; not yet exercised by the tests, which run on CPU processes) and ``ModelParallelStrategy``.
+``distscaler/skipped`` is logged without ``sync_dist`` on purpose: the value is already the same on
+every rank (Lightning's epoch-level warning about it can be ignored). DeepSpeed and XLA bring their own precision (Lightning refuses
 this plugin there). Fabric: scaling, agreed skips, ``unscale_gradients`` for
 ``fabric.clip_gradients`` (fused optimizers too; pass ``error_if_nonfinite=False``, as with
 Lightning's own plugin, since an overflow reaches torch's norm), checkpoint state; the folded clip
