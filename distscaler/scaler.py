@@ -53,7 +53,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
     parameters, defaults, methods, call-order rules and error wording; for a single process the
     same parameters and scales, bit for bit. On top of torch: the per-rank verdicts are combined in
-    **one** ``all_reduce`` of two float32 per step over ``process_group`` (every rank skips, or
+    **one** ``all_reduce`` of at most two float32 per step over ``process_group`` (every rank skips, or
     none does, and the scales stay equal); :meth:`clip_grad_norm_` rides on it; fused optimizers
     get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every counter
     lives on the device, updated by a handful of ops, so a step can be replayed from a CUDA graph.
@@ -264,7 +264,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         Also the hook that custom optimizers of torch's ``grad_scaler=`` contract call.
         """
         device_state = self._device_state("_check_inf_per_device")
-        verdict = self._verdict.check(optimizer, device_state)
+        verdict = self._verdict.check(optimizer, device_state, codes=self._attributing)
         state = self._record(
             optimizer,
             verdict.found_inf,
@@ -278,10 +278,12 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
 
         torch's semantics, return value and errors. Without an earlier :meth:`unscale_` or
-        :meth:`clip_grad_norm_` the verdict runs here (one ``all_reduce`` of 2 float32; every rank
-        must call). Fused optimizers: one check pass, then ``grad_scale`` and ``found_inf`` go to
-        the kernel, no host read; others: the unscale pass and one host read of the agreed flag
-        (:mod:`distscaler.fused`).
+        :meth:`clip_grad_norm_` the verdict runs here (one ``all_reduce`` of 1 or 2 float32; every
+        rank must call). Fused optimizers: one read-only check pass, then ``grad_scale`` and
+        ``found_inf`` go to the kernel, no host read; others: the unscale pass and one host read of
+        the agreed flag (:mod:`distscaler.fused`), and on a skipped step one more read pass that
+        codes the gradients for :attr:`last_overflow`. After an explicit :meth:`unscale_` (and no
+        :meth:`clip_grad_norm_`) a fused step takes that read pass at every step.
 
         Raises:
             CallOrderError: ``step()`` already called since the last :meth:`update`, or
@@ -328,8 +330,11 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
         torch's semantics (``policy="torch"``; others: :mod:`distscaler.policies`), clamped to
-        ``[min_scale, max_scale]``. A handful of device ops, no collective, no host read but one
-        every ``skip_log_interval`` calls (never inside CUDA graph capture).
+        ``[min_scale, max_scale]``. A handful of device ops (one ``lerp_`` per optimizer keeps the
+        overflow record, :mod:`distscaler.attribution`), no collective, no host read but one every
+        ``skip_log_interval`` calls (never inside CUDA graph capture): the periodic skip report,
+        which, when a step was skipped since the last one, also attributes it (:attr:`last_overflow`:
+        one more host read and, at world size > 1, one ``all_gather`` on every rank together).
 
         Args:
             new_scale (float | Tensor | None): set the scale to this instead (a normal float32 > 0,

@@ -3,18 +3,29 @@
 :class:`VerdictGroup` holds the ranks that must agree (the process group, resolved once) and how
 this rank's gradients are gathered (the layouts and a per-optimizer plan). Each of its verdicts is
 one pass over the local gradients with torch's multi-tensor kernels, at most one ``all_reduce`` of
-two float32 over the group, and an epilogue of a few small ops on the device. No host read.
+two float32 over the group (one for the fused check), and an epilogue of a few small ops on the
+device. No host read.
+
+Each verdict also leaves this rank's *tensor codes* (one float32 per gradient tensor, negative
+exactly when it held inf/NaN; :mod:`distscaler.attribution`), taken from the statistic it reads
+anyway, for the overflow report.
 
 Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
 ``all_reduce``, and with clipping one ``sqrt``):
 
 ==========================  ====================================================================
-:meth:`~VerdictGroup.check`   ``zeros``, ``_amp_foreach_non_finite_check_and_unscale_`` with a
-                              factor of 1.0 (a fused step without clipping): 2.
+:meth:`~VerdictGroup.check`   ``_foreach_norm`` with p = inf (each gradient's largest magnitude:
+                              read-only, inf/NaN exactly when the gradient holds one), ``stack``,
+                              ``nan_to_num`` for the codes, ``amin``, one ``_foreach_addcdiv`` for
+                              ``-min`` and the skip record's next counts, ``clamp`` for a flag of
+                              exactly 0.0 or 1.0 (a fused step without clipping): 6. Without
+                              an overflow report (``skip_log_interval=0``): ``zeros`` and
+                              torch's check kernel with a factor of 1.0: 2.
 :meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then one
                               ``_foreach_addcdiv`` for the norm, ``scale / max_norm``-scaled norm,
                               the overflow flag and the skip record's next counts,
-                              ``nan_to_num`` for the exact flag and ``fmax`` for ``grad_scale``: 6.
+                              ``nan_to_num`` for the exact flag, ``fmax`` for ``grad_scale`` and
+                              ``nan_to_num`` for the codes: 7.
 ==========================  ====================================================================
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
@@ -178,7 +189,9 @@ class VerdictGroup:
 
     # ------------------------------------------------------------------ verdicts
 
-    def check(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> CheckVerdict:
+    def check(
+        self, optimizer: torch.optim.Optimizer, state: DeviceState, *, codes: bool = True
+    ) -> CheckVerdict:
         """The agreed overflow flag and this rank's tensor codes, leaving the gradients as they are
         (a fused step).
 
@@ -187,10 +200,18 @@ class VerdictGroup:
         holds one), ``stack``, the codes (``nan_to_num``), their minimum, one ``_foreach_addcdiv``
         for the flag and the skip record's next counts, ``clamp`` for a flag of exactly 1.0 or 0.0;
         then an ``all_reduce(MAX)`` of one float32 when the group has more than one rank.
+
+        Without ``codes`` (no overflow report will read them): torch's check kernel with a factor
+        of exactly 1.0 instead (``zeros`` and one launch per group; it writes back the values it
+        read), then the ``all_reduce`` of 2 float32.
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
-        codes = _codes(groups, state.device)
-        if codes is None:
+        if not codes:
+            return CheckVerdict(
+                self._agree_flag(check_and_unscale_(groups, inv_scale=state.one)), None, None
+            )
+        coded = _codes(groups, state.device)
+        if coded is None:
             found = state.zero.clone()
             ends = None
         else:
@@ -199,14 +220,14 @@ class VerdictGroup:
             # The smallest code is negative exactly when a gradient is inf/NaN: -min, clamped to
             # [0, 1], is the flag; the record's next counts come in the same op.
             neg_min, nu1, ns1 = torch._foreach_addcdiv(
-                [state.zero, a, b], [codes.amin(), one, one], [state.minus_one, one, one]
+                [state.zero, a, b], [coded.amin(), one, one], [state.minus_one, one, one]
             )
             found = neg_min.clamp(0.0, 1.0)
             ends = [nu1, ns1]
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return CheckVerdict(found, ends, TensorCodes(params, codes) if codes is not None else None)
+        return CheckVerdict(found, ends, None if coded is None else TensorCodes(params, coded))
 
     def unscale(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
         """Divide the gradients by the scale in place and agree on the overflow flag.
