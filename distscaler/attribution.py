@@ -114,7 +114,9 @@ class OverflowReport:
         rest = len(self.entries) - len(parts) + self.unlisted
         if rest:
             parts.append(f"and {rest} more")
-        what = ", ".join(parts) if parts else "no gradient tensor held inf/NaN (the norm overflowed)"
+        what = (
+            ", ".join(parts) if parts else "no gradient tensor held inf/NaN (the norm overflowed)"
+        )
         return f"step {self.step} (loss scale {self.scale:g}): {what}"
 
 
@@ -304,7 +306,9 @@ class OverflowTracker:
         for optimizer, record in records:
             for param, code in zip(record.params, values[start : start + len(record.params)]):
                 if code == NAN_CODE or code == INF_CODE:
-                    found.append((self._name(param, optimizer), "nan" if code == NAN_CODE else "inf"))
+                    found.append(
+                        (self._name(param, optimizer), "nan" if code == NAN_CODE else "inf")
+                    )
             start += len(record.params)
         found.sort()
         return found[:LISTED_PER_RANK], len(found)

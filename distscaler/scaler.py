@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from .attribution import OverflowReport, OverflowTracker
+from .attribution import OverflowTracker
+from .attribution_api import OverflowReportingAPI
 from .config import ScalerConfig, ScalerSettings, raise_problems, settings_problems
 from .deepspeed_api import DeepSpeedScalerAPI
 from .errors import CallOrderError
@@ -47,7 +48,7 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     }
 
 
-class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
+class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch.amp.GradScaler):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
@@ -315,17 +316,6 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         state["stage"] = OptState.STEPPED
         return retval
 
-    def _code_skipped(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        # A non-fused step found skipped by its host read: code the gradients now (one read pass).
-        if self._attributing and state["coded"] is None:
-            device = self._device_state("step").device
-            state["coded"] = (optimizer, self._verdict.codes(optimizer, device), True)
-
-    @property
-    def _attributing(self) -> bool:
-        # Records are kept only while a periodic report will read them.
-        return self._config.skip_log_interval > 0
-
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
@@ -367,37 +357,6 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
     def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
         if self._state.update(found_inf, ends, self._config):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
-
-    def _report(self, totals: SkipTotals) -> None:
-        if totals.last_skipped and self._attributing:
-            group, world_size = self._verdict.resolve()
-            self._overflows.report(
-                totals.last_skipped,
-                totals.last_skipped_scale,
-                group=group,
-                world_size=world_size,
-                device=self._device_state("update").device,
-            )
-
-    def report_overflow(self) -> OverflowReport | None:
-        """Attribute the most recent skipped step now, instead of at the next periodic report,
-        and return :attr:`last_overflow`.
-
-        For a loop that already reads the agreed skip flag (:attr:`step_was_skipped`) and wants the
-        report of that very step. Every rank of ``process_group`` must call it at the same
-        iteration, after :meth:`update`. Cost: one host read; when a skipped step is not yet
-        attributed, one more and one ``all_gather`` of a fixed size (:mod:`distscaler.attribution`).
-        None when disabled, with ``skip_log_interval=0``, or before any skipped step.
-
-        Raises:
-            CallOrderError: called between :meth:`scale`'s verdict and :meth:`update`.
-        """
-        if not self._enabled:
-            return None
-        if self._per_optimizer_states:
-            raise CallOrderError("report_overflow() must be called after update().")
-        self._report(self._read()[2])
-        return self.last_overflow
 
     # ------------------------------------------------------------------ device state
 
@@ -544,17 +503,6 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, torch.amp.GradScaler):
         """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
         else 0.0; no host read; a new tensor at every update). None before one and when disabled."""
         return self._state.last_found_inf if self._enabled else None
-
-    @property
-    def last_overflow(self) -> OverflowReport | None:
-        """Which ranks and parameters held inf/NaN at the most recent skipped step reported, or None.
-
-        Filled by the periodic skip report (every ``skip_log_interval`` updates, at the same update
-        on every rank; with ``skip_log_interval=1`` it is current after every :meth:`update`), so
-        it is identical on every rank of ``process_group``; never with ``skip_log_interval=0``.
-        Reading it costs nothing (see :mod:`distscaler.attribution` for what it costs to fill).
-        """
-        return self._overflows.last_overflow
 
     @property
     def step_was_skipped(self) -> bool:

@@ -155,7 +155,10 @@ def test_parameters_without_a_gradient_this_step_are_clean():
 
 def test_an_optimizer_that_held_nothing_is_not_blamed():
     model = make_model()
-    first, rest = list(model[0].parameters()), [p for m in (model[2], model[4]) for p in m.parameters()]
+    first, rest = (
+        list(model[0].parameters()),
+        [p for m in (model[2], model[4]) for p in m.parameters()],
+    )
     fused = torch.optim.AdamW(first, lr=1e-3, fused=True)
     plain = torch.optim.AdamW(rest, lr=1e-3, foreach=True)
     scaler = distscaler.GradScaler("cpu", skip_log_interval=1).register_model(model)
@@ -282,7 +285,9 @@ def test_report_is_exact_and_identical_on_every_rank(spawned, world_size, case, 
                 {r for r in range(world_size) if S.faults_at(update, r, world_size)}
             )
         if update in _REPORT_UPDATES:
-            skipped = max(u for u in range(update - 1, update + 1) if runs[0]["all_injected"][u - 1])
+            skipped = max(
+                u for u in range(update - 1, update + 1) if runs[0]["all_injected"][u - 1]
+            )
             expected = {
                 "step": skipped,
                 "scale": runs[0]["scales"][skipped - 1],
