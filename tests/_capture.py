@@ -39,7 +39,9 @@ class Run:
     clip: bool
 
     @classmethod
-    def build(cls, policy: str, clip: bool, device: str = "cpu") -> Run:
+    def build(
+        cls, policy: str, clip: bool, device: str = "cpu", skip_log_interval: int = 0
+    ) -> Run:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in _SIZES]
         for p in params:
@@ -54,7 +56,7 @@ class Run:
             growth_interval=3,
             policy=policy,  # type: ignore[arg-type]
             hysteresis=hysteresis,
-            skip_log_interval=0,
+            skip_log_interval=skip_log_interval,
         )
         scaler.materialize(device)
         return cls(params, optimizer, scaler, clip)

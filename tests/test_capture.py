@@ -95,3 +95,29 @@ def test_nccl_all_reduce_inside_a_cuda_graph_agrees_on_every_rank(tmp_path):
         assert res["digest"] == results[0]["digest"]
         assert res["totals"] == [STEPS, len(fault_steps), fault_steps[-1] + 1]
     assert not math.isclose(results[0]["scales"][-1], C.INIT_SCALE)
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
+    # An interval no replay reaches: the record is only advanced by the traced ops, and read once
+    # at the end (report_overflow, outside the graph), as after CUDA graph replays.
+    faults = {3: ("inf", 1), 6: ("nan", 0), 8: ("-inf", 4)}
+    eager = C.Run.build("torch", clip, skip_log_interval=10_000)
+    for step in range(STEPS):
+        eager.set_grads(step, faults)
+        eager.step()
+    traced = C.Run.build("torch", clip, skip_log_interval=10_000)
+    traced.set_grads(0, faults)
+    traced.step()
+    traced.set_grads(1, faults)
+    graph = make_fx(lambda: traced.step())()
+    assert torch.ops.aten.lerp_.Tensor in {n.target for n in graph.graph.nodes}  # the record
+    for step in range(2, STEPS):
+        traced.set_grads(step, faults)
+        graph()
+    assert traced.scaler.last_overflow is None  # nothing was read during the replays
+    report = traced.scaler.report_overflow()
+    assert report == eager.scaler.report_overflow()
+    assert report.step == 9 and [(e.rank, e.param, e.kind) for e in report.entries] == [
+        (0, "param_groups[0][4]", "inf")
+    ]
