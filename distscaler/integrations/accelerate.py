@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +78,8 @@ except ImportError as e:  # pragma: no cover - exercised only without accelerate
         "distscaler.integrations.accelerate needs HuggingFace Accelerate: pip install accelerate"
     ) from e
 
-from ..config import ScalerConfig
 from ..scaler import GradScaler
+from ._scaler_arg import scaler_from_argument
 
 __all__ = ["ScaledAcceleratedOptimizer", "install", "installed_scaler", "uninstall"]
 
@@ -280,24 +280,9 @@ def uninstall(accelerator: Accelerator) -> GradScaler:
 
 
 def _resolve_scaler(accelerator: Accelerator, scaler: Any, device_type: str) -> GradScaler:
-    if isinstance(scaler, GradScaler):
-        if scaler.device_type != device_type:
-            raise ValueError(
-                f"scaler's device type must be the accelerator's ({device_type!r}), got: "
-                f"{scaler.device_type!r}"
-            )
-        return scaler
-    if isinstance(scaler, (Mapping, str, os.PathLike)):
-        # A DeepSpeed config (dict, its "fp16" section, or a JSON path): DeepSpeed's semantics.
-        scaler = ScalerConfig.from_deepspeed(scaler)
-    if isinstance(scaler, ScalerConfig):
-        return GradScaler.from_config(scaler, device_type)
-    if scaler is not None:
-        raise TypeError(
-            "scaler must be None, a distscaler.GradScaler, a distscaler.ScalerConfig or a "
-            "DeepSpeed config (dict or JSON path), got: "
-            f"{type(scaler).__module__}.{type(scaler).__qualname__}"
-        )
+    resolved = scaler_from_argument(scaler, device_type, "the accelerator's")
+    if resolved is not None:
+        return resolved
     if accelerator.mixed_precision != "fp16":
         raise ValueError(
             "install(accelerator) without a scaler needs Accelerator(mixed_precision='fp16'), "

@@ -64,9 +64,8 @@ and the scheduler guard are Trainer-only. Only the unified ``lightning`` package
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -88,8 +87,8 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
         "pip install 'distscaler[lightning]' (or: pip install lightning)"
     ) from e
 
-from ..config import ScalerConfig
 from ..scaler import GradScaler
+from ._scaler_arg import scaler_from_argument
 
 __all__ = ["PRECISIONS", "DistScalerPrecision"]
 
@@ -419,21 +418,5 @@ def _trainer_of(module: Any) -> Any:
 
 
 def _resolve_scaler(scaler: Any, device: str) -> GradScaler:
-    if isinstance(scaler, GradScaler):
-        if scaler.device_type != device:
-            raise ValueError(
-                f"scaler's device type must be the plugin's device ({device!r}), got: "
-                f"{scaler.device_type!r}"
-            )
-        return scaler
-    if isinstance(scaler, (Mapping, str, os.PathLike)):
-        scaler = ScalerConfig.from_deepspeed(scaler)  # DeepSpeed's fp16 section semantics
-    if isinstance(scaler, ScalerConfig):
-        return GradScaler.from_config(scaler, device)
-    if scaler is not None:
-        raise TypeError(
-            "scaler must be None, a distscaler.GradScaler, a distscaler.ScalerConfig or a "
-            "DeepSpeed config (dict or JSON path), got: "
-            f"{type(scaler).__module__}.{type(scaler).__qualname__}"
-        )
-    return GradScaler(device)
+    resolved = scaler_from_argument(scaler, device, "the plugin's device")
+    return GradScaler(device) if resolved is None else resolved
