@@ -1,8 +1,10 @@
 """Overflow attribution: which ranks and which parameters held inf or NaN at the last skipped step.
 
-Every verdict already reads every gradient once and, on the way, takes one statistic per gradient
-tensor (a norm). A non-finite statistic says the tensor held inf or NaN, so naming the culprits costs
-the clean steps almost nothing:
+Every verdict reads every gradient once and, on the way, takes one statistic per gradient tensor: a
+norm when clipping; each gradient's largest magnitude in the fused check without clipping (which
+reads that instead of running torch's check-and-unscale kernel, whose one flag names nothing). A
+non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the clean steps
+a few small device ops:
 
 1. **Codes** (:func:`tensor_codes`, one ``nan_to_num`` per step): each gradient's statistic when
    finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an inf or -inf (and
@@ -14,7 +16,7 @@ the clean steps almost nothing:
 3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
    ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
    the last report, each rank reads its record (one host read), names its offending tensors and the
-   ranks exchange them in one ``all_gather_into_tensor`` of a fixed :data:`PAYLOAD_BYTES` per rank;
+   ranks exchange them in one all_gather (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank;
    nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
    and is logged on rank 0 (logger ``"distscaler"``, WARNING).
 
@@ -264,10 +266,9 @@ class OverflowTracker:
         """Attribute skipped step ``step`` (the run's last, used loss scale ``scale``) unless it was
         already; every rank of ``group`` must call it at the same update (the periodic report).
 
-        Cost when ``step`` is new: one host read of the records; at world size > 1 one
-        ``all_gather_into_tensor`` of :data:`PAYLOAD_BYTES` per rank over ``group`` and one host
-        read of its result. Otherwise nothing.
-        Returns the new report, or None.
+        Cost when ``step`` is new: one host read of the records; at world size > 1 one all_gather
+        (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank over ``group`` and one host read
+        of its result. Otherwise nothing. Returns the new report, or None.
         """
         if step <= self._attributed:
             return None

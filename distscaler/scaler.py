@@ -54,10 +54,11 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
     parameters, defaults, methods, call-order rules and error wording; for a single process the
     same parameters and scales, bit for bit. On top of torch: the per-rank verdicts are combined in
-    **one** ``all_reduce`` of at most two float32 per step over ``process_group`` (every rank skips, or
-    none does, and the scales stay equal); :meth:`clip_grad_norm_` rides on it; fused optimizers
-    get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every counter
-    lives on the device, updated by a handful of ops, so a step can be replayed from a CUDA graph.
+    **one** ``all_reduce`` of at most two float32 per step over ``process_group`` (every rank
+    skips, or none does, and the scales stay equal); :meth:`clip_grad_norm_` rides on it; fused
+    optimizers get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every
+    counter lives on the device, updated by a handful of ops, so a step can be replayed from a
+    CUDA graph; :attr:`last_overflow` names the ranks and parameters of the last inf/NaN.
 
     Args:
         device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's, in
