@@ -156,6 +156,9 @@ class _Record:
         if coded.params is self.params:
             return coded.codes
         key = tuple(map(id, coded.params))
+        if len(key) == len(self.params) and all(a is b for a, b in zip(coded.params, self.params)):
+            self.params = coded.params  # the same parameters in a rebuilt plan: adopt its tuple
+            return coded.codes
         index = self.scatter.get(key)
         if index is None:
             if any(k not in self.positions for k in key):
