@@ -385,16 +385,18 @@ class GradPlan:
     ``.grad`` at each step: two list passes per group, no per-gradient lookup.
     """
 
-    __slots__ = ("groups", "key", "params")
+    __slots__ = ("groups", "key", "keys", "params")
 
     def __init__(self, key: tuple, groups: list[tuple[GroupKey, list[torch.Tensor], bool]]) -> None:
         self.key = key
         #: (group key, parameters, whether their gradients are DTensors), in parameter order.
         self.groups = groups
-        #: Every planned parameter, in the order :meth:`grads` returns their gradients.
         owners: dict[GroupKey, list[torch.Tensor]] = {}
         for group_key, params, _ in groups:
             owners.setdefault(group_key, []).extend(params)
+        #: The group keys in the order :meth:`grads` returns them.
+        self.keys = list(owners)
+        #: Every planned parameter, in the order :meth:`grads` returns their gradients.
         self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
     def grads(self) -> tuple[GradGroups, tuple[torch.Tensor, ...]] | None:
@@ -406,13 +408,11 @@ class GradPlan:
         gradient per group is checked), so that it is rebuilt.
         """
         out: GradGroups = {}
-        owners: dict[GroupKey, list[torch.Tensor]] | None = None
+        some_missing = False
         for key, params, is_dtensor in self.groups:
             grads = [p.grad for p in params]
             if _NoneType in map(type, grads):
-                if owners is None:  # from here on, which parameters are left is kept apart
-                    owners = {k: list(self._params_of(k, out)) for k in out}
-                params = [p for p, g in zip(params, grads) if g is not None]
+                some_missing = True
                 grads = [g for g in grads if g is not None]
                 if not grads:
                     continue
@@ -423,15 +423,11 @@ class GradPlan:
                 return None
             same = out.get(key)
             out[key] = grads if same is None else [*same, *grads]  # type: ignore[assignment,list-item]
-            if owners is not None:
-                owners.setdefault(key, []).extend(params)
-        if owners is None:
+        if not some_missing:
             return out, self.params
-        return out, tuple(p for ps in owners.values() for p in ps)
-
-    def _params_of(self, key: GroupKey, done: GradGroups) -> list[torch.Tensor]:
-        # The parameters of the groups already gathered under ``key`` (all had gradients).
-        return [p for k, params, _ in self.groups if k == key for p in params][: len(done[key])]
+        # A group left empty may have moved a key: put the keys back in the order of ``params``.
+        out = {key: out[key] for key in self.keys if key in out}
+        return out, tuple(p for p in self.params if p.grad is not None)
 
     def has_fp16(self) -> bool:
         return any(key.dtype is torch.float16 for key, _, _ in self.groups)

@@ -218,7 +218,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
         if not self._enabled:
-            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None)[0]
+            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None, codes=False)[0]
         device_state = self._device_state("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
@@ -229,7 +229,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             )
         if state["stage"] is OptState.UNSCALED:
             norm, codes = self._verdict.clip_unscaled(
-                optimizer, max_norm, norm_type, device_state.device
+                optimizer, max_norm, norm_type, device_state.device, codes=self._attributing
             )
             (found_inf,) = state["found_inf_per_device"].values()
             nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
@@ -248,6 +248,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             norm_type,
             fused=fused,
             skip_nonfinite=self._config.skip_nonfinite,
+            codes=self._attributing,
         )
         self._record(
             optimizer,

@@ -25,7 +25,7 @@ Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 
                               ``_foreach_addcdiv`` for the norm, ``scale / max_norm``-scaled norm,
                               the overflow flag and the skip record's next counts,
                               ``nan_to_num`` for the exact flag, ``fmax`` for ``grad_scale`` and
-                              ``nan_to_num`` for the codes: 7.
+                              ``nan_to_num`` for the codes: 7 (6 without an overflow report).
 ==========================  ====================================================================
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
@@ -262,12 +262,14 @@ class VerdictGroup:
         *,
         fused: bool,
         skip_nonfinite: bool,
+        codes: bool = True,
     ) -> ClipVerdict:
         """Global norm of the unscaled gradients, overflow flag and ``grad_scale``, agreed.
 
         One read of every gradient byte, at most one ``all_reduce`` of 2 float32, and (fused) the
         gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
         optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
+        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report.
         """
         groups, params = self.grads(
             optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True
@@ -300,8 +302,7 @@ class VerdictGroup:
         grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
         if not fused:
             _div_groups_(groups, grad_scale)
-        codes = None if per_tensor is None else TensorCodes(params, tensor_codes(per_tensor))
-        return ClipVerdict(norm, found, grad_scale, ends, codes)
+        return ClipVerdict(norm, found, grad_scale, ends, _coded(params, per_tensor, codes))
 
     def clip_unscaled(
         self,
@@ -309,12 +310,14 @@ class VerdictGroup:
         max_norm: float,
         norm_type: float,
         device: torch.device | None,
+        *,
+        codes: bool = True,
     ) -> tuple[torch.Tensor, TensorCodes | None]:
         """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
 
         Adds a collective unless every local gradient is replicated over the whole group (then the
-        local norm is already the global one). Returns the global norm (0-dim float32) and this
-        rank's tensor codes (None without gradients).
+        local norm is already the global one). Returns the global norm (0-dim float32) and, with
+        ``codes``, this rank's tensor codes (None without gradients).
         """
         groups, params = self.grads(
             optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True
@@ -335,11 +338,19 @@ class VerdictGroup:
             all_reduce_verdict(local, group, norm_type=norm_type)
         norm = _p_norm(local, norm_type)
         _div_groups_(groups, torch.fmax(norm / max_norm, one))
-        codes = None if per_tensor is None else TensorCodes(params, tensor_codes(per_tensor))
-        return norm, codes
+        return norm, _coded(params, per_tensor, codes)
 
 
 # ---------------------------------------------------------------------- kernels
+
+
+def _coded(
+    params: tuple[torch.Tensor, ...], per_tensor: torch.Tensor | None, wanted: bool
+) -> TensorCodes | None:
+    # The codes of a verdict's per-tensor norms, when an overflow report will read them.
+    if not wanted or per_tensor is None:
+        return None
+    return TensorCodes(params, tensor_codes(per_tensor))
 
 
 def _codes(groups: GradGroups, device: torch.device) -> torch.Tensor | None:

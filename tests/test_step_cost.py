@@ -108,6 +108,14 @@ def test_unclipped_step_verdict_dispatches_no_more_than_torchs_ops(fault):
     assert sum(ours.values()) - sum(RECORD.values()) <= sum(theirs.values()), (ours, theirs)
 
 
+def test_without_a_periodic_report_the_clip_path_neither_codes_nor_records():
+    ours, skipped = _count(distscaler.GradScaler, clip=True, fault=True, skip_log_interval=0)
+    assert skipped
+    expected = dict(OURS_WITH_CLIP, **{"aten.nan_to_num.default": 1})  # the flag only
+    del expected["aten.lerp_.Tensor"]
+    assert ours == expected
+
+
 def test_without_a_periodic_report_the_check_is_torchs_kernel_and_nothing_is_recorded():
     ours, skipped = _count(distscaler.GradScaler, clip=False, fault=True, skip_log_interval=0)
     assert skipped
