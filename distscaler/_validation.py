@@ -79,9 +79,10 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_clip(max_norm: object, norm_type: object) -> tuple[float, float]:
-    """``clip_grad_norm_``'s arguments as floats: ``max_norm`` finite > 0, ``norm_type`` > 0."""
-    if not is_real(max_norm) or not 0 < float(max_norm) < math.inf:  # type: ignore[arg-type]
-        raise ValueError(f"max_norm must be a finite number > 0, got: {max_norm!r}")
+    """``clip_grad_norm_``'s arguments as floats: ``max_norm`` > 0 or inf (torch's "measure only":
+    the coefficient clamps to 1), ``norm_type`` > 0 or inf."""
+    if not is_real(max_norm) or not float(max_norm) > 0:  # type: ignore[arg-type]
+        raise ValueError(f"max_norm must be a number > 0 or math.inf, got: {max_norm!r}")
     if not is_real(norm_type) or not float(norm_type) > 0:  # type: ignore[arg-type]
         raise ValueError(f"norm_type must be a number > 0 or math.inf, got: {norm_type!r}")
     return float(max_norm), float(norm_type)  # type: ignore[arg-type]

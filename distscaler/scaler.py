@@ -193,7 +193,10 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         ``grad_layout``; see :mod:`distscaler.layouts`), as ``torch.nn.utils.clip_grad_norm_`` would
         compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
         ``min(1, max_norm / norm)`` (torch's coefficient without its 1e-6 guard, which this form
-        does not need: see :mod:`distscaler.verdict`).
+        does not need: see :mod:`distscaler.verdict`). ``max_norm=math.inf`` measures only, as
+        torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1): the same pass and
+        collective, the norm returned, the gradients only unscaled (fused optimizers get
+        ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
         Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group
         has several ranks (every rank must call; it *is* the step's verdict), a few device ops
@@ -203,7 +206,8 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         all are replicated). A disabled scaler only clips.
 
         Args:
-            max_norm (float): finite and > 0. norm_type (float): p of the p-norm, > 0 or inf.
+            max_norm (float): > 0, or ``math.inf`` to measure only. norm_type (float): p of the
+                p-norm, > 0 or inf.
 
         Returns:
             0-dim float32 tensor on the scale's device: the global norm before clipping, the same on

@@ -337,7 +337,8 @@ class VerdictGroup:
         if world_size > 1 and not replicated:
             all_reduce_verdict(local, group, norm_type=norm_type)
         norm = _p_norm(local, norm_type)
-        _div_groups_(groups, torch.fmax(norm / max_norm, one))
+        if max_norm < math.inf:  # inf measures only: the coefficient would be 1
+            _div_groups_(groups, torch.fmax(norm / max_norm, one))
         return norm, _coded(params, per_tensor, codes)
 
 

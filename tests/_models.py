@@ -27,11 +27,13 @@ def train(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     start: int = 0,
+    max_norm: float = 0.5,
 ):
     """Train ``steps`` steps; ``faults[step] = (kind, param_index)`` writes a non-finite gradient.
 
     ``clip``: None, ``"ours"`` (``scaler.clip_grad_norm_``) or ``"torch"`` (``unscale_`` then
-    ``torch.nn.utils.clip_grad_norm_``). Returns (model, optimizer, per-step scales after update).
+    ``torch.nn.utils.clip_grad_norm_``), both to ``max_norm``. Returns (model, optimizer,
+    per-step scales after update).
     """
     faults = faults or {}
     model = model or make_model()
@@ -51,10 +53,10 @@ def train(
             kind, index = faults[step]
             params[index % len(params)].grad.view(-1)[0] = FAULTS[kind]
         if clip == "ours":
-            scaler.clip_grad_norm_(opt, max_norm=0.5)
+            scaler.clip_grad_norm_(opt, max_norm=max_norm)
         elif clip == "torch":
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+            torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())

@@ -234,8 +234,8 @@ def test_bad_constructor_argument_is_named(kwargs, error, match):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_norm=0.0), r"max_norm must be a finite number > 0, got: 0.0"),
-        (dict(max_norm=math.nan), r"max_norm must be a finite number > 0, got: nan"),
+        (dict(max_norm=0.0), r"max_norm must be a number > 0 or math.inf, got: 0.0"),
+        (dict(max_norm=math.nan), r"max_norm must be a number > 0 or math.inf, got: nan"),
         (
             dict(max_norm=1.0, norm_type=0.0),
             r"norm_type must be a number > 0 or math.inf, got: 0.0",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from _common import FAULTS, optimizer_tensors
+from _common import FAULTS, make_optimizer, optimizer_tensors
 from _models import make_model, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -89,6 +91,64 @@ def test_clip_grad_norm_returns_norm_of_unscaled_gradients():
     coef = 1e-3 / (ref_norm + 1e-6)
     for p, g in zip(model.parameters(), reference):
         torch.testing.assert_close(p.grad.double(), g * coef, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "for-loop", "sgd-fused"])
+def test_infinite_max_norm_measures_only_like_torch_clip(opt_kind):
+    # torch.nn.utils.clip_grad_norm_(..., inf): the norm, and a coefficient clamped to 1.
+    model = make_model()
+    opt = make_optimizer(opt_kind, model.parameters())
+    scaler = distscaler.GradScaler("cpu", init_scale=512.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(16, 8)).float().pow(2).sum()
+    scaler.scale(loss).backward()
+    scaled = [p.grad.clone() for p in model.parameters()]
+    ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in scaled]
+    for p, g in zip(ref_params, scaled):
+        p.grad = g / 512.0  # exact: a power of two
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, math.inf)
+    norm = scaler.clip_grad_norm_(opt, max_norm=math.inf)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    assert float(norm) > 1.0  # guard: a finite max_norm of 1.0 would have clipped
+    state = scaler._per_optimizer_states[id(opt)]
+    if opt_kind == "for-loop":
+        # Only unscaled: exactly the gradients torch's clip leaves.
+        for p, q in zip(model.parameters(), ref_params):
+            assert torch.equal(p.grad, q.grad)
+    else:
+        # Fused: the gradients are not touched and the kernel gets the scale itself.
+        for p, g in zip(model.parameters(), scaled):
+            assert torch.equal(p.grad, g)
+        assert float(state["grad_scale"]) == 512.0
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.step_was_skipped and scaler.get_scale() == 512.0
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "foreach", "sgd-for-loop"])
+def test_infinite_max_norm_trains_like_torch_scaler_and_clip(opt_kind):
+    faults = {3: ("inf", 1), 7: ("nan", 4)}
+    kwargs = dict(init_scale=2.0**12, growth_interval=3)
+    ref_model, _, ref_scales = train(
+        torch.amp.GradScaler("cpu", **kwargs),
+        opt_kind,
+        steps=10,
+        faults=faults,
+        clip="torch",
+        max_norm=math.inf,
+    )
+    model, _, scales = train(
+        distscaler.GradScaler("cpu", **kwargs),
+        opt_kind,
+        steps=10,
+        faults=faults,
+        clip="ours",
+        max_norm=math.inf,
+    )
+    assert scales == ref_scales
+    assert ref_scales[3] < ref_scales[2] and ref_scales[7] < ref_scales[6]  # faults were seen
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_sparse_gradients_match_torch():
