@@ -5,6 +5,7 @@ Two kinds of runs:
 * In this process, one rank: stock ``Trainer(fp16=True, use_cpu=True)`` trains in fp32 with no
   scaler, ``install(trainer)`` makes fp16 real and says so once; the argument checks; the
   torchrun-on-CPU-without-``use_cpu`` refusal; uninstall.
+* One ``torchrun`` of launch/train_transformers.py on 2 CPU processes.
 * One spawn of 2 gloo ranks (tests/_transformers_scenarios.py, its docstring says what "stock" is
   and what the FSDP2 run sets up differently on the CPU): DDP with ``adamw_torch_fused``,
   ``max_grad_norm`` 1.0 and 0, gradient accumulation, a checkpoint and its resume, FSDP2 through
@@ -15,8 +16,13 @@ Two kinds of runs:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import _transformers_scenarios as S
 import pytest
@@ -232,3 +238,38 @@ def test_fsdp2_through_trainer_settings_skips_on_both_ranks(runs):
     # The norm of the sharded gradients is the replicated model's (DDP run, same data).
     ddp = runs[0]["ours"]["grad_norms"]
     assert run["grad_norms"][0] == pytest.approx(ddp[0], rel=1e-4)
+
+
+# ----------------------------------------------------------------------- torchrun
+
+
+@pytest.mark.slow
+def test_train_transformers_runs_with_torchrun_on_two_cpu_processes(tmp_path):
+    """launch/train_transformers.py: an inf on rank 1 at step 3 is skipped on both ranks."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    out = tmp_path / "run"
+
+    def run(*extra: str) -> dict:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+            str(repo / "launch" / "train_transformers.py"),
+            "--data", str(repo / "launch" / "train.py"), "--block-size", "32",
+            "--batch-size", "2", "--n-embd", "32", "--n-layer", "1", "--out", str(out), *extra,
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text())
+
+    summary = run("--steps", "4", "--inject-inf", "3", "--save-steps", "4")
+    assert summary["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert summary["ranks_consistent"] and summary["steps"] == 4
+    assert [r["skipped_steps"] for r in summary["ranks"]] == [[3], [3]]
+    logs = [h for h in summary["log_history"] if "loss" in h]
+    assert [h["distscaler/skipped"] for h in logs] == [0, 0, 1, 0]
+    assert (out / "checkpoint-4" / "scaler.pt").is_file()

@@ -26,6 +26,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     },
 }
 EXTRAS["accelerate"] = {**EXTRAS["train"], "accelerate": "accelerate"}
+EXTRAS["transformers"] = {**EXTRAS["accelerate"], "transformers": "transformers"}
 
 
 def missing(extra: str) -> list[str]:
