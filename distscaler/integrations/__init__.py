@@ -1,6 +1,8 @@
 """Integrations of ``distscaler.GradScaler`` with training frameworks.
 
 * :mod:`distscaler.integrations.accelerate`: HuggingFace Accelerate (``install(accelerator)``).
+* :mod:`distscaler.integrations.transformers`: Transformers' ``Trainer`` and TRL's trainers
+  (``install(trainer)``).
 
 Each integration imports its framework when it is imported, so ``import distscaler`` never needs
 them.
