@@ -44,7 +44,8 @@ there with :func:`distscaler.integrations.accelerate.install`. What Transformers
   that setup. Stock Accelerate also drops FSDP on the CPU (FSDP needs an accelerator device there).
 
 Not supported (refused by the Accelerate integration): DeepSpeed, Megatron-LM, XLA, MS-AMP. Tested
-with transformers 5.23.0, trl 1.16.0, accelerate 1.15.0, torch 2.13.
+with transformers 5.23.0, trl 1.16.0, accelerate 1.15.0, torch 2.13, on CPU processes (gloo; the
+FSDP2 test sets Accelerate's FSDP state by hand there, see tests/_transformers_scenarios.py).
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
     warns once (rank 0) that fp16 is now real there. Undo with :func:`uninstall`.
 
     Args:
-        trainer: a ``transformers.Trainer`` (or subclass) trained with DDP, FSDP (1 or 2) or one
-            process.
+        trainer: a ``transformers.Trainer`` (or subclass) trained with DDP, FSDP2 or one process
+            (FSDP1 takes the same Accelerate path; the tests do not exercise it).
         scaler: ``None`` (default): a new ``GradScaler`` on the Trainer's device type (needs
             ``TrainingArguments(fp16=True)``). A ``distscaler.GradScaler``, a
             ``distscaler.ScalerConfig`` or a DeepSpeed config (dict, its ``"fp16"`` section or a
