@@ -6,7 +6,8 @@ Each run builds a ``Trainer`` (or TRL ``SFTTrainer``) around a tiny GPT-2 built 
 
 * "stock": Accelerate's fp16 as it is on GPUs (Accelerate creates no scaler on the CPU, so the run
   puts a ``torch.amp.GradScaler`` in ``trainer.accelerator.scaler`` and switches ``native_amp`` on
-  before ``train()``, which is what ``Accelerator(mixed_precision="fp16")`` does on a GPU), or
+  before ``train()``, which is what ``Accelerator(mixed_precision="fp16")`` does on a GPU, for
+  DDP and for FSDP2 alike: ``get_grad_scaler`` / ``get_fsdp2_grad_scaler``), or
 * "ours": ``distscaler.integrations.transformers.install(trainer)``.
 
 An inf is written into one gradient on the last rank only, after the backward of the last
@@ -270,6 +271,7 @@ def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         scaler=scaler,
         resume=os.path.join(tmp, "ours-full", "checkpoint-2"),
     )
+    run("stock-fsdp2", "stock", fsdp2=True)
     run("ours-fsdp2", "ours", fsdp2=True)
     try:
         import trl  # noqa: F401

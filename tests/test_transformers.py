@@ -242,7 +242,16 @@ def test_checkpoint_carries_the_scaler_and_a_resume_continues_exactly(runs):
 
 
 @TWO_RANKS
-def test_fsdp2_through_trainer_settings_skips_on_both_ranks(runs):
+def test_fsdp2_through_trainer_settings_skips_on_both_ranks_and_holds_the_scheduler(runs):
+    # Stock (torch's GradScaler, as Accelerate builds it for FSDP2): here the DTensor check does
+    # skip the step on both ranks (parameters held, both scales backed off) ...
+    for r in runs:
+        steps = r["stock-fsdp2"]["steps"]
+        assert steps[1]["params"] == steps[0]["params"]
+        assert steps[1]["scale"] == steps[0]["scale"] / 2
+        # ... but the Trainer never learns it (fused AdamW): the scheduler steps on the skip.
+        assert [s["skipped"] for s in steps] == [False] * 4
+        assert [s["sched"] for s in steps] == [1, 2, 3, 4]
     run = runs[0]["ours-fsdp2"]
     assert run["distributed_type"] == "DistributedType.FSDP" and run["grad_type"] == "DTensor"
     _assert_agreed_skip(runs, "ours-fsdp2")
