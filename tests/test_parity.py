@@ -125,6 +125,29 @@ def test_infinite_max_norm_measures_only_like_torch_clip(opt_kind):
     assert not scaler.step_was_skipped and scaler.get_scale() == 512.0
 
 
+def test_infinite_max_norm_after_unscale_leaves_the_gradients_as_they_are():
+    model = make_model()
+    opt = make_optimizer("for-loop", model.parameters())
+    scaler = distscaler.GradScaler("cpu", init_scale=256.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(16, 8)).float().pow(2).sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    unscaled = [p.grad.clone() for p in model.parameters()]
+    ref_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in unscaled]
+    for p, g in zip(ref_params, unscaled):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, math.inf)
+    norm = scaler.clip_grad_norm_(opt, math.inf)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    assert float(norm) > 1.0  # guard: a finite max_norm of 1.0 would have clipped
+    for p, g, q in zip(model.parameters(), unscaled, ref_params):
+        assert torch.equal(p.grad, g) and torch.equal(q.grad, g)  # torch multiplies by 1.0
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.step_was_skipped
+
+
 @pytest.mark.parametrize("opt_kind", ["fused", "foreach", "sgd-for-loop"])
 def test_infinite_max_norm_trains_like_torch_scaler_and_clip(opt_kind):
     faults = {3: ("inf", 1), 7: ("nan", 4)}
