@@ -225,9 +225,12 @@ class OverflowTracker:
         found_inf: torch.Tensor,
         coded: list[tuple[torch.optim.Optimizer, TensorCodes | None, bool]],
         step: int,
+        lerps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Keep this iteration's codes where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
-        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes.
+        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes, or, given
+        ``lerps``, those lerps appended to it as ``(record, codes, found_inf)`` for the caller to
+        run in its own multi-tensor op (the scaler runs them with the skip record's: no op here).
 
         Args:
             coded: the optimizers stepped in this iteration, their codes (None: not coded, as a
@@ -235,6 +238,7 @@ class OverflowTracker:
                 whether they were taken after the host read the flag (then only on a skip).
             step: the number of this update.
         """
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
         for optimizer, codes, after_read in coded:
             present.add(id(optimizer))
@@ -246,14 +250,19 @@ class OverflowTracker:
                 record = _Record(codes.params, codes.codes.device)
                 self._records[optimizer] = record
                 dense = codes.codes
-            record.codes.lerp_(dense, found_inf)
+            pending.append((record.codes, dense, found_inf))
             record.host_step = step if after_read else None
         for optimizer, record in self._records.items():
             if id(optimizer) not in present and record.host_step is None:
                 # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
                 if record.clean is None:
                     record.clean = torch.zeros_like(record.codes)
-                record.codes.lerp_(record.clean, found_inf)
+                pending.append((record.codes, record.clean, found_inf))
+        if lerps is not None:
+            lerps += pending
+        else:
+            for record_codes, end, weight in pending:
+                record_codes.lerp_(end, weight)
 
     # ------------------------------------------------------------------ the report
 

@@ -350,14 +350,17 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             found_inf = found[0].to(device_state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
+            lerps: list = []  # the overflow record's, run in the skip record's one op
             if self._attributing:
                 coded = [s["coded"] for s in states if s["coded"] is not None]
-                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1)
-            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None)
+                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1, lerps)
+            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None, lerps)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
-        if self._state.update(found_inf, ends, self._config):
+    def _apply(
+        self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: list = ()  # type: ignore[assignment]
+    ) -> None:
+        if self._state.update(found_inf, ends, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
 
     # ------------------------------------------------------------------ device state

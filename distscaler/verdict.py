@@ -215,15 +215,14 @@ class VerdictGroup:
             found = state.zero.clone()
             ends = None
         else:
-            a, b = state.next_counts()
-            one = state.one
+            a, b, c = state.epilogue()
             # The smallest code is negative exactly when a gradient is inf/NaN: -min, clamped to
-            # [0, 1], is the flag; the record's next counts come in the same op.
-            neg_min, nu1, ns1 = torch._foreach_addcdiv(
-                [state.zero, a, b], [coded.amin(), one, one], [state.minus_one, one, one]
+            # [0, 1], is the flag; the update's lanes (the record's next counts...) come in the
+            # same op.
+            neg_min, *ends = torch._foreach_addcdiv(
+                [state.zero, *a], [coded.amin(), *b], [state.minus_one, *c]
             )
             found = neg_min.clamp(0.0, 1.0)
-            ends = [nu1, ns1]
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
@@ -279,16 +278,16 @@ class VerdictGroup:
         scale = state.scale
         if norm_type == 2.0:
             total, per_tensor = _scaled_two_norm(groups, device, world_size, group, state.verdict)
-            a, b = state.next_counts()
-            zero, one = state.zero, state.one
+            a, b, c = state.epilogue()
+            zero = state.zero
             # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
-            # the record's next counts, in one multi-tensor op.
-            norm, q, flag, nu1, ns1 = torch._foreach_addcdiv(
-                [zero, zero, zero, a, b],
-                [total, total, total, one, one],
-                [scale, state.max_norm(max_norm), state.inf, one, one],
+            # the update's lanes (the record's next counts...), in one multi-tensor op.
+            norm, q, flag, *ends_ = torch._foreach_addcdiv(
+                [zero, zero, zero, *a],
+                [total, total, total, *b],
+                [scale, state.max_norm(max_norm), state.inf, *c],
             )
-            ends: list[torch.Tensor] | None = [nu1, ns1]
+            ends: list[torch.Tensor] | None = ends_
             found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
         else:
             local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
