@@ -127,8 +127,9 @@ class TensorCodes(NamedTuple):
 
     #: The parameters of the coded gradients, in the order of ``codes``.
     params: tuple[torch.Tensor, ...]
-    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`).
-    codes: torch.Tensor
+    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`); None for a
+    #: clean step whose flag was read on the host (nothing to record, the record is kept).
+    codes: torch.Tensor | None
 
 
 def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
@@ -153,6 +154,7 @@ class _Record:
 
     def dense(self, coded: TensorCodes) -> torch.Tensor | None:
         """``coded`` in this record's order (absent parameters: clean); None if it holds others."""
+        assert coded.codes is not None
         if coded.params is self.params:
             return coded.codes
         key = tuple(map(id, coded.params))
@@ -245,6 +247,10 @@ class OverflowTracker:
             if codes is None:
                 continue
             record = self._records.get(optimizer)
+            if codes.codes is None:  # clean, read on the host: the record exists, unchanged
+                if record is None:
+                    self._records[optimizer] = _Record(codes.params, found_inf.device)
+                continue
             dense = None if record is None else record.dense(codes)
             if record is None or dense is None:
                 record = _Record(codes.params, codes.codes.device)

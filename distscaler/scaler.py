@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -257,7 +258,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             ends=verdict.ends,
             stage=OptState.UNSCALED,
             clipped=True,
-            coded=(optimizer, verdict.codes, False),
+            coded=(optimizer, verdict.codes, verdict.after_read),
         )
         return verdict.norm
 
@@ -273,7 +274,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             verdict.found_inf,
             grad_scale=device_state.scale,
             ends=verdict.ends,
-            coded=(optimizer, verdict.codes, False),
+            coded=(optimizer, verdict.codes, verdict.after_read),
         )
         return state["found_inf_per_device"]
 
@@ -358,7 +359,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _apply(
-        self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: list = ()  # type: ignore[assignment]
+        self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: Sequence = ()
     ) -> None:
         if self._state.update(found_inf, ends, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank

@@ -26,6 +26,7 @@ reads them between iterations (:meth:`DeviceState.fold`), which the scaler does 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,7 +119,7 @@ class DeviceState:
     # ------------------------------------------------------------------ the skip record
 
     def record_(
-        self, found_inf: torch.Tensor, ends: list[torch.Tensor], extra: list[Lerp] = ()
+        self, found_inf: torch.Tensor, ends: list[torch.Tensor], extra: Sequence[Lerp] = ()
     ) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
         and the scale it used; ``extra`` lerps (the overflow record's, the policy's) ride in the
@@ -156,8 +157,10 @@ class DeviceState:
 
     def ends_valid(self, ends: list[torch.Tensor] | None) -> bool:
         """Whether ``ends`` came from an :meth:`epilogue` of the lanes as they are packed now."""
-        return ends is not None and self._operands_for is self.packed and (
-            self.packed is not None or len(ends) == 2
+        return (
+            ends is not None
+            and self._operands_for is self.packed
+            and (self.packed is not None or len(ends) == 2)
         )
 
     # ------------------------------------------------------------------ packed policy counters
@@ -282,7 +285,7 @@ class ScalerState:
         found_inf: torch.Tensor,
         ends: list[torch.Tensor] | None,
         config: ScalerConfig,
-        extra: list[Lerp] = (),  # type: ignore[assignment]
+        extra: Sequence[Lerp] = (),
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
         record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
@@ -301,7 +304,7 @@ class ScalerState:
         policy, rule = get_policy(config.policy), config.rule()
         state.prepare(policy, rule)
         if not state.ends_valid(ends):
-            ends = torch._foreach_addcdiv(*state.epilogue())
+            ends = list(torch._foreach_addcdiv(*state.epilogue()))
         assert ends is not None
         counts = ends[:2]
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .attribution import TensorCodes, tensor_codes
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
@@ -77,6 +78,8 @@ class ClipVerdict:
     grad_scale: torch.Tensor
     ends: list[torch.Tensor] | None
     codes: TensorCodes | None
+    #: The flag was read on the host and the gradients coded only on a skip.
+    after_read: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,8 @@ class CheckVerdict:
     found_inf: torch.Tensor
     ends: list[torch.Tensor] | None
     codes: TensorCodes | None
+    #: The flag was read on the host and the gradients coded only on a skip.
+    after_read: bool = False
 
 
 class VerdictGroup:
@@ -206,10 +211,9 @@ class VerdictGroup:
         read), then the ``all_reduce`` of 2 float32.
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
-        if not codes:
-            return CheckVerdict(
-                self._agree_flag(check_and_unscale_(groups, inv_scale=state.one)), None, None
-            )
+        on_host = codes and host_read_is_free(state.device)
+        if (not codes or on_host) and all(key.device == state.device for key in groups):
+            return self._check_kernel(groups, params, state, codes=codes)
         coded = _codes(groups, state.device)
         if coded is None:
             found = state.zero.clone()
@@ -227,6 +231,37 @@ class VerdictGroup:
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return CheckVerdict(found, ends, None if coded is None else TensorCodes(params, coded))
+
+    def _check_kernel(
+        self,
+        groups: GradGroups,
+        params: tuple[torch.Tensor, ...],
+        state: DeviceState,
+        *,
+        codes: bool,
+    ) -> CheckVerdict:
+        """:meth:`check` with torch's check kernel (a factor of exactly 1.0: values unchanged),
+        where no report reads codes, or where a host read of the flag is free (the CPU): there the
+        gradients are coded only when the flag says skip, after reading it (one more read pass).
+
+        Ops: one ``_foreach_addcdiv`` (the flag's fresh zero and the update's lanes), the kernel
+        (one launch per group), the ``all_reduce(MAX)`` of one float32 at world size > 1; with
+        ``codes`` one host read, and on a skip ``_foreach_norm``, ``stack``, ``nan_to_num``.
+        """
+        a, b, c = state.epilogue()
+        zero, one = state.zero, state.one
+        found, *ends = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
+        for grads in groups.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        group, world_size = self.resolve()
+        if world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if not codes:
+            return CheckVerdict(found, ends, None)
+        coded = (
+            _codes(groups, state.device) if found.item() else None
+        )  # free: see host_read_is_free
+        return CheckVerdict(found, ends, TensorCodes(params, coded), after_read=True)
 
     def unscale(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
         """Divide the gradients by the scale in place and agree on the overflow flag.
@@ -288,6 +323,10 @@ class VerdictGroup:
                 [scale, state.max_norm(max_norm), state.inf, *c],
             )
             ends: list[torch.Tensor] | None = ends_
+            if skip_nonfinite and host_read_is_free(device):
+                return _clip_on_host(
+                    groups, params, per_tensor, state, (norm, q, flag), ends_, fused, codes
+                )
             found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
         else:
             local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
@@ -318,9 +357,7 @@ class VerdictGroup:
         local norm is already the global one). Returns the global norm (0-dim float32) and, with
         ``codes``, this rank's tensor codes (None without gradients).
         """
-        groups, params = self.grads(
-            optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True
-        )
+        groups, params = self.grads(optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True)
         group, world_size = self.resolve()
         replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
         if device is None:
@@ -341,6 +378,49 @@ class VerdictGroup:
 
 
 # ---------------------------------------------------------------------- kernels
+
+
+#: Device types where reading a value on the host costs no device sync (their kernels already ran
+#: when they returned): there a verdict reads its flag and codes the gradients only on a skip.
+HOST_READ_FREE = frozenset({"cpu"})
+
+
+def host_read_is_free(device: torch.device) -> bool:
+    """Whether a verdict on ``device`` may read its flag on the host: a device of
+    :data:`HOST_READ_FREE` (the CPU) and no graph being traced (``make_fx``, ``torch.compile``),
+    which must record the same device ops as a GPU step. Never on CUDA: fused steps there keep
+    their promise of no host sync."""
+    if device.type not in HOST_READ_FREE:
+        return False
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        return False
+    return torch._guards.detect_fake_mode() is None
+
+
+def _clip_on_host(
+    groups: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    per_tensor: torch.Tensor | None,
+    state: DeviceState,
+    epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ends: list[torch.Tensor],
+    fused: bool,
+    codes: bool,
+) -> ClipVerdict:
+    """The end of :meth:`VerdictGroup.clip` where a host read is free (:func:`host_read_is_free`):
+    ``flag`` (0.0, or NaN for a non-finite norm) is read, the agreed flag is the constant 1.0 or
+    0.0, and the per-tensor norms are coded only on a skip; a clean step takes ``fmax`` for
+    ``grad_scale``, a skipped one nothing (its ``grad_scale`` is the scale)."""
+    norm, q, flag = epilogue
+    skipped = not math.isfinite(flag.item())
+    found = state.one if skipped else state.zero
+    grad_scale = state.scale if skipped else torch.fmax(q, state.scale)
+    if not fused:
+        _div_groups_(groups, grad_scale)
+    coded = _coded(params, per_tensor, codes and skipped)
+    if codes and coded is None:
+        coded = TensorCodes(params, None)  # clean: nothing to record
+    return ClipVerdict(norm, found, grad_scale, ends, coded, after_read=codes)
 
 
 def _coded(
