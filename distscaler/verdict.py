@@ -323,7 +323,7 @@ class VerdictGroup:
                 [scale, state.max_norm(max_norm), state.inf, *c],
             )
             ends: list[torch.Tensor] | None = ends_
-            if skip_nonfinite and host_read_is_free(device):
+            if fused and skip_nonfinite and host_read_is_free(device):  # others read it anyway
                 return _clip_on_host(
                     groups, params, per_tensor, state, (norm, q, flag), ends_, fused, codes
                 )

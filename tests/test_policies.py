@@ -395,7 +395,9 @@ def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(ski
 
 
 @pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron", "static"])
-def test_update_reads_nothing_on_the_host_for_every_policy(policy):
+def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
+    # The verdict a GPU runs (the CPU's reads its flag each step, see test_step_cost).
+    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())
     hyst = 2 if policy in ("deepspeed", "megatron") else 1
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy, hysteresis=hyst)
     model = make_model()
@@ -414,7 +416,10 @@ def test_update_reads_nothing_on_the_host_for_every_policy(policy):
     assert (len(scales) > 1) is (policy != "static")  # the rule really ran
 
 
-def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message():
+def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message(
+    monkeypatch,
+):
+    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())  # a GPU's verdict
     scaler = GradScaler(
         "cpu",
         init_scale=4.0,
@@ -446,7 +451,10 @@ def test_without_raise_the_scale_clamps_at_min_scale():
     "kwargs, match",
     [
         (dict(policy="apex"), r"policy must be one of .*'deepspeed'.*, got: 'apex'"),
-        (dict(hysteresis=0, policy="deepspeed"), r"hysteresis must be an integer in \[1, 9223372036854775807\], got: 0"),
+        (
+            dict(hysteresis=0, policy="deepspeed"),
+            r"hysteresis must be an integer in \[1, 9223372036854775807\], got: 0",
+        ),
         (dict(hysteresis=2), r"hysteresis must be 1 for policy='torch'"),
         (dict(consecutive_hysteresis=True, policy="megatron"), r"needs policy='deepspeed'"),
         (dict(raise_error_at_min_scale=True), r"raise_error_at_min_scale=True needs min_scale"),
