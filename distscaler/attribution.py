@@ -242,10 +242,13 @@ class OverflowTracker:
         """
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
+        recorded = 0  # stepped optimizers that have a record
         for optimizer, codes, after_read in coded:
             present.add(id(optimizer))
             if codes is None:
+                recorded += optimizer in self._records
                 continue
+            recorded += 1
             record = self._records.get(optimizer)
             if codes.codes is None:  # clean, read on the host: the record exists, unchanged
                 if record is None:
@@ -258,7 +261,9 @@ class OverflowTracker:
                 dense = codes.codes
             pending.append((record.codes, dense, found_inf))
             record.host_step = step if after_read else None
-        for optimizer, record in self._records.items():
+        # Records of optimizers not stepped in this iteration (none when every record's was).
+        records = list(self._records.items()) if len(self._records) > recorded else []
+        for optimizer, record in records:
             if id(optimizer) not in present and record.host_step is None:
                 # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
                 if record.clean is None:

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .attribution import TensorCodes, tensor_codes
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
@@ -390,11 +389,15 @@ def host_read_is_free(device: torch.device) -> bool:
     :data:`HOST_READ_FREE` (the CPU) and no graph being traced (``make_fx``, ``torch.compile``),
     which must record the same device ops as a GPU step. Never on CUDA: fused steps there keep
     their promise of no host sync."""
-    if device.type not in HOST_READ_FREE:
+    if device.type not in HOST_READ_FREE or torch.compiler.is_compiling():
         return False
-    if torch.compiler.is_compiling() or get_proxy_mode() is not None:
-        return False
-    return torch._guards.detect_fake_mode() is None
+    # make_fx's proxy mode, or fake tensors (AOT tracing): two C++ lookups, no Python walk.
+    return _dispatch_mode(_PROXY) is None and _dispatch_mode(_FAKE) is None
+
+
+_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def _clip_on_host(
