@@ -1,24 +1,31 @@
 """Overflow attribution: which ranks and which parameters held inf or NaN at the last skipped step.
 
 Every verdict reads every gradient once and, on the way, takes one statistic per gradient tensor: a
-norm when clipping; each gradient's largest magnitude in the fused check without clipping (which
-reads that instead of running torch's check-and-unscale kernel, whose one flag names nothing). A
+norm when clipping; each gradient's largest magnitude in the fused check without clipping on a GPU
+(which reads that instead of running torch's check-and-unscale kernel, whose one flag names
+nothing). A
 non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the clean steps
 a few small device ops:
 
 1. **Codes** (:func:`tensor_codes`, one ``nan_to_num`` per step): each gradient's statistic when
    finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an inf or -inf (and
    no NaN). Codes are finite, so that a ``lerp`` can keep them.
-2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, one ``lerp_`` per optimizer): a
-   device tensor per optimizer that takes the iteration's codes when the agreed ``found_inf`` is
-   exactly 1.0 and keeps its own when it is 0.0. It always holds this rank's codes of the most
-   recent skipped step, stays on the device and advances under CUDA graph replay.
+2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, a lerp per optimizer that
+   rides in the skip record's one ``_foreach_lerp_``: no op of its own): a device tensor per
+   optimizer that takes the iteration's codes when the agreed ``found_inf`` is exactly 1.0 and
+   keeps its own when it is 0.0. It always holds this rank's codes of the most recent skipped step,
+   stays on the device and advances under CUDA graph replay.
 3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
    ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
    the last report, each rank reads its record (one host read), names its offending tensors and the
    ranks exchange them in one all_gather (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank;
    nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
    and is logged on rank 0 (logger ``"distscaler"``, WARNING).
+
+On the CPU, where a host read costs no sync, a fused step reads the agreed flag and codes its
+gradients only when it is 1.0 (:func:`distscaler.verdict.host_read_is_free`): clean steps there pay
+nothing for the report but that read; without clipping the check stays torch's kernel and a skipped
+step takes one more read pass for the codes.
 
 Paths whose verdict takes no per-tensor statistic: a non-fused optimizer without clipping reads the
 agreed flag on the host anyway and codes its gradients (one more read pass) only when it is 1.0; a

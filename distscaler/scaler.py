@@ -507,7 +507,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
     @property
     def found_inf(self) -> torch.Tensor | None:
         """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
-        else 0.0; no host read; a new tensor at every update). None before one and when disabled."""
+        else 0.0; no host read; never written again). None before one and when disabled."""
         return self._state.last_found_inf if self._enabled else None
 
     @property

@@ -4,29 +4,39 @@
 this rank's gradients are gathered (the layouts and a per-optimizer plan). Each of its verdicts is
 one pass over the local gradients with torch's multi-tensor kernels, at most one ``all_reduce`` of
 two float32 over the group (one for the fused check), and an epilogue of a few small ops on the
-device. No host read.
+device. No host read, but on the CPU, where one costs no sync (below).
 
 Each verdict also leaves this rank's *tensor codes* (one float32 per gradient tensor, negative
 exactly when it held inf/NaN; :mod:`distscaler.attribution`), taken from the statistic it reads
 anyway, for the overflow report.
 
-Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
-``all_reduce``, and with clipping one ``sqrt``):
+**On the CPU a fused step reads its flag** (:func:`host_read_is_free`): a CPU's kernels have run
+when they return, so the read costs no sync; the check then stays torch's kernel and the gradients
+are coded only on a skipped step. On CUDA (and while ``make_fx`` or ``torch.compile`` trace a CPU
+step) the verdict reads nothing: a fused step there never syncs.
 
-==========================  ====================================================================
-:meth:`~VerdictGroup.check`   ``_foreach_norm`` with p = inf (each gradient's largest magnitude:
-                              read-only, inf/NaN exactly when the gradient holds one), ``stack``,
-                              ``nan_to_num`` for the codes, ``amin``, one ``_foreach_addcdiv`` for
-                              ``-min`` and the skip record's next counts, ``clamp`` for a flag of
-                              exactly 0.0 or 1.0 (a fused step without clipping): 6. Without
-                              an overflow report (``skip_log_interval=0``): ``zeros`` and
-                              torch's check kernel with a factor of 1.0: 2.
-:meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then one
-                              ``_foreach_addcdiv`` for the norm, ``scale / max_norm``-scaled norm,
-                              the overflow flag and the skip record's next counts,
-                              ``nan_to_num`` for the exact flag, ``fmax`` for ``grad_scale`` and
+Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
+``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` that also
+makes the update's lanes (the skip record's next counts, a packed policy's operands:
+:meth:`DeviceState.epilogue <distscaler.state.DeviceState.epilogue>`):
+
+============================  ==================================================================
+:meth:`~VerdictGroup.check`   CPU: the ``_foreach_addcdiv`` (the flag's fresh zero), torch's
+                              check kernel with a factor of 1.0 (values unchanged), the flag's
+                              host read: 3 (+ ``_foreach_norm``, ``stack``, ``nan_to_num`` on a
+                              skip). GPU: ``_foreach_norm`` with p = inf (each gradient's
+                              largest magnitude: read-only, inf/NaN exactly when the gradient
+                              holds one), ``stack``, ``nan_to_num`` for the codes, ``amin``, the
+                              ``_foreach_addcdiv`` (``-min``), ``clamp`` for a flag of exactly
+                              0.0 or 1.0: 6. Without an overflow report (``skip_log_interval=0``,
+                              any device): the CPU's without the read: 2.
+:meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then the
+                              ``_foreach_addcdiv`` for the norm, the ``scale / max_norm``-scaled
+                              norm and the overflow flag; CPU (fused): the flag's host read and
+                              ``fmax`` for ``grad_scale`` (``nan_to_num`` for the codes instead on
+                              a skip): 6. GPU: ``nan_to_num`` for the exact flag, ``fmax`` and
                               ``nan_to_num`` for the codes: 7 (6 without an overflow report).
-==========================  ====================================================================
+============================  ==================================================================
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
 to avoid dividing by zero; here the coefficient ``min(1, max_norm / norm)`` is applied as
@@ -205,9 +215,11 @@ class VerdictGroup:
         for the flag and the skip record's next counts, ``clamp`` for a flag of exactly 1.0 or 0.0;
         then an ``all_reduce(MAX)`` of one float32 when the group has more than one rank.
 
-        Without ``codes`` (no overflow report will read them): torch's check kernel with a factor
-        of exactly 1.0 instead (``zeros`` and one launch per group; it writes back the values it
-        read), then the ``all_reduce`` of 2 float32.
+        Without ``codes`` (no overflow report will read them), and on the CPU
+        (:func:`host_read_is_free`): torch's check kernel with a factor of exactly 1.0 instead (one
+        launch per group; it writes back the values it read), then the ``all_reduce`` of 1
+        float32; on the CPU with ``codes`` the flag is read and the gradients coded on a skip
+        (:meth:`_check_kernel`).
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
         on_host = codes and host_read_is_free(state.device)
@@ -302,7 +314,9 @@ class VerdictGroup:
         One read of every gradient byte, at most one ``all_reduce`` of 2 float32, and (fused) the
         gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
         optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
-        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report.
+        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report. A
+        fused step on the CPU reads the flag instead (no sync there, :func:`host_read_is_free`)
+        and codes the norms only on a skip.
         """
         groups, params = self.grads(
             optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True
