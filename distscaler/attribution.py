@@ -23,7 +23,7 @@ a few small device ops:
    and is logged on rank 0 (logger ``"distscaler"``, WARNING).
 
 On the CPU, where a host read costs no sync, a fused step reads the agreed flag and codes its
-gradients only when it is 1.0 (:func:`distscaler.verdict.host_read_is_free`): clean steps there pay
+gradients only when it is 1.0 (:func:`distscaler.host_read.host_read_is_free`): clean steps there pay
 nothing for the report but that read; without clipping the check stays torch's kernel and a skipped
 step takes one more read pass for the codes.
 

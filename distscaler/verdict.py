@@ -10,7 +10,7 @@ Each verdict also leaves this rank's *tensor codes* (one float32 per gradient te
 exactly when it held inf/NaN; :mod:`distscaler.attribution`), taken from the statistic it reads
 anyway, for the overflow report.
 
-**On the CPU a fused step reads its flag** (:func:`host_read_is_free`): a CPU's kernels have run
+**On the CPU a fused step reads its flag** (:mod:`~distscaler.host_read`): a CPU's kernels have run
 when they return, so the read costs no sync; the check then stays torch's kernel and the gradients
 are coded only on a skipped step. On CUDA (and while ``make_fx`` or ``torch.compile`` trace a CPU
 step) the verdict reads nothing: a fused step there never syncs.
@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import host_read
 from .attribution import TensorCodes, tensor_codes
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
 from .state import DeviceState
@@ -216,13 +217,13 @@ class VerdictGroup:
         then an ``all_reduce(MAX)`` of one float32 when the group has more than one rank.
 
         Without ``codes`` (no overflow report will read them), and on the CPU
-        (:func:`host_read_is_free`): torch's check kernel with a factor of exactly 1.0 instead (one
+        (:mod:`~distscaler.host_read`): torch's check kernel with a factor of exactly 1.0 instead (one
         launch per group; it writes back the values it read), then the ``all_reduce`` of 1
         float32; on the CPU with ``codes`` the flag is read and the gradients coded on a skip
         (:meth:`_check_kernel`).
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
-        on_host = codes and host_read_is_free(state.device)
+        on_host = codes and host_read.host_read_is_free(state.device)
         if (not codes or on_host) and all(key.device == state.device for key in groups):
             return self._check_kernel(groups, params, state, codes=codes)
         coded = _codes(groups, state.device)
@@ -315,7 +316,7 @@ class VerdictGroup:
         gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
         optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
         With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report. A
-        fused step on the CPU reads the flag instead (no sync there, :func:`host_read_is_free`)
+        fused step on the CPU reads the flag instead (no sync there, :mod:`~distscaler.host_read`)
         and codes the norms only on a skip.
         """
         groups, params = self.grads(
@@ -336,7 +337,9 @@ class VerdictGroup:
                 [scale, state.max_norm(max_norm), state.inf, *c],
             )
             ends: list[torch.Tensor] | None = ends_
-            if fused and skip_nonfinite and host_read_is_free(device):  # others read it anyway
+            if (
+                fused and skip_nonfinite and host_read.host_read_is_free(device)
+            ):  # others read it anyway
                 return _clip_on_host(
                     groups, params, per_tensor, state, (norm, q, flag), ends_, fused, codes
                 )
@@ -393,27 +396,6 @@ class VerdictGroup:
 # ---------------------------------------------------------------------- kernels
 
 
-#: Device types where reading a value on the host costs no device sync (their kernels already ran
-#: when they returned): there a verdict reads its flag and codes the gradients only on a skip.
-HOST_READ_FREE = frozenset({"cpu"})
-
-
-def host_read_is_free(device: torch.device) -> bool:
-    """Whether a verdict on ``device`` may read its flag on the host: a device of
-    :data:`HOST_READ_FREE` (the CPU) and no graph being traced (``make_fx``, ``torch.compile``),
-    which must record the same device ops as a GPU step. Never on CUDA: fused steps there keep
-    their promise of no host sync."""
-    if device.type not in HOST_READ_FREE or torch.compiler.is_compiling():
-        return False
-    # make_fx's proxy mode, or fake tensors (AOT tracing): two C++ lookups, no Python walk.
-    return _dispatch_mode(_PROXY) is None and _dispatch_mode(_FAKE) is None
-
-
-_dispatch_mode = torch._C._get_dispatch_mode
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
-
-
 def _clip_on_host(
     groups: GradGroups,
     params: tuple[torch.Tensor, ...],
@@ -424,7 +406,7 @@ def _clip_on_host(
     fused: bool,
     codes: bool,
 ) -> ClipVerdict:
-    """The end of :meth:`VerdictGroup.clip` where a host read is free (:func:`host_read_is_free`):
+    """The end of :meth:`VerdictGroup.clip` where a host read is free (:mod:`~distscaler.host_read`):
     ``flag`` (0.0, or NaN for a non-finite norm) is read, the agreed flag is the constant 1.0 or
     0.0, and the per-tensor norms are coded only on a skip; a clean step takes ``fmax`` for
     ``grad_scale``, a skipped one nothing (its ``grad_scale`` is the scale)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import gpu_verdict
 from _layout_scenarios import DEVICE, INIT_SCALE, LAYOUTS, MAX_NORM
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
@@ -87,14 +88,10 @@ def _inject(
 
 
 def run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:
-    import distscaler.verdict as V
-
-    cpu_reads = layout.endswith("-cpuread")
-    saved, V.HOST_READ_FREE = V.HOST_READ_FREE, V.HOST_READ_FREE if cpu_reads else frozenset()
-    try:
+    if layout.endswith("-cpuread"):
         return _run_case(layout.removesuffix("-cpuread"), opt_kind, clip, rank, world_size)
-    finally:
-        V.HOST_READ_FREE = saved
+    with gpu_verdict():
+        return _run_case(layout, opt_kind, clip, rank, world_size)
 
 
 def _run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:

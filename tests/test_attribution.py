@@ -122,7 +122,7 @@ def test_wrapper_attributes_are_not_part_of_the_name():
 
 def test_the_report_is_of_the_last_skipped_step_of_the_interval(monkeypatch):
     # The verdict a GPU runs (no host read of the flag), so that the reads below are the report's.
-    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = distscaler.GradScaler("cpu", skip_log_interval=4).register_model(model)

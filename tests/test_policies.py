@@ -397,7 +397,7 @@ def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(ski
 @pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron", "static"])
 def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
     # The verdict a GPU runs (the CPU's reads its flag each step, see test_step_cost).
-    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
     hyst = 2 if policy in ("deepspeed", "megatron") else 1
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy, hysteresis=hyst)
     model = make_model()
@@ -419,7 +419,7 @@ def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
 def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message(
     monkeypatch,
 ):
-    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())  # a GPU's verdict
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())  # a GPU's verdict
     scaler = GradScaler(
         "cpu",
         init_scale=4.0,

@@ -21,7 +21,7 @@ from common.probes import DispatchCounter, HostReadSpy
 NUM_TENSORS = 144
 
 #: distscaler's scaler phase on the CPU, op by op (clip_grad_norm_ + step + update), a clean step.
-#: A host read costs no sync there (distscaler.verdict.host_read_is_free): the flag is read and the
+#: A host read costs no sync there (distscaler.host_read.host_read_is_free): the flag is read and the
 #: gradients are coded only on a skip.
 OURS_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient
@@ -82,9 +82,9 @@ PACKED_POLICY = {"aten._foreach_clamp_min.Scalar": 1, "aten._foreach_lerp_.List"
 @pytest.fixture
 def gpu_verdict(monkeypatch):
     """The verdict a GPU runs: the flag never read on the host."""
-    import distscaler.verdict
+    import distscaler.host_read
 
-    monkeypatch.setattr(distscaler.verdict, "HOST_READ_FREE", frozenset())
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
 
 
 def _setup(scaler_cls, **settings):
