@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -104,8 +104,7 @@ class PolicyConstants:
         return cls(*values.unbind())
 
 
-@dataclass(frozen=True, slots=True)
-class UpdateContext:
+class UpdateContext(NamedTuple):
     """What one update hands its policy (all tensors 0-dim float32 on the scale's device unless
     said).
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -93,6 +93,7 @@ class DeviceState:
         #: Host numbers the packed policy keeps beside its lanes (``ScalePolicy.unpack``).
         self.policy_host: dict[str, int] = {}
         self._operands_for: tuple[ScalePolicy, ScaleRule] | None = None
+        self._epilogue: tuple[Any, tuple[list, list, list]] | None = None
         self.record = torch.zeros(len(RECORD_LANES), dtype=torch.float32, device=device)
         #: 0-dim views of the record's lanes, for the foreach update.
         self.lanes = list(self.record.unbind())
@@ -144,15 +145,19 @@ class DeviceState:
         """``(a, b, c)`` lists of the ``a + b / c`` lanes an update needs, for the verdict's own
         multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
         packed policy's operands (:meth:`ScalePolicy.operands`)."""
+        self._operands_for = packed = self.packed
+        cached = self._epilogue
+        if cached is not None and cached[0] is packed:  # the same tensors at every step
+            return cached[1]
         one = self.one
         a, b, c = [self.lanes[0], self.lanes[1]], [one, one], [one, one]
-        self._operands_for = self.packed
-        if self.packed is not None:
+        if packed is not None:
             assert self.consts is not None
-            pa, pb, pc = self.packed[0].operands(
+            pa, pb, pc = packed[0].operands(
                 self.policy_lanes, self.lanes[0], self.consts, one, self.zero, self.minus_one
             )
             a, b, c = a + pa, b + pb, c + pc
+        self._epilogue = (packed, (a, b, c))
         return a, b, c
 
     def ends_valid(self, ends: list[torch.Tensor] | None) -> bool:
@@ -168,7 +173,10 @@ class DeviceState:
     def prepare(self, policy: ScalePolicy, rule: ScaleRule) -> None:
         """Pack the policy's counters on their first update (host numbers written to the device,
         no read), or follow a changed rule (a changed growth interval moves the counter lane)."""
-        if policy.num_lanes == 0 or (self.packed is not None and self.packed == (policy, rule)):
+        packed = self.packed
+        if policy.num_lanes == 0 or (
+            packed is not None and packed[0] is policy and (packed[1] is rule or packed[1] == rule)
+        ):
             return
         if self.packed is None or self.packed[0] is not policy:
             if rule.growth_interval > EXACT_GROWTH_INTERVAL:
@@ -179,11 +187,12 @@ class DeviceState:
                     stacklevel=4,
                 )
             values, host = policy.pack(self.pending.growth_tracker, self.pending.policy, rule)
-            packed = torch.tensor(values, dtype=torch.float32).to(self.device)
-            self.policy_lanes = list(packed.unbind())
+            lanes = torch.tensor(values, dtype=torch.float32).to(self.device)
+            self.policy_lanes = list(lanes.unbind())
             self.policy_host = host
         else:
-            old = self.packed[1]
+            assert packed is not None
+            old = packed[1]
             if old.growth_interval != rule.growth_interval:
                 # Keep the count; past the new interval, grow at the next clean step.
                 anchor = self.policy_lanes[0]
@@ -249,6 +258,8 @@ class ScalerState:
         #: The agreed flag of the last update (0-dim float32 on the device), None before one.
         self.last_found_inf: torch.Tensor | None = None
         self._host_updates = 0  # update() calls seen by the host, for the periodic read
+        self._config: ScalerConfig | None = None
+        self._rule: ScaleRule | None = None
 
     @property
     def num_host_updates(self) -> int:
@@ -301,7 +312,10 @@ class ScalerState:
         """
         state = self.device
         assert state is not None
-        policy, rule = get_policy(config.policy), config.rule()
+        if config is not self._config:  # a config is frozen: its rule too
+            self._config, self._rule = config, config.rule()
+        policy, rule = get_policy(config.policy), self._rule
+        assert rule is not None
         state.prepare(policy, rule)
         if not state.ends_valid(ends):
             ends = list(torch._foreach_addcdiv(*state.epilogue()))
