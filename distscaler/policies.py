@@ -2,10 +2,13 @@
 
 A policy turns the agreed ``found_inf`` of one iteration into the next loss scale. The scaler's
 device state owns ``scale`` and torch's ``growth_tracker`` (so that ``state_dict`` stays
-torch-compatible); a policy declares the extra 0-dim int64 state tensors it needs (``state_keys``:
-DeepSpeed's ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``; Megatron's
-``hysteresis_tracker``), and ``update_`` mutates all of them in place with tensor ops only. Every
-setting a rule reads comes from one :class:`ScaleRule`.
+torch-compatible); a policy names the counters it saves (``state_keys``: DeepSpeed's
+``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``; Megatron's ``hysteresis_tracker``) and
+keeps them *packed* on the device: a few float32 lanes that its ``update_`` moves in place with
+multi-tensor ops, riding where it can in the ops an update runs anyway (the verdict's epilogue,
+the skip record's ``_foreach_lerp_``), so that DeepSpeed's and Megatron's rules cost the torch
+rule's ops + 2 (:class:`_PackedPolicy`). Every setting a rule reads comes from one
+:class:`ScaleRule`.
 
 =============  ============================================================================
 ``"torch"``    ``torch.amp.GradScaler``: back off on every overflow, grow after
