@@ -1,24 +1,31 @@
 """Overflow attribution: which ranks and which parameters held inf or NaN at the last skipped step.
 
 Every verdict reads every gradient once and, on the way, takes one statistic per gradient tensor: a
-norm when clipping; each gradient's largest magnitude in the fused check without clipping (which
-reads that instead of running torch's check-and-unscale kernel, whose one flag names nothing). A
+norm when clipping; each gradient's largest magnitude in the fused check without clipping on a GPU
+(which reads that instead of running torch's check-and-unscale kernel, whose one flag names
+nothing). A
 non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the clean steps
 a few small device ops:
 
 1. **Codes** (:func:`tensor_codes`, one ``nan_to_num`` per step): each gradient's statistic when
    finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an inf or -inf (and
    no NaN). Codes are finite, so that a ``lerp`` can keep them.
-2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, one ``lerp_`` per optimizer): a
-   device tensor per optimizer that takes the iteration's codes when the agreed ``found_inf`` is
-   exactly 1.0 and keeps its own when it is 0.0. It always holds this rank's codes of the most
-   recent skipped step, stays on the device and advances under CUDA graph replay.
+2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, a lerp per optimizer that
+   rides in the skip record's one ``_foreach_lerp_``: no op of its own): a device tensor per
+   optimizer that takes the iteration's codes when the agreed ``found_inf`` is exactly 1.0 and
+   keeps its own when it is 0.0. It always holds this rank's codes of the most recent skipped step,
+   stays on the device and advances under CUDA graph replay.
 3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
    ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
    the last report, each rank reads its record (one host read), names its offending tensors and the
    ranks exchange them in one all_gather (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank;
    nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
    and is logged on rank 0 (logger ``"distscaler"``, WARNING).
+
+On the CPU, where a host read costs no sync, a fused step reads the agreed flag and codes its
+gradients only when it is 1.0 (:func:`distscaler.host_read.host_read_is_free`): clean steps there pay
+nothing for the report but that read; without clipping the check stays torch's kernel and a skipped
+step takes one more read pass for the codes.
 
 Paths whose verdict takes no per-tensor statistic: a non-fused optimizer without clipping reads the
 agreed flag on the host anyway and codes its gradients (one more read pass) only when it is 1.0; a
@@ -127,8 +134,9 @@ class TensorCodes(NamedTuple):
 
     #: The parameters of the coded gradients, in the order of ``codes``.
     params: tuple[torch.Tensor, ...]
-    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`).
-    codes: torch.Tensor
+    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`); None for a
+    #: clean step whose flag was read on the host (nothing to record, the record is kept).
+    codes: torch.Tensor | None
 
 
 def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
@@ -153,6 +161,7 @@ class _Record:
 
     def dense(self, coded: TensorCodes) -> torch.Tensor | None:
         """``coded`` in this record's order (absent parameters: clean); None if it holds others."""
+        assert coded.codes is not None
         if coded.params is self.params:
             return coded.codes
         key = tuple(map(id, coded.params))
@@ -225,9 +234,12 @@ class OverflowTracker:
         found_inf: torch.Tensor,
         coded: list[tuple[torch.optim.Optimizer, TensorCodes | None, bool]],
         step: int,
+        lerps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Keep this iteration's codes where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
-        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes.
+        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes, or, given
+        ``lerps``, those lerps appended to it as ``(record, codes, found_inf)`` for the caller to
+        run in its own multi-tensor op (the scaler runs them with the skip record's: no op here).
 
         Args:
             coded: the optimizers stepped in this iteration, their codes (None: not coded, as a
@@ -235,25 +247,40 @@ class OverflowTracker:
                 whether they were taken after the host read the flag (then only on a skip).
             step: the number of this update.
         """
+        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
+        recorded = 0  # stepped optimizers that have a record
         for optimizer, codes, after_read in coded:
             present.add(id(optimizer))
             if codes is None:
+                recorded += optimizer in self._records
                 continue
+            recorded += 1
             record = self._records.get(optimizer)
+            if codes.codes is None:  # clean, read on the host: the record exists, unchanged
+                if record is None:
+                    self._records[optimizer] = _Record(codes.params, found_inf.device)
+                continue
             dense = None if record is None else record.dense(codes)
             if record is None or dense is None:
                 record = _Record(codes.params, codes.codes.device)
                 self._records[optimizer] = record
                 dense = codes.codes
-            record.codes.lerp_(dense, found_inf)
+            pending.append((record.codes, dense, found_inf))
             record.host_step = step if after_read else None
-        for optimizer, record in self._records.items():
+        # Records of optimizers not stepped in this iteration (none when every record's was).
+        records = list(self._records.items()) if len(self._records) > recorded else []
+        for optimizer, record in records:
             if id(optimizer) not in present and record.host_step is None:
                 # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
                 if record.clean is None:
                     record.clean = torch.zeros_like(record.codes)
-                record.codes.lerp_(record.clean, found_inf)
+                pending.append((record.codes, record.clean, found_inf))
+        if lerps is not None:
+            lerps += pending
+        else:
+            for record_codes, end, weight in pending:
+                record_codes.lerp_(end, weight)
 
     # ------------------------------------------------------------------ the report
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -261,7 +262,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             ends=verdict.ends,
             stage=OptState.UNSCALED,
             clipped=True,
-            coded=(optimizer, verdict.codes, False),
+            coded=(optimizer, verdict.codes, verdict.after_read),
         )
         return verdict.norm
 
@@ -277,7 +278,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             verdict.found_inf,
             grad_scale=device_state.scale,
             ends=verdict.ends,
-            coded=(optimizer, verdict.codes, False),
+            coded=(optimizer, verdict.codes, verdict.after_read),
         )
         return state["found_inf_per_device"]
 
@@ -354,14 +355,17 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             found_inf = found[0].to(device_state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
+            lerps: list = []  # the overflow record's, run in the skip record's one op
             if self._attributing:
                 coded = [s["coded"] for s in states if s["coded"] is not None]
-                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1)
-            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None)
+                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1, lerps)
+            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None, lerps)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _apply(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None) -> None:
-        if self._state.update(found_inf, ends, self._config):
+    def _apply(
+        self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: Sequence = ()
+    ) -> None:
+        if self._state.update(found_inf, ends, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
 
     # ------------------------------------------------------------------ device state
@@ -507,7 +511,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
     @property
     def found_inf(self) -> torch.Tensor | None:
         """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
-        else 0.0; no host read; a new tensor at every update). None before one and when disabled."""
+        else 0.0; no host read; never written again). None before one and when disabled."""
         return self._state.last_found_inf if self._enabled else None
 
     @property

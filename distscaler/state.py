@@ -7,8 +7,9 @@ a value on the host and a CUDA graph replay advances it exactly as an eager step
 ``scale``                   0-dim float32, the loss scale (torch's ``_scale``).
 ``growth_tracker``          0-dim int32, clean steps since the last backoff or growth
                             (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``).
-``policy``                  the policy's extra counters, 0-dim int64 each (DeepSpeed's
-                            ``cur_iter``... see :mod:`distscaler.policies`).
+``policy_lanes``            a hysteresis policy's counters, packed in float32 lanes and
+                            updated with the skip record (:mod:`distscaler.policies`);
+                            packed at the first update, until then host numbers.
 ``record``                  float32 ``(4,)``: updates, skipped updates, the number (1-based)
                             of the last skipped update, all counted since the last *fold*,
                             and the loss scale that update used.
@@ -24,14 +25,23 @@ reads them between iterations (:meth:`DeviceState.fold`), which the scaler does 
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._validation import check_scale
-from .errors import MIN_SCALE_MESSAGE, LossScaleAtMinimumError
-from .policies import get_policy
+from .policies import (
+    EXACT_GROWTH_INTERVAL,
+    Lerp,
+    PolicyConstants,
+    ScalePolicy,
+    ScaleRule,
+    UpdateContext,
+    get_policy,
+)
 from .telemetry import SkipLog, SkipTotals
 
 if TYPE_CHECKING:
@@ -73,7 +83,17 @@ class DeviceState:
         self.device = device
         self.scale = full(values.scale, torch.float32)
         self.growth_tracker = full(values.growth_tracker, torch.int32)
-        self.policy = {k: full(v, torch.int64) for k, v in values.policy.items()}
+        #: The policy's counters as host numbers, until the first update packs them.
+        self.pending = values
+        #: (policy, rule) the packed lanes hold, None while not packed (see ``prepare``).
+        self.packed: tuple[ScalePolicy, ScaleRule] | None = None
+        #: The packed counters: 0-dim float32 views of one tensor (``ScalePolicy.pack``).
+        self.policy_lanes: list[torch.Tensor] = []
+        self.consts: PolicyConstants | None = None
+        #: Host numbers the packed policy keeps beside its lanes (``ScalePolicy.unpack``).
+        self.policy_host: dict[str, int] = {}
+        self._operands_for: tuple[ScalePolicy, ScaleRule] | None = None
+        self._epilogue: tuple[Any, tuple[list, list, list]] | None = None
         self.record = torch.zeros(len(RECORD_LANES), dtype=torch.float32, device=device)
         #: 0-dim views of the record's lanes, for the foreach update.
         self.lanes = list(self.record.unbind())
@@ -99,26 +119,87 @@ class DeviceState:
 
     # ------------------------------------------------------------------ the skip record
 
-    def record_(self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None = None) -> None:
+    def record_(
+        self, found_inf: torch.Tensor, ends: list[torch.Tensor], extra: Sequence[Lerp] = ()
+    ) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
-        and the scale it used. One ``_foreach_lerp_`` (plus one ``_foreach_add`` when ``ends`` is
-        not given). Call before the policy changes the scale.
+        and the scale it used; ``extra`` lerps (the overflow record's, the policy's) ride in the
+        same ``_foreach_lerp_``, the one op of this call. Call before the policy changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
-            ends: ``[num_updates + 1, num_skipped + 1]`` as fresh 0-dim tensors, when the verdict
-                already made them (the clip epilogue does, in the same op as the norm).
+            ends: ``[num_updates + 1, num_skipped + 1]`` as fresh 0-dim tensors (the epilogue's,
+                :meth:`epilogue`).
+            extra: ``(tensor, end, weight)`` triples, lerped in place with the record.
         """
-        nu1, ns1 = ends if ends is not None else torch._foreach_add(self.lanes[:2], 1.0)
+        nu1, ns1 = ends
         one = self.one
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(
-            self.lanes, [nu1, ns1, nu1, self.scale], [one, found_inf, found_inf, found_inf]
+            [*self.lanes, *(t for t, _, _ in extra)],
+            [nu1, ns1, nu1, self.scale, *(e for _, e, _ in extra)],
+            [one, found_inf, found_inf, found_inf, *(w for _, _, w in extra)],
         )
 
-    def next_counts(self) -> list[torch.Tensor]:
-        """The tensors a verdict epilogue builds ``ends`` from: ``[num_updates, num_skipped]``."""
-        return self.lanes[:2]
+    def epilogue(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """``(a, b, c)`` lists of the ``a + b / c`` lanes an update needs, for the verdict's own
+        multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
+        packed policy's operands (:meth:`ScalePolicy.operands`)."""
+        self._operands_for = packed = self.packed
+        cached = self._epilogue
+        if cached is not None and cached[0] is packed:  # the same tensors at every step
+            return cached[1]
+        one = self.one
+        a, b, c = [self.lanes[0], self.lanes[1]], [one, one], [one, one]
+        if packed is not None:
+            assert self.consts is not None
+            pa, pb, pc = packed[0].operands(
+                self.policy_lanes, self.lanes[0], self.consts, one, self.zero, self.minus_one
+            )
+            a, b, c = a + pa, b + pb, c + pc
+        self._epilogue = (packed, (a, b, c))
+        return a, b, c
+
+    def ends_valid(self, ends: list[torch.Tensor] | None) -> bool:
+        """Whether ``ends`` came from an :meth:`epilogue` of the lanes as they are packed now."""
+        return (
+            ends is not None
+            and self._operands_for is self.packed
+            and (self.packed is not None or len(ends) == 2)
+        )
+
+    # ------------------------------------------------------------------ packed policy counters
+
+    def prepare(self, policy: ScalePolicy, rule: ScaleRule) -> None:
+        """Pack the policy's counters on their first update (host numbers written to the device,
+        no read), or follow a changed rule (a changed growth interval moves the counter lane)."""
+        packed = self.packed
+        if policy.num_lanes == 0 or (
+            packed is not None and packed[0] is policy and (packed[1] is rule or packed[1] == rule)
+        ):
+            return
+        if self.packed is None or self.packed[0] is not policy:
+            if rule.growth_interval > EXACT_GROWTH_INTERVAL:
+                warnings.warn(
+                    f"policy={policy.name!r} counts its growth interval in float32: with "
+                    f"growth_interval={rule.growth_interval} > {EXACT_GROWTH_INTERVAL} growth may "
+                    "come a few steps early or late",
+                    stacklevel=4,
+                )
+            values, host = policy.pack(self.pending.growth_tracker, self.pending.policy, rule)
+            lanes = torch.tensor(values, dtype=torch.float32).to(self.device)
+            self.policy_lanes = list(lanes.unbind())
+            self.policy_host = host
+        else:
+            assert packed is not None
+            old = packed[1]
+            if old.growth_interval != rule.growth_interval:
+                # Keep the count; past the new interval, grow at the next clean step.
+                anchor = self.policy_lanes[0]
+                anchor.add_(rule.growth_interval - old.growth_interval)
+                anchor.copy_(torch.maximum(anchor, self.lanes[0] - 1.0))
+        self.consts = PolicyConstants.make(rule, self.device)
+        self.packed = (policy, rule)
 
     # ------------------------------------------------------------------ host reads
 
@@ -127,35 +208,38 @@ class DeviceState:
 
         Returns (values of ``extra``, the state as host numbers, the record's four lanes).
         """
-        keys = list(self.policy)
+        lanes = self.policy_lanes if self.packed is not None else []
         parts = [t.reshape(1).to(torch.float64) for t in (*extra, self.scale, self.growth_tracker)]
-        parts += [self.policy[k].reshape(1).to(torch.float64) for k in keys]
+        parts += [t.reshape(1).to(torch.float64) for t in lanes]
         parts.append(self.record.to(torch.float64))
         values = torch.cat(parts).tolist()
         n = len(extra)
-        state = HostValues(
-            scale=values[n],
-            growth_tracker=int(values[n + 1]),
-            policy={k: int(v) for k, v in zip(keys, values[n + 2 : n + 2 + len(keys)])},
-        )
-        return values[:n], state, values[n + 2 + len(keys) :]
+        tracker = int(values[n + 1])
+        record = values[-len(RECORD_LANES) :]
+        if self.packed is None:
+            policy_values = dict(self.pending.policy)
+        else:
+            policy, rule = self.packed
+            lane_values = values[n + 2 : n + 2 + len(lanes)]
+            tracker, policy_values = policy.unpack(lane_values, record, self.policy_host, rule)
+        return values[:n], HostValues(values[n], tracker, policy_values), record
 
-    def fold(self) -> None:
-        """Zero the record's counts after the host has added them to its own (between iterations
-        only: a pending verdict holds ``num_updates + 1`` from before the fold)."""
+    def fold(self, record: list[float]) -> None:
+        """Zero the record's counts (``record``: its lanes as read) after the host has added them to
+        its own (between iterations only: a pending verdict holds ``num_updates + 1`` from before
+        the fold). A packed policy's counter lane follows (one more op)."""
+        if self.packed is not None:
+            self.packed[0].fold(record, self.policy_host)
+            self.policy_lanes[0].sub_(self.lanes[0])
         self.record[:3].zero_()
 
     def write(self, values: HostValues) -> None:
-        """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills."""
+        """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills; a
+        packed policy packs them again at the next update."""
         self.scale.fill_(values.scale)
         self.growth_tracker.fill_(values.growth_tracker)
-        if set(values.policy) != set(self.policy):
-            device = self.device
-            self.policy = {
-                k: torch.full((), 0, dtype=torch.int64, device=device) for k in values.policy
-            }
-        for key, value in values.policy.items():
-            self.policy[key].fill_(value)
+        self.pending = values
+        self.packed = None
         self.record.zero_()
 
 
@@ -174,6 +258,8 @@ class ScalerState:
         #: The agreed flag of the last update (0-dim float32 on the device), None before one.
         self.last_found_inf: torch.Tensor | None = None
         self._host_updates = 0  # update() calls seen by the host, for the periodic read
+        self._config: ScalerConfig | None = None
+        self._rule: ScaleRule | None = None
 
     @property
     def num_host_updates(self) -> int:
@@ -201,7 +287,7 @@ class ScalerState:
         totals = self.skips.totals(record)
         if fold:
             self.skips.fold(record)
-            state.fold()
+            state.fold(record)
         self.skips.report(totals, host.scale, world_size)
         return values, host, totals
 
@@ -210,24 +296,51 @@ class ScalerState:
         found_inf: torch.Tensor,
         ends: list[torch.Tensor] | None,
         config: ScalerConfig,
+        extra: Sequence[Lerp] = (),
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
-        record, then the policy, on the device (two kernels with the torch policy). Returns whether
-        the periodic host read is due (every ``skip_log_interval`` and :data:`FOLD_EVERY` updates,
-        the same update on every rank; never inside CUDA graph capture).
+        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
+        the device (two ops with the torch policy, four with DeepSpeed's or Megatron's, plus the
+        clamp with bounds; ``ends``: the verdict epilogue's lanes, :meth:`DeviceState.epilogue`,
+        else one more op makes them). Returns whether the periodic host read is due (every
+        ``skip_log_interval`` and :data:`FOLD_EVERY` updates, the same update on every rank; never
+        inside CUDA graph capture).
 
         Raises:
             LossScaleAtMinimumError: ``raise_error_at_min_scale`` and the overflow would lower a
-                scale already at ``min_scale`` (checked with one host read).
+                scale already at ``min_scale`` (checked with one host read), before anything moves.
         """
         state = self.device
         assert state is not None
-        policy, rule = get_policy(config.policy), config.rule()
-        if config.raise_error_at_min_scale:
-            if bool(policy.at_minimum(state.scale, found_inf, state.policy, rule)):
-                raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
-        state.record_(found_inf, ends)  # before the policy: it records the scale used
-        policy.update_(state.scale, state.growth_tracker, found_inf, state.policy, rule)
+        if config is not self._config:  # a config is frozen: its rule too
+            self._config, self._rule = config, config.rule()
+        policy, rule = get_policy(config.policy), self._rule
+        assert rule is not None
+        state.prepare(policy, rule)
+        if not state.ends_valid(ends):
+            ends = list(torch._foreach_addcdiv(*state.epilogue()))
+        assert ends is not None
+        counts = ends[:2]
+
+        def record(lerps: list[Lerp]) -> None:
+            state.record_(found_inf, counts, [*extra, *lerps])
+
+        policy.update_(
+            UpdateContext(
+                scale=state.scale,
+                growth_tracker=state.growth_tracker,
+                found=found_inf,
+                lanes=state.policy_lanes,
+                ends=ends[2:],
+                consts=state.consts,
+                one=state.one,
+                zero=state.zero,
+                minus_one=state.minus_one,
+                rule=rule,
+                raise_at_minimum=config.raise_error_at_min_scale,
+                record=record,
+            )
+        )
         self.last_found_inf = found_inf
         self._host_updates += 1
         interval = config.skip_log_interval

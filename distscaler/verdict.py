@@ -4,29 +4,39 @@
 this rank's gradients are gathered (the layouts and a per-optimizer plan). Each of its verdicts is
 one pass over the local gradients with torch's multi-tensor kernels, at most one ``all_reduce`` of
 two float32 over the group (one for the fused check), and an epilogue of a few small ops on the
-device. No host read.
+device. No host read, but on the CPU, where one costs no sync (below).
 
 Each verdict also leaves this rank's *tensor codes* (one float32 per gradient tensor, negative
 exactly when it held inf/NaN; :mod:`distscaler.attribution`), taken from the statistic it reads
 anyway, for the overflow report.
 
-Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
-``all_reduce``, and with clipping one ``sqrt``):
+**On the CPU a fused step reads its flag** (:mod:`~distscaler.host_read`): a CPU's kernels have run
+when they return, so the read costs no sync; the check then stays torch's kernel and the gradients
+are coded only on a skipped step. On CUDA (and while ``make_fx`` or ``torch.compile`` trace a CPU
+step) the verdict reads nothing: a fused step there never syncs.
 
-==========================  ====================================================================
-:meth:`~VerdictGroup.check`   ``_foreach_norm`` with p = inf (each gradient's largest magnitude:
-                              read-only, inf/NaN exactly when the gradient holds one), ``stack``,
-                              ``nan_to_num`` for the codes, ``amin``, one ``_foreach_addcdiv`` for
-                              ``-min`` and the skip record's next counts, ``clamp`` for a flag of
-                              exactly 0.0 or 1.0 (a fused step without clipping): 6. Without
-                              an overflow report (``skip_log_interval=0``): ``zeros`` and
-                              torch's check kernel with a factor of 1.0: 2.
-:meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then one
-                              ``_foreach_addcdiv`` for the norm, ``scale / max_norm``-scaled norm,
-                              the overflow flag and the skip record's next counts,
-                              ``nan_to_num`` for the exact flag, ``fmax`` for ``grad_scale`` and
+Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
+``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` that also
+makes the update's lanes (the skip record's next counts, a packed policy's operands:
+:meth:`DeviceState.epilogue <distscaler.state.DeviceState.epilogue>`):
+
+============================  ==================================================================
+:meth:`~VerdictGroup.check`   CPU: the ``_foreach_addcdiv`` (the flag's fresh zero), torch's
+                              check kernel with a factor of 1.0 (values unchanged), the flag's
+                              host read: 3 (+ ``_foreach_norm``, ``stack``, ``nan_to_num`` on a
+                              skip). GPU: ``_foreach_norm`` with p = inf (each gradient's
+                              largest magnitude: read-only, inf/NaN exactly when the gradient
+                              holds one), ``stack``, ``nan_to_num`` for the codes, ``amin``, the
+                              ``_foreach_addcdiv`` (``-min``), ``clamp`` for a flag of exactly
+                              0.0 or 1.0: 6. Without an overflow report (``skip_log_interval=0``,
+                              any device): the CPU's without the read: 2.
+:meth:`~VerdictGroup.clip`    ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then the
+                              ``_foreach_addcdiv`` for the norm, the ``scale / max_norm``-scaled
+                              norm and the overflow flag; CPU (fused): the flag's host read and
+                              ``fmax`` for ``grad_scale`` (``nan_to_num`` for the codes instead on
+                              a skip): 6. GPU: ``nan_to_num`` for the exact flag, ``fmax`` and
                               ``nan_to_num`` for the codes: 7 (6 without an overflow report).
-==========================  ====================================================================
+============================  ==================================================================
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
 to avoid dividing by zero; here the coefficient ``min(1, max_norm / norm)`` is applied as
@@ -43,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import host_read
 from .attribution import TensorCodes, tensor_codes
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
 from .state import DeviceState
@@ -77,6 +88,8 @@ class ClipVerdict:
     grad_scale: torch.Tensor
     ends: list[torch.Tensor] | None
     codes: TensorCodes | None
+    #: The flag was read on the host and the gradients coded only on a skip.
+    after_read: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +105,8 @@ class CheckVerdict:
     found_inf: torch.Tensor
     ends: list[torch.Tensor] | None
     codes: TensorCodes | None
+    #: The flag was read on the host and the gradients coded only on a skip.
+    after_read: bool = False
 
 
 class VerdictGroup:
@@ -201,33 +216,64 @@ class VerdictGroup:
         for the flag and the skip record's next counts, ``clamp`` for a flag of exactly 1.0 or 0.0;
         then an ``all_reduce(MAX)`` of one float32 when the group has more than one rank.
 
-        Without ``codes`` (no overflow report will read them): torch's check kernel with a factor
-        of exactly 1.0 instead (``zeros`` and one launch per group; it writes back the values it
-        read), then the ``all_reduce`` of 2 float32.
+        Without ``codes`` (no overflow report will read them), and on the CPU
+        (:mod:`~distscaler.host_read`): torch's check kernel with a factor of exactly 1.0 instead (one
+        launch per group; it writes back the values it read), then the ``all_reduce`` of 1
+        float32; on the CPU with ``codes`` the flag is read and the gradients coded on a skip
+        (:meth:`_check_kernel`).
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
-        if not codes:
-            return CheckVerdict(
-                self._agree_flag(check_and_unscale_(groups, inv_scale=state.one)), None, None
-            )
+        on_host = codes and host_read.host_read_is_free(state.device)
+        if (not codes or on_host) and all(key.device == state.device for key in groups):
+            return self._check_kernel(groups, params, state, codes=codes)
         coded = _codes(groups, state.device)
         if coded is None:
             found = state.zero.clone()
             ends = None
         else:
-            a, b = state.next_counts()
-            one = state.one
+            a, b, c = state.epilogue()
             # The smallest code is negative exactly when a gradient is inf/NaN: -min, clamped to
-            # [0, 1], is the flag; the record's next counts come in the same op.
-            neg_min, nu1, ns1 = torch._foreach_addcdiv(
-                [state.zero, a, b], [coded.amin(), one, one], [state.minus_one, one, one]
+            # [0, 1], is the flag; the update's lanes (the record's next counts...) come in the
+            # same op.
+            neg_min, *ends = torch._foreach_addcdiv(
+                [state.zero, *a], [coded.amin(), *b], [state.minus_one, *c]
             )
             found = neg_min.clamp(0.0, 1.0)
-            ends = [nu1, ns1]
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return CheckVerdict(found, ends, None if coded is None else TensorCodes(params, coded))
+
+    def _check_kernel(
+        self,
+        groups: GradGroups,
+        params: tuple[torch.Tensor, ...],
+        state: DeviceState,
+        *,
+        codes: bool,
+    ) -> CheckVerdict:
+        """:meth:`check` with torch's check kernel (a factor of exactly 1.0: values unchanged),
+        where no report reads codes, or where a host read of the flag is free (the CPU): there the
+        gradients are coded only when the flag says skip, after reading it (one more read pass).
+
+        Ops: one ``_foreach_addcdiv`` (the flag's fresh zero and the update's lanes), the kernel
+        (one launch per group), the ``all_reduce(MAX)`` of one float32 at world size > 1; with
+        ``codes`` one host read, and on a skip ``_foreach_norm``, ``stack``, ``nan_to_num``.
+        """
+        a, b, c = state.epilogue()
+        zero, one = state.zero, state.one
+        found, *ends = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
+        for grads in groups.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        group, world_size = self.resolve()
+        if world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        if not codes:
+            return CheckVerdict(found, ends, None)
+        coded = (
+            _codes(groups, state.device) if found.item() else None
+        )  # free: see host_read_is_free
+        return CheckVerdict(found, ends, TensorCodes(params, coded), after_read=True)
 
     def unscale(self, optimizer: torch.optim.Optimizer, state: DeviceState) -> torch.Tensor:
         """Divide the gradients by the scale in place and agree on the overflow flag.
@@ -269,7 +315,9 @@ class VerdictGroup:
         One read of every gradient byte, at most one ``all_reduce`` of 2 float32, and (fused) the
         gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
         optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
-        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report.
+        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report. A
+        fused step on the CPU reads the flag instead (no sync there, :mod:`~distscaler.host_read`)
+        and codes the norms only on a skip.
         """
         groups, params = self.grads(
             optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True
@@ -279,16 +327,22 @@ class VerdictGroup:
         scale = state.scale
         if norm_type == 2.0:
             total, per_tensor = _scaled_two_norm(groups, device, world_size, group, state.verdict)
-            a, b = state.next_counts()
-            zero, one = state.zero, state.one
+            a, b, c = state.epilogue()
+            zero = state.zero
             # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
-            # the record's next counts, in one multi-tensor op.
-            norm, q, flag, nu1, ns1 = torch._foreach_addcdiv(
-                [zero, zero, zero, a, b],
-                [total, total, total, one, one],
-                [scale, state.max_norm(max_norm), state.inf, one, one],
+            # the update's lanes (the record's next counts...), in one multi-tensor op.
+            norm, q, flag, *ends_ = torch._foreach_addcdiv(
+                [zero, zero, zero, *a],
+                [total, total, total, *b],
+                [scale, state.max_norm(max_norm), state.inf, *c],
             )
-            ends: list[torch.Tensor] | None = [nu1, ns1]
+            ends: list[torch.Tensor] | None = ends_
+            if (
+                fused and skip_nonfinite and host_read.host_read_is_free(device)
+            ):  # others read it anyway
+                return _clip_on_host(
+                    groups, params, per_tensor, state, (norm, q, flag), ends_, fused, codes
+                )
             found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
         else:
             local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
@@ -319,9 +373,7 @@ class VerdictGroup:
         local norm is already the global one). Returns the global norm (0-dim float32) and, with
         ``codes``, this rank's tensor codes (None without gradients).
         """
-        groups, params = self.grads(
-            optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True
-        )
+        groups, params = self.grads(optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True)
         group, world_size = self.resolve()
         replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
         if device is None:
@@ -343,6 +395,32 @@ class VerdictGroup:
 
 
 # ---------------------------------------------------------------------- kernels
+
+
+def _clip_on_host(
+    groups: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    per_tensor: torch.Tensor | None,
+    state: DeviceState,
+    epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ends: list[torch.Tensor],
+    fused: bool,
+    codes: bool,
+) -> ClipVerdict:
+    """The end of :meth:`VerdictGroup.clip` where a host read is free (:mod:`~distscaler.host_read`):
+    ``flag`` (0.0, or NaN for a non-finite norm) is read, the agreed flag is the constant 1.0 or
+    0.0, and the per-tensor norms are coded only on a skip; a clean step takes ``fmax`` for
+    ``grad_scale``, a skipped one nothing (its ``grad_scale`` is the scale)."""
+    norm, q, flag = epilogue
+    skipped = not math.isfinite(flag.item())
+    found = state.one if skipped else state.zero
+    grad_scale = state.scale if skipped else torch.fmax(q, state.scale)
+    if not fused:
+        _div_groups_(groups, grad_scale)
+    coded = _coded(params, per_tensor, codes and skipped)
+    if codes and coded is None:
+        coded = TensorCodes(params, None)  # clean: nothing to record
+    return ClipVerdict(norm, found, grad_scale, ends, coded, after_read=codes)
 
 
 def _coded(

@@ -4,7 +4,8 @@ DeepSpeed's overflow check, on the same gradients, interleaved, with the memory-
 Sweeps (one knob at a time from a base case of 38M fp32 parameters in 144 tensors, fused AdamW,
 clipping at 1.0): gradient bytes, tensor count at equal bytes, gradient dtype, optimizer (fused,
 foreach, for-loop) x clipping on/off, the launch-bound case (tiny gradients, 10 to 10,000 tensors:
-host microseconds and device ops per step), world size 1/2/4 under torchrun (gloo) for DDP and
+host microseconds and device ops per step, also for distscaler's DeepSpeed and Megatron rules and
+without its overflow report), world size 1/2/4 under torchrun (gloo) for DDP and
 FSDP2, and the collectives of FSDP2/HSDP at up to 4096 ranks with the fake process group. For each
 case it reports the phase's median time, the whole optimizer step, the optimizer alone, the floors
 (one read pass ``_foreach_norm``, one read+write pass ``_foreach_mul_``) and, per step, device ops,
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from benchkit.cases import measure, plain_params
-from benchkit.contenders import CONTENDERS
+from benchkit.contenders import CONTENDERS, VARIANTS
 from benchkit.launch_cost import measure_launch
 from benchkit.report import check_targets, markdown, plot
 from benchkit.sweeps import SWEEPS, plan
@@ -66,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=CONTENDERS,
         default=None,
-        help="default: all (distscaler-graph on --device cuda only)",
+        help="default: all (distscaler-graph on --device cuda only); the launch sweep adds "
+        "distscaler's variants (its DeepSpeed and Megatron rules, no overflow report) when "
+        "distscaler runs",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument(
@@ -181,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for sweep, case in tqdm(p.single, desc="single-process cases", unit="case"):
             if sweep == "launch":
+                variants = list(VARIANTS) if "distscaler" in args.contenders else []
                 launch = measure_launch(
                     case,
                     device=device,
-                    contenders=[c for c in args.contenders if c != "distscaler-graph"],
+                    contenders=[c for c in args.contenders if c != "distscaler-graph"] + variants,
                     rounds=rounds,
                     warmup=warmup,
                 )

@@ -3,9 +3,10 @@ and digests that compare parameters and optimizer state bit for bit (across rank
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "OPTIMIZERS",
     "TARGETS",
     "digest",
+    "gpu_verdict",
     "make_optimizer",
     "mlp",
     "model_digest",
@@ -32,6 +34,20 @@ OPTIMIZERS = ("fused", "foreach", "for-loop")
 FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 #: Which ranks a fault hits: the first, the last, or every rank.
 TARGETS = ("first", "last", "all")
+
+
+@contextlib.contextmanager
+def gpu_verdict() -> Iterator[None]:
+    """The verdict a GPU runs, on the CPU: the flag never read on the host (the CPU's own verdict
+    reads it, free there: ``distscaler.host_read``). For tests that prove a fused step's no-read
+    promise on gloo."""
+    import distscaler.host_read as host_read
+
+    saved, host_read.HOST_READ_FREE = host_read.HOST_READ_FREE, frozenset()
+    try:
+        yield
+    finally:
+        host_read.HOST_READ_FREE = saved
 
 
 def target_ranks(target: str, world_size: int) -> set[int]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import gpu_verdict
 from _layout_scenarios import DEVICE, INIT_SCALE, LAYOUTS, MAX_NORM
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
@@ -31,11 +32,15 @@ UPDATES = 8
 _VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 #: (layout, optimizer, clip) per world size. DDP runs every verdict path: clip (fused), the fused
-#: check, and the non-fused step that codes its gradients after reading the flag.
+#: check, and the non-fused step that codes its gradients after reading the flag. Every case runs
+#: the verdict a GPU runs (no host read of the flag: ``HOST_READ_FREE`` emptied) except the
+#: ``-cpuread`` ones, which run the CPU's (the flag read on the host, gradients coded on a skip).
 CASES: dict[int, list[tuple[str, str, bool]]] = {
     2: [
         ("ddp-no_sync", "fused", True),
         ("ddp-no_sync", "fused", False),
+        ("ddp-no_sync-cpuread", "fused", True),
+        ("ddp-no_sync-cpuread", "fused", False),
         ("ddp-no_sync", "foreach", False),
         ("fsdp2-fp16", "fused", True),
         ("pp", "fused", True),
@@ -83,6 +88,13 @@ def _inject(
 
 
 def run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:
+    if layout.endswith("-cpuread"):
+        return _run_case(layout.removesuffix("-cpuread"), opt_kind, clip, rank, world_size)
+    with gpu_verdict():
+        return _run_case(layout, opt_kind, clip, rank, world_size)
+
+
+def _run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:
     built = LAYOUTS[layout][1](rank, world_size, opt_kind)
     assert built.model is not None
     scaler = GradScaler(DEVICE, init_scale=INIT_SCALE, skip_log_interval=INTERVAL)

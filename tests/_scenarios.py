@@ -17,6 +17,7 @@ from _common import (
     FAULTS,
     OPTIMIZERS,
     TARGETS,
+    gpu_verdict,
     make_optimizer,
     mlp,
     model_digest,
@@ -180,10 +181,16 @@ def clip_norms(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
 
 
 def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
-    """Collectives (CommDebugMode) and host reads inside (clip_grad_norm_ +) step + update.
+    """Collectives (CommDebugMode) and host reads inside (clip_grad_norm_ +) step + update, with
+    the verdict a GPU runs (``gpu_verdict``).
 
     Rank 0 writes a NaN on step 2, so clean and overflowing steps are both measured.
     """
+    with gpu_verdict():
+        return _step_costs(rank, world_size, device)
+
+
+def _step_costs(rank: int, world_size: int, device: str) -> dict[str, Any]:
     results = {}
     for opt_kind, clip, enabled in itertools.product(OPTIMIZERS, (False, True), (True, False)):
         model = mlp().to(device)

@@ -395,7 +395,9 @@ def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(ski
 
 
 @pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron", "static"])
-def test_update_reads_nothing_on_the_host_for_every_policy(policy):
+def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
+    # The verdict a GPU runs (the CPU's reads its flag each step, see test_step_cost).
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
     hyst = 2 if policy in ("deepspeed", "megatron") else 1
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy, hysteresis=hyst)
     model = make_model()
@@ -414,7 +416,10 @@ def test_update_reads_nothing_on_the_host_for_every_policy(policy):
     assert (len(scales) > 1) is (policy != "static")  # the rule really ran
 
 
-def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message():
+def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message(
+    monkeypatch,
+):
+    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())  # a GPU's verdict
     scaler = GradScaler(
         "cpu",
         init_scale=4.0,
@@ -446,7 +451,10 @@ def test_without_raise_the_scale_clamps_at_min_scale():
     "kwargs, match",
     [
         (dict(policy="apex"), r"policy must be one of .*'deepspeed'.*, got: 'apex'"),
-        (dict(hysteresis=0, policy="deepspeed"), r"hysteresis must be an integer in \[1, 9223372036854775807\], got: 0"),
+        (
+            dict(hysteresis=0, policy="deepspeed"),
+            r"hysteresis must be an integer in \[1, 9223372036854775807\], got: 0",
+        ),
         (dict(hysteresis=2), r"hysteresis must be 1 for policy='torch'"),
         (dict(consecutive_hysteresis=True, policy="megatron"), r"needs policy='deepspeed'"),
         (dict(raise_error_at_min_scale=True), r"raise_error_at_min_scale=True needs min_scale"),
@@ -500,3 +508,56 @@ def test_policies_stay_identical_across_ranks_with_overflows_on_one_rank(rank_ru
 
 def test_public_names():
     assert distscaler.ScalerConfig is not None and distscaler.LossScaleAtMinimumError
+
+
+# ----------------------------------------------------------------------------- packed counters
+
+
+def test_megatron_growth_interval_changed_mid_run_continues_the_count():
+    ours = GradScaler("cpu", init_scale=8.0, growth_interval=3, policy="megatron", hysteresis=2)
+    ref = MegatronReference(8.0, 0.0, 2.0, 0.5, 3, 2)
+    overflows = [False, True, False, False, True, True, False, False]
+    for overflow in overflows:
+        ref.update(overflow)
+        ours.update_scale(overflow)
+    assert ours.state_dict()["_growth_tracker"] == ref.growth_tracker == 2  # guard: mid-count
+    ours.set_growth_interval(5)  # raised: the counter moves with it, as Megatron's own
+    ref.interval = 5
+    scale_at_change = ref.scale
+    for overflow in [False, False, False, True, False, False, False, False, False, False]:
+        ref.update(overflow)
+        ours.update_scale(overflow)
+        state = ours.state_dict()
+        assert (state["scale"], state["_growth_tracker"], state["hysteresis_tracker"]) == (
+            ref.scale,
+            ref.growth_tracker,
+            ref.hysteresis_tracker,
+        )
+    assert ref.scale > scale_at_change  # guard: a growth happened under the new interval
+    # Lowered below the count: the next clean step grows (tracker >= interval), then counts anew.
+    for _ in range(3):
+        ours.update_scale(False)
+    before = ours.get_scale()
+    ours.set_growth_interval(2)
+    ours.update_scale(False)
+    assert ours.get_scale() == 2 * before and ours.state_dict()["_growth_tracker"] == 0
+
+
+def test_deepspeed_state_round_trips_mid_hysteresis_through_a_fold_and_a_reload():
+    ref, ours = build_pair(
+        {"init": 2.0**10, "min_exp": 0, "window": 3, "hyst": 3, "consec": False, "raise_": False}
+    )
+    overflows = [False] * 4 + [True, False, True, False, False]
+    run_both(ref, update_scale_driver(ours), overflows)  # reads (folds) after every update
+    assert ours.cur_hysteresis == 1 and ours.cur_iter == 9  # guard: mid-hysteresis
+    resumed = GradScaler("cpu", policy="deepspeed", hysteresis=3, growth_interval=3, min_scale=1.0)
+    resumed.load_state_dict(ours.state_dict())
+    run_both(ref, update_scale_driver(resumed), [False, False, False, True, True, False] * 2)
+
+
+def test_a_growth_interval_past_float32_counting_warns_once_packed():
+    scaler = GradScaler("cpu", policy="megatron", hysteresis=2, growth_interval=2**23)
+    with pytest.warns(UserWarning, match=r"growth_interval=8388608 > 4194304 growth may come"):
+        scaler.update_scale(False)
+    scaler.update_scale(False)  # packed already: no second warning (pytest errors on unexpected)
+    assert scaler.state_dict()["_growth_tracker"] == 2

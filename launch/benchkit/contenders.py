@@ -22,6 +22,7 @@ What each one runs (``clip`` = a max norm, or None for no clipping):
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,11 +34,33 @@ from torch import nn
 import distscaler
 from common.tensors import local_tensor
 
-__all__ = ["CONTENDERS", "Contender", "build_contender", "floors", "noop_step", "optimizer_like"]
+__all__ = [
+    "CONTENDERS",
+    "VARIANTS",
+    "Contender",
+    "build_contender",
+    "floors",
+    "noop_step",
+    "optimizer_like",
+]
 
 #: Every contender, in the order the reports list them. ``distscaler-graph`` (CUDA only): the same
 #: sequence as ``distscaler``, captured once in a CUDA graph and replayed.
 CONTENDERS = ("distscaler", "torch", "torch-sharded", "deepspeed", "distscaler-graph")
+#: distscaler with other settings (the launch sweep runs them beside ``distscaler``): the DeepSpeed
+#: rule as ``ScalerConfig.from_deepspeed`` gives it to a DeepSpeed user (hysteresis 2, window 1000,
+#: minimum 1, raise at the minimum: one host read per update), Megatron's rule (hysteresis 2,
+#: minimum 1), and the torch rule without the overflow report (``skip_log_interval=0``).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "distscaler-deepspeed": {"deepspeed": {"fp16": {"enabled": True}}},
+    "distscaler-megatron": {
+        "policy": "megatron",
+        "hysteresis": 2,
+        "min_scale": 1.0,
+        "growth_interval": 1000,
+    },
+    "distscaler-noreport": {"skip_log_interval": 0},
+}
 
 INIT_SCALE = 2.0**16
 
@@ -95,7 +118,9 @@ def build_contender(
     try:
         builder = _BUILDERS[name]
     except KeyError:
-        raise ValueError(f"contender must be one of {CONTENDERS}, got: {name!r}") from None
+        raise ValueError(
+            f"contender must be one of {CONTENDERS + tuple(VARIANTS)}, got: {name!r}"
+        ) from None
     try:
         return builder(
             params=list(params),
@@ -117,11 +142,35 @@ class _NotApplicable(Exception):
     """This contender has no way to run in this configuration (said in the report)."""
 
 
+def _settings(variant: str | None) -> dict[str, Any]:
+    settings = dict(VARIANTS[variant]) if variant is not None else {}
+    if "deepspeed" in settings:
+        from distscaler.config import ScalerConfig
+
+        settings = ScalerConfig.from_deepspeed(settings["deepspeed"]).scaler_kwargs()
+        settings.pop("init_scale")
+        settings.pop("enabled", None)
+    return settings
+
+
 def _distscaler(
-    *, params, make_optimizer, optimizer, clip, device, layout, model, init_scale, setup_scaler, **_
+    *,
+    params,
+    make_optimizer,
+    optimizer,
+    clip,
+    device,
+    layout,
+    model,
+    init_scale,
+    setup_scaler,
+    variant=None,
+    **_,
 ) -> Contender:
+    settings = _settings(variant)
+
     def make() -> distscaler.GradScaler:
-        scaler = distscaler.GradScaler(device.type, init_scale=init_scale)
+        scaler = distscaler.GradScaler(device.type, init_scale=init_scale, **settings)
         if setup_scaler is not None:
             setup_scaler(scaler)
         elif layout == "ddp":
@@ -139,7 +188,7 @@ def _distscaler(
         return run
 
     return Contender(
-        "distscaler",
+        variant or "distscaler",
         phase=sequence(make(), noop_step(make_optimizer())),
         step=sequence(make(), optimizer),
     )
@@ -278,6 +327,7 @@ def _captured(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
 
 _BUILDERS: dict[str, Callable[..., Contender]] = {
     "distscaler": _distscaler,
+    **{name: functools.partial(_distscaler, variant=name) for name in VARIANTS},
     "distscaler-graph": _distscaler_graph,
     "torch": _torch_scaler(sharded=False),
     "torch-sharded": _torch_scaler(sharded=True),

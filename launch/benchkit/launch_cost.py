@@ -8,7 +8,13 @@ AdamW, with and without clipping:
 * ``host_us``: host time of one phase call, median over interleaved rounds, without waiting for the
   device (on a CPU, where ops run synchronously, it is the whole time);
 * ``ops``: device ops the phase dispatches (:class:`common.probes.DispatchCounter`), the same
-  on every machine: what a GPU launches (per dtype group, independent of the tensor count).
+  on every machine: what a GPU launches (per dtype group, independent of the tensor count). On a
+  CPU one of distscaler's is the host read of its flag (``_local_scalar_dense``: no sync there,
+  see ``distscaler.host_read.host_read_is_free``); a GPU runs the verdict without it instead.
+
+Beside ``distscaler`` (the torch rule, overflow report on) run its variants
+(``benchkit.contenders.VARIANTS``): the DeepSpeed rule as ``ScalerConfig.from_deepspeed`` gives it,
+Megatron's, and the torch rule without the overflow report.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from common.probes import count_per_step
 
 from .cases import Case, build_contenders, plain_params
+from .contenders import VARIANTS
 
 __all__ = ["LAUNCH_NUMEL", "launch_table", "launch_targets", "measure_launch"]
 
@@ -135,9 +142,8 @@ def launch_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def launch_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: one row per (tensor count, clipping), host time and ops per contender."""
-    names = [n for n in ("distscaler", "torch", "torch-sharded", "deepspeed") if any(
-        n in r["host_us"] or n in r["errors"] for r in rows
-    )]  # fmt: skip
+    order = ("distscaler", *VARIANTS, "torch", "torch-sharded", "deepspeed")
+    names = [n for n in order if any(n in r["host_us"] or n in r["errors"] for r in rows)]
     lines = [
         "| tensors, clip | "
         + " | ".join(f"{n} host us" for n in names)
