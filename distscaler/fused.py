@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -24,8 +23,10 @@ from .errors import CallOrderError
 __all__ = ["fused_step", "run_step", "takes_grad_scaler", "uses_fused_scaling"]
 
 #: ``step`` function -> whether it takes torch's deprecated ``grad_scaler`` keyword. Reading a
-#: signature costs tens of microseconds, once per step otherwise.
-_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: signature costs tens of microseconds, once per step otherwise. A plain dict, not a
+#: ``WeakKeyDictionary``: torch.compile traces this lookup, and dynamo fails on a weak mapping
+#: ("weak object has gone away"). Step functions live as long as their classes.
+_TAKES_GRAD_SCALER: dict[Any, bool] = {}
 _ATTRIBUTES = ("grad_scale", "found_inf")
 
 
@@ -40,7 +41,7 @@ def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     takes = "grad_scaler" in inspect.signature(step).parameters
     try:
         _TAKES_GRAD_SCALER[func] = takes
-    except TypeError:  # not weak-referenceable: not cached
+    except TypeError:  # not hashable: not cached
         pass
     return takes
 

@@ -509,6 +509,18 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         return self._read()[1].growth_tracker if self._enabled else 0
 
     @property
+    def _init_growth_tracker(self) -> int:
+        # torch's private field, read by code that inspects torch's scaler: the tracker the device
+        # state starts from (0; the loaded one after load_state_dict; the pickled one after
+        # unpickling), as torch sets it. No host read.
+        return self._state.initial.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        # Before the first scale() it is where the device state starts, as in torch.
+        self._state.initial = dataclasses.replace(self._state.initial, growth_tracker=int(value))
+
+    @property
     def found_inf(self) -> torch.Tensor | None:
         """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
         else 0.0; no host read; never written again). None before one and when disabled."""

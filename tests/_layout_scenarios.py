@@ -24,6 +24,7 @@ Nothing here asserts across ranks; every rank runs the same collectives in the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from _common import (
     optim_digest,
     target_ranks,
 )
+from _torch_gaps import CRASH, run_case, torch_gaps
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -547,18 +549,28 @@ def layout_matrix(rank: int, world_size: int, only: set[str] | None = None) -> d
         if size != world_size or (only is not None and name not in only):
             continue
         for i, opt_kind in enumerate(OPTIMIZERS):
-            schedule = schedule_for(name, i)
-            start = time.perf_counter()
-            ours = run_ours(name, rank, world_size, opt_kind, schedule)
-            middle = time.perf_counter()
-            ref = run_torch(name, rank, world_size, opt_kind, schedule)
-            results[f"{name}-{opt_kind}"] = {
-                "schedule": schedule,
-                "ours": ours,
-                "torch": ref,
-                "seconds": [middle - start, time.perf_counter() - middle],
-            }
+            # A crash (torch's own, on an old torch) fails this layout only, not its neighbours.
+            result = run_case(functools.partial(_layout_case, name, rank, world_size, opt_kind, i))
+            results[f"{name}-{opt_kind}"] = result
+            if CRASH in result:  # the same crash for its other optimizers: not run again
+                for other in OPTIMIZERS[i + 1 :]:
+                    results[f"{name}-{other}"] = result
+                break
     return results
+
+
+def _layout_case(name: str, rank: int, world_size: int, opt_kind: str, i: int) -> dict[str, Any]:
+    schedule = schedule_for(name, i)
+    start = time.perf_counter()
+    ours = run_ours(name, rank, world_size, opt_kind, schedule)
+    middle = time.perf_counter()
+    ref = run_torch(name, rank, world_size, opt_kind, schedule)
+    return {
+        "schedule": schedule,
+        "ours": ours,
+        "torch": ref,
+        "seconds": [middle - start, time.perf_counter() - middle],
+    }
 
 
 # ---------------------------------------------------------------------- unknown layouts
@@ -580,57 +592,60 @@ UNKNOWN_CASES = ("fsdp1-unregistered", "plain-no-grad-layout", "fsdp2-sub-mesh")
 
 def unknown_layouts(rank: int, world_size: int) -> dict[str, Any]:
     """clip_grad_norm_ without a known layout raises on every rank, changes nothing, hangs nothing."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     results: dict[str, Any] = {}
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     for case in UNKNOWN_CASES:
-        if case == "fsdp1-unregistered":
-            model: nn.Module = FSDP(mlp(0, DIMS), device_id=torch.device(DEVICE))
-        elif case == "fsdp2-sub-mesh":  # sharded over a 1-rank dp sub-mesh: copies on the tp ranks
-            model = mlp(0, DIMS)
-            mesh = init_device_mesh(DEVICE, (1, world_size), mesh_dim_names=("dp", "tp"))
-            fully_shard(model, mesh=mesh["dp"])
-        else:
-            model = mlp(0, DIMS)
-        opt = make_optimizer("fused", model.parameters())
-        scaler = GradScaler(DEVICE, init_scale=INIT_SCALE)
-        copies = case == "fsdp2-sub-mesh"  # the tp ranks of one replica see the same batch
-        with torch.autocast(DEVICE, dtype=torch.float16):
-            loss = model(_data(0 if copies else rank, 0)).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        grads_before = digest([p.grad for p in model.parameters()])
-        record: dict[str, Any] = {}
-        if copies:  # every rank holds the whole gradient: the global norm is the local one
-            local = [local_tensor(p.grad).double() / INIT_SCALE for p in model.parameters()]
-            record["local_norm"] = math.sqrt(sum(float(g.pow(2).sum()) for g in local))
-        with CommDebugMode() as comm, _expect_unknown(record):
-            scaler.clip_grad_norm_(opt, MAX_NORM)
-        record["collectives"] = comm.get_total_counts()
-        record["grads_unchanged"] = digest([p.grad for p in model.parameters()]) == grads_before
-        record["stage"] = scaler._per_optimizer_states[id(opt)]["stage"].name
-        # The ranks are still in step: a later collective completes (no rank waits in a verdict).
-        probe = torch.ones(1)
-        dist.all_reduce(probe)
-        record["probe"] = float(probe)
-        # After registering (or naming the layout), the same scaler works.
-        if case == "fsdp1-unregistered":
-            scaler.register_model(model)
-        elif case == "fsdp2-sub-mesh":
-            scaler.register_model(model, grad_layout="replicated")
-        else:
-            scaler.register_model(model, grad_layout="sharded")
-        record["norm_after_fix"] = float(scaler.clip_grad_norm_(opt, MAX_NORM))
-        scaler.step(opt)
-        scaler.update()
-        results[case] = record
+        results[case] = run_case(functools.partial(_unknown_case, case, rank, world_size))
     return results
 
 
+def _unknown_case(case: str, rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    if case == "fsdp1-unregistered":
+        model: nn.Module = FSDP(mlp(0, DIMS), device_id=torch.device(DEVICE))
+    elif case == "fsdp2-sub-mesh":  # sharded over a 1-rank dp sub-mesh: copies on the tp ranks
+        model = mlp(0, DIMS)
+        mesh = init_device_mesh(DEVICE, (1, world_size), mesh_dim_names=("dp", "tp"))
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model = mlp(0, DIMS)
+    opt = make_optimizer("fused", model.parameters())
+    scaler = GradScaler(DEVICE, init_scale=INIT_SCALE)
+    copies = case == "fsdp2-sub-mesh"  # the tp ranks of one replica see the same batch
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        loss = model(_data(0 if copies else rank, 0)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    grads_before = digest([p.grad for p in model.parameters()])
+    record: dict[str, Any] = {}
+    if copies:  # every rank holds the whole gradient: the global norm is the local one
+        local = [local_tensor(p.grad).double() / INIT_SCALE for p in model.parameters()]
+        record["local_norm"] = math.sqrt(sum(float(g.pow(2).sum()) for g in local))
+    with CommDebugMode() as comm, _expect_unknown(record):
+        scaler.clip_grad_norm_(opt, MAX_NORM)
+    record["collectives"] = comm.get_total_counts()
+    record["grads_unchanged"] = digest([p.grad for p in model.parameters()]) == grads_before
+    record["stage"] = scaler._per_optimizer_states[id(opt)]["stage"].name
+    # The ranks are still in step: a later collective completes (no rank waits in a verdict).
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    record["probe"] = float(probe)
+    # After registering (or naming the layout), the same scaler works.
+    if case == "fsdp1-unregistered":
+        scaler.register_model(model)
+    elif case == "fsdp2-sub-mesh":
+        scaler.register_model(model, grad_layout="replicated")
+    else:
+        scaler.register_model(model, grad_layout="sharded")
+    record["norm_after_fix"] = float(scaler.clip_grad_norm_(opt, MAX_NORM))
+    scaler.step(opt)
+    scaler.update()
+    return record
+
+
 def everything(rank: int, world_size: int) -> dict[str, Any]:
-    out = {"matrix": layout_matrix(rank, world_size)}
+    out = {"torch_gaps": torch_gaps(world_size), "matrix": layout_matrix(rank, world_size)}
     if world_size == 2:
         out["unknown"] = unknown_layouts(rank, world_size)
     return out

@@ -419,6 +419,30 @@ def test_pickle_round_trip():
     assert torch.load(buffer, weights_only=True) == scaler.state_dict()
 
 
+def test_init_growth_tracker_follows_torchs_through_load_and_pickle():
+    # torch's private field, read by code (and torch's own tests) that inspect torch's scaler.
+    ours, theirs = distscaler.GradScaler("cpu", growth_interval=5), torch.amp.GradScaler("cpu")
+    assert ours._init_growth_tracker == theirs._init_growth_tracker == 0
+    train(ours, "fused", steps=3)
+    assert ours._get_growth_tracker() == 3, "the tracker never moved: nothing to check"
+    assert ours._init_growth_tracker == 0  # as torch's: it does not follow the device tracker
+    saved = ours.state_dict()
+    for scaler in (distscaler.GradScaler("cpu"), torch.amp.GradScaler("cpu")):
+        scaler.load_state_dict(saved)
+        assert scaler._init_growth_tracker == 3
+    theirs.load_state_dict(saved)
+    theirs.scale(torch.ones(()))  # theirs too holds its tracker on the device now
+    for scaler in (ours, theirs):
+        scaler._growth_tracker.fill_(4)
+        copy = pickle.loads(pickle.dumps(scaler))
+        assert copy._init_growth_tracker == 4
+        assert copy._get_growth_tracker() == 4
+    fresh = distscaler.GradScaler("cpu")
+    fresh._init_growth_tracker = 2  # before the first scale(): where the device state starts
+    fresh.scale(torch.ones(()))
+    assert fresh._get_growth_tracker() == 2
+
+
 # ----------------------------------------------------------------- enabled=False, device="cuda"
 
 

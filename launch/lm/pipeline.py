@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.distributed import Dist
+from common.torch_compat import pipeline_grad_kwargs
 from common.wrapping import ddp_device_ids
 from distscaler import GradScaler
 from lm.config import TrainConfig
@@ -210,9 +211,11 @@ def build_pipeline(model: ByteGPT, cfg: TrainConfig, d: Dist) -> PipelineParalle
         output_args=torch.empty(mb, T, model.vocab_size, dtype=logits_dtype, device=d.device)
         if stage == num_stages - 1
         else hidden,
-        output_grads=None if stage == num_stages - 1 else hidden,
-        input_grads=None if stage == 0 else hidden,
         group=mesh["pp"].get_group(),
+        **pipeline_grad_kwargs(
+            output_grads=None if stage == num_stages - 1 else hidden,
+            input_grads=None if stage == 0 else hidden,
+        ),
     )
     loss_fn = PipelineLoss()
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.pp_schedule]
