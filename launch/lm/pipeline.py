@@ -19,6 +19,7 @@ DDP's all-reduce when dp > 1, and one broadcast of the loss from the last stage 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.distributed import Dist
-from common.torch_compat import pipeline_grad_kwargs
+from common.torch_compat import pipeline_eval, pipeline_grad_kwargs
 from common.wrapping import ddp_device_ids
 from distscaler import GradScaler
 from lm.config import TrainConfig
@@ -132,10 +133,12 @@ class PipelineParallel(Parallel):
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, *, train: bool) -> list:
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
+        run = self.schedule.step if train else functools.partial(pipeline_eval, self.schedule)
         with torch.autocast(x.device.type, dtype=torch.float16, enabled=cfg.amp):
             if self.is_first:
-                run(x)
+                # Contiguous: x is a view of the (B, T + 1) batch, and torch 2.6 checks strides
+                # against the stage's static input_args.
+                run(x.contiguous())
             elif self.is_last:
                 run(target=y, losses=losses)
             else:
