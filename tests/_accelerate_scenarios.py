@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import mlp
+from _common import mlp, set_rank_env
 
 from common.tensors import params_digest
 
@@ -158,9 +158,5 @@ def fsdp2_load_state(tmp: str) -> dict[str, Any]:
 
 def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    # Accelerate reads the process layout from the environment; the group already exists.
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )  # fmt: skip
+    set_rank_env(rank, world_size)
     return {"ddp": ddp_skip_and_clip(), "fsdp2": fsdp2_load_state(tmp)}

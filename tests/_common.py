@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "model_digest",
     "optim_digest",
     "optimizer_tensors",
+    "set_rank_env",
     "target_ranks",
 ]
 
@@ -112,3 +114,12 @@ def model_digest(model: nn.Module) -> str:
 
 def optim_digest(opt: torch.optim.Optimizer) -> str:
     return digest(optimizer_tensors(opt))
+
+
+def set_rank_env(rank: int, world_size: int) -> None:
+    """torchrun's rank variables for a spawned rank: Accelerate (and so the Trainer) reads the
+    process layout from the environment; the process group already exists."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip

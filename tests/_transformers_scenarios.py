@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import set_rank_env
 
 from common.tensors import local_tensor, params_digest
 
@@ -240,10 +241,7 @@ def _sft_data() -> tuple[Any, Any]:
 
 def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )  # fmt: skip
+    set_rank_env(rank, world_size)
     import transformers
 
     transformers.logging.set_verbosity_error()
