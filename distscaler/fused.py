@@ -19,6 +19,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .errors import CallOrderError
+from .traced_step import NOT_TRACED, traced_step
 
 __all__ = ["fused_step", "run_step", "takes_grad_scaler", "uses_fused_scaling"]
 
@@ -32,13 +33,15 @@ _ATTRIBUTES = ("grad_scale", "found_inf")
 
 def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` takes torch's deprecated ``grad_scaler=`` keyword."""
-    step = optimizer.step
-    func = getattr(step, "__func__", step)  # the same function behind every bound method
+    # Keyed by the class's step: the deprecated keyword is a class's contract (an instance patch
+    # such as an LR scheduler's keeps the signature), and dynamo traces a class attribute where
+    # torch 2.6 cannot trace a bound method's __func__.
+    func = type(optimizer).step
     try:
         return _TAKES_GRAD_SCALER[func]
     except (KeyError, TypeError):
         pass
-    takes = "grad_scaler" in inspect.signature(step).parameters
+    takes = "grad_scaler" in inspect.signature(optimizer.step).parameters
     try:
         _TAKES_GRAD_SCALER[func] = takes
     except TypeError:  # not hashable: not cached
@@ -70,7 +73,9 @@ def fused_step(
         found_inf: 0-dim float32, exactly 1.0 to skip the step.
 
     The optimizer's ``grad_scale``/``found_inf`` attributes are left as they were, also when the
-    step raises. No host read, no collective.
+    step raises. No host read, no collective. While ``torch.compile`` traces, a fused torch
+    ``Adam``/``AdamW`` step is traced into the same graph (:mod:`distscaler.traced_step`; no
+    attribute is set: dynamo cannot set attributes on an optimizer).
     """
     prior = {k: optimizer.__dict__[k] for k in _ATTRIBUTES if k in vars(optimizer)}
     user_scale = prior.get("grad_scale")
@@ -78,6 +83,9 @@ def fused_step(
         grad_scale = user_scale
     elif user_scale is not None:
         grad_scale = grad_scale * user_scale
+    stepped = traced_step(optimizer, grad_scale, found_inf, args, kwargs)  # compiling only
+    if stepped is not NOT_TRACED:
+        return stepped
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
     optimizer.found_inf = found_inf  # type: ignore[attr-defined]
     try:

@@ -150,6 +150,12 @@ class VerdictGroup:
         group is kept: one kept past ``destroy_process_group()`` would be torn down at interpreter
         exit, which aborts gloo ("terminate called without an active exception").
         """
+        if torch.compiler.is_compiling():
+            # dynamo before torch 2.13 cannot take id() of a ProcessGroup; it guards on what it
+            # reads here, and a compiled step's collective is bound to the group it traced.
+            if not (dist.is_available() and dist.is_initialized()):
+                return None, 1
+            return self.process_group, dist.get_world_size(self.process_group)
         world = dist.GroupMember.WORLD if dist.is_available() else None
         key = None if world is None else id(world)
         resolved = self._resolved

@@ -9,6 +9,7 @@ injects an inf on the last rank at ``INJECT_STEP`` so that the run grows, skips 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -102,7 +103,9 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def compile_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     """Per (optimizer kind, clip): ours eager and compiled (scales, skips, norms, parameter
-    difference), and torch's recipe's parameter difference compiled vs eager with clipping."""
+    difference), and torch's recipe's parameter difference compiled vs eager with clipping; the
+    whole fused phase with ``fullgraph=True``; at world size 1 the graph breaks, the traced step's
+    optimizer variants and inductor's kernel counts."""
     torch.manual_seed(0)
     out: dict[str, Any] = {}
     for opt_kind in OPT_KINDS:
@@ -125,18 +128,41 @@ def compile_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                 "param_diff": _max_diff(t_eager["params"], t_comp["params"]),
                 "scales": [t_eager["scales"], t_comp["scales"]],
             }
-    out["fullgraph"] = _fullgraph(rank, world_size)
+    out["fullgraph"] = {
+        clip_id: _fullgraph(rank, world_size, clip) for clip_id, clip in CLIP_IDS.items()
+    }
     if world_size == 1:
-        out["breaks"] = _break_sites()
+        out["breaks"] = {kind: _break_sites(kind) for kind in OPT_KINDS}
+        out["variants"] = _traced_variants()
         out["kernels"] = compiled_kernels()
     return out
 
 
-def _break_sites() -> list[str]:
-    """Where dynamo breaks the graph of the fused, clipped phase (``skip_log_interval=0``): the
-    file and line of each break (torch's optimizer step only, if nothing of ours breaks it)."""
+CLIP_IDS = {"noclip": False, "clip": True}
+
+
+def _whole_phase(scaler: Any, optimizer: torch.optim.Optimizer, clip: bool) -> Any:
+    # The same phase under its own code object, so that dynamo's cache of _COMPILED (graph
+    # breaks allowed) can never stand in for a fullgraph=True compile.
+    return _scaler_phase(scaler, optimizer, clip)
+
+
+#: The whole phase as one graph: clip_grad_norm_ (its all_reduce included), step, update.
+_FULLGRAPH = torch.compile(_whole_phase, fullgraph=True)
+
+
+def _num_graphs() -> int:
+    # Graphs dynamo has compiled in this process: proof that a compiled run really compiled
+    # (past the recompile limit dynamo would run the function eagerly instead).
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _break_sites(opt_kind: str) -> list[str]:
+    """Where dynamo breaks the graph of the clipped phase (``skip_log_interval=0``): the file and
+    line of each break. Fused AdamW: none; foreach: torch's optimizer step (``_use_grad``) and the
+    host read of the agreed flag that decides a non-fused step."""
     model = _model()
-    optimizer = make_optimizer("fused", model.parameters())
+    optimizer = make_optimizer(opt_kind, model.parameters())
     scaler = GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
     _backward(model, scaler, 0, 0, 1)
     explained = torch._dynamo.explain(_scaler_phase)(scaler, optimizer, True)
@@ -146,74 +172,139 @@ def _break_sites() -> list[str]:
     ]
 
 
-def _fullgraph(rank: int, world_size: int) -> dict[str, Any]:
-    """Fused AdamW, ``skip_log_interval=0``: ``clip_grad_norm_`` (the collective included) and
-    ``update`` each traced with ``fullgraph=True``; torch's optimizer step between them breaks any
-    graph by design (``torch/optim/optimizer.py``: ``_use_grad`` calls ``graph_break()``)."""
+def _fullgraph(rank: int, world_size: int, clip: bool) -> dict[str, Any]:
+    """Fused AdamW on a tensor lr under an LR scheduler, with a step pre- and post-hook,
+    ``skip_log_interval=0``: the whole phase traced with ``fullgraph=True`` against eager (the
+    hooks' calls, the scheduler's lr and its warnings, the optimizer's step counts and
+    gradients)."""
     results = {}
     for compiled in (False, True):
         model = _model()
-        optimizer = make_optimizer("fused", model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        # Hooks count into a tensor: a list that grew would make dynamo recompile at every step.
+        hook_calls = torch.zeros(2)
+
+        def pre_hook(*_: Any, calls: torch.Tensor = hook_calls) -> None:
+            calls[0] += 1
+
+        def post_hook(*_: Any, calls: torch.Tensor = hook_calls) -> None:
+            calls[1] += 1
+
+        optimizer.register_step_pre_hook(pre_hook)
+        optimizer.register_step_post_hook(post_hook)
         scaler = GradScaler(
             "cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, skip_log_interval=0
         ).register_model(model, grad_layout="replicated")
-        clip, update = scaler.clip_grad_norm_, scaler.update
-        if compiled:
-            clip = torch.compile(clip, fullgraph=True)
-            update = torch.compile(update, fullgraph=True)
-        scales, norms = [], []
-        for step in range(NUM_STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            _backward(model, scaler, step, rank, world_size)
-            norms.append(float(clip(optimizer, 1.0)))
-            scaler.step(optimizer)
-            update()
-            scales.append(scaler.get_scale())
+        phase = _FULLGRAPH if compiled else _scaler_phase
+        torch._dynamo.reset()  # this scenario's compiles alone, far from the recompile limit
+        graphs = _num_graphs()
+        scales, norms, lrs = [], [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(NUM_STEPS):
+                optimizer.zero_grad(set_to_none=True)
+                _backward(model, scaler, step, rank, world_size)
+                norm = phase(scaler, optimizer, clip)
+                schedule.step()
+                scales.append(scaler.get_scale())
+                norms.append(None if norm is None else float(norm))
+                lrs.append(float(optimizer.param_groups[0]["lr"]))
         results["compiled" if compiled else "eager"] = {
+            "graphs": _num_graphs() - graphs,
             "scales": scales,
             "norms": norms,
+            "lrs": lrs,
+            "hook_calls": hook_calls.tolist(),
+            "scheduler_warnings": [
+                str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)
+            ],
+            "steps": [float(s["step"]) for s in optimizer.state.values()],
             "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.detach().clone() for p in model.parameters()],
         }
-    return {
-        "scales": [results["eager"]["scales"], results["compiled"]["scales"]],
-        "norms": [results["eager"]["norms"], results["compiled"]["norms"]],
-        "param_diff": _max_diff(results["eager"]["params"], results["compiled"]["params"]),
+    eager, compiled_run = results["eager"], results["compiled"]
+    out = {k: [eager[k], compiled_run[k]] for k in eager if k not in ("params", "grads")}
+    out["param_diff"] = _max_diff(eager["params"], compiled_run["params"])
+    out["grad_diff"] = _max_diff(eager["grads"], compiled_run["grads"])
+    return out
+
+
+def _traced_variants() -> dict[str, Any]:
+    """The fused step's other shapes traced whole, against eager: ``Adam`` (coupled weight decay)
+    with amsgrad and maximize, and ``AdamW`` over two parameter groups of two dtypes (one
+    kernel per dtype). Clipped, an inf at ``INJECT_STEP``."""
+    variants = {
+        "adam-amsgrad-maximize": lambda params: torch.optim.Adam(
+            params, lr=0.01, weight_decay=0.1, amsgrad=True, maximize=True, fused=True
+        ),
+        "adamw-two-dtypes": lambda params: torch.optim.AdamW(
+            [{"params": params[:2]}, {"params": params[2:], "lr": 0.02}], lr=0.01, fused=True
+        ),
     }
+    out = {}
+    for name, make in variants.items():
+        runs = {}
+        for compiled in (False, True):
+            model = _model()
+            if name == "adamw-two-dtypes":
+                model[2].to(torch.bfloat16)
+                model[2].register_forward_pre_hook(lambda _, args: (args[0].bfloat16(),))
+            optimizer = make(list(model.parameters()))
+            scaler = GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
+            phase = _FULLGRAPH if compiled else _scaler_phase
+            torch._dynamo.reset()
+            graphs = _num_graphs()
+            scales = []
+            for step in range(4):
+                optimizer.zero_grad(set_to_none=True)
+                _backward(model, scaler, step, 0, 1)
+                phase(scaler, optimizer, True)
+                scales.append(scaler.get_scale())
+            runs[compiled] = {
+                "graphs": _num_graphs() - graphs,
+                "scales": scales,
+                "params": [p.detach().float().clone() for p in model.parameters()],
+                "state": [
+                    t.detach().float().clone() for s in optimizer.state.values() for t in s.values()
+                ],
+            }
+        out[name] = {
+            "graphs": runs[True]["graphs"],
+            "scales": [runs[False]["scales"], runs[True]["scales"]],
+            "param_diff": _max_diff(runs[False]["params"], runs[True]["params"]),
+            "state_diff": _max_diff(runs[False]["state"], runs[True]["state"]),
+            "num_state": len(runs[True]["state"]),
+        }
+    return out
 
 
 def compiled_kernels() -> dict[str, Any]:
-    """Kernels inductor generates for the fused, clipped phase's two scaler graphs on the CPU
-    (``clip_grad_norm_`` and ``update``, ``skip_log_interval=0``) against the device ops eager
-    dispatches for the same calls (:class:`common.probes.DispatchCounter`)."""
+    """Kernels inductor generates for the whole fused phase (``clip_grad_norm_`` or not, then
+    ``step`` and ``update``; ``skip_log_interval=0``) traced as one graph on the CPU, against the
+    device ops eager dispatches for the same calls (:class:`common.probes.DispatchCounter`), the
+    optimizer's fused step included, after a warm-up step (the optimizer's state exists)."""
     from torch._inductor.utils import run_and_get_code
 
     from common.probes import DispatchCounter
 
-    model = _model()
-    optimizer = make_optimizer("fused", model.parameters())
-    scaler = GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
     counts: dict[str, Any] = {}
-    for compiled in (False, True):
-        optimizer.zero_grad(set_to_none=True)
+    for clip_id, clip in CLIP_IDS.items():
+        model = _model()
+        optimizer = make_optimizer("fused", model.parameters())
+        scaler = GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
         _backward(model, scaler, 0, 0, 1)
-        if compiled:
-            clip = torch.compile(scaler.clip_grad_norm_, fullgraph=True)
-            update = torch.compile(scaler.update, fullgraph=True)
-            _, clip_code = run_and_get_code(clip, optimizer, 1.0)
-            scaler.step(optimizer)
-            _, update_code = run_and_get_code(update)
-            counts["compiled"] = {
-                "clip_grad_norm_": _kernels(clip_code),
-                "update": _kernels(update_code),
-            }
-        else:
-            with DispatchCounter() as ops:
-                scaler.clip_grad_norm_(optimizer, 1.0)
-            clip_ops = ops.total
-            scaler.step(optimizer)
-            with DispatchCounter() as ops:
-                scaler.update()
-            counts["eager"] = {"clip_grad_norm_": clip_ops, "update": ops.total}
+        _scaler_phase(scaler, optimizer, clip)  # warm-up: the optimizer's state, the plans
+        optimizer.zero_grad(set_to_none=True)
+        _backward(model, scaler, 1, 0, 1)
+        with DispatchCounter() as ops:
+            _scaler_phase(scaler, optimizer, clip)
+        optimizer.zero_grad(set_to_none=True)
+        _backward(model, scaler, 2, 0, 1)
+        _, code = run_and_get_code(
+            torch.compile(_whole_phase, fullgraph=True), scaler, optimizer, clip
+        )
+        counts[clip_id] = {"eager": ops.total, "eager_ops": ops.ops, "compiled": _kernels(code)}
     return counts
 
 

@@ -1,0 +1,213 @@
+"""A fused optimizer step that ``torch.compile`` can trace whole, so a compiled scaler phase has no
+graph break.
+
+torch keeps every optimizer step out of a compiled graph: ``Optimizer.step``'s ``_use_grad`` wrapper
+calls ``torch._dynamo.graph_break()`` before and after the step, dynamo refuses to trace torch's
+fused optimizer functions (``torch.optim.adam._fused_adam`` is wrapped in ``torch.compiler.disable``:
+"don't trace into fused optimizer"), and the in-place kernel ``aten::_fused_adam(w)_`` fails
+functionalization without amsgrad (an empty mutable tensor list; torch 2.6 to 2.15). So
+``clip_grad_norm_`` + ``step`` + ``update`` through torch's step is at least three graphs, and
+``fullgraph=True`` raises.
+
+While dynamo traces (``torch.compiler.is_compiling()``), :func:`traced_step` runs a fused torch
+``Adam``/``AdamW`` step as torch's own wrappers and ``Adam.step`` would, minus the graph breaks:
+
+1. the global and the optimizer's step pre-hooks (torch's ``profile_hook_step``);
+2. per parameter group, the optimizer's own ``_init_group`` (dynamo runs it eagerly, so state is
+   made exactly as torch makes it), then per (device, dtype) group what ``_fused_adam`` does: the
+   step counts + 1, torch's fused kernel, the step counts - ``found_inf``. The kernel runs through
+   its out-of-place overload ``aten::_fused_adam``/``_fused_adamw`` (the same kernel: the same bits
+   as the eager step) and its results are copied back into the parameters, the gradients (the
+   kernel writes them unscaled) and the moments;
+3. the step post-hooks, and the mark an LR scheduler reads (``optimizer._opt_called``).
+
+Anything else returns :data:`NOT_TRACED` before touching anything, and the caller runs
+``optimizer.step()`` (torch's path: correct, with graph breaks): other optimizer classes or an
+overridden ``step``, an instance ``step`` patched by anything but an LR scheduler, fused SGD and
+Adagrad (``aten::_fused_sgd_`` has no fake kernel: it cannot be traced), tensor betas,
+``differentiable=True``, step arguments. Eager calls never come here.
+
+Cost, compiled: the fused kernel once per (device, dtype) group, and one copy of the parameters,
+gradients and moments back from the kernel's outputs (inductor fuses the copies into one kernel per
+group on the CPU); no host read, no collective.
+
+Sources: ``torch/optim/optimizer.py`` (``_use_grad_for_differentiable``, ``profile_hook_step``),
+``torch/optim/adam.py`` and, before torch 2.7, ``torch/optim/adamw.py`` (``step``,
+``_fused_adam(w)``), ``torch/optim/lr_scheduler.py`` (``patch_track_step_called``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from itertools import chain
+from typing import Any, Final
+
+import torch
+from torch.optim import Optimizer
+from torch.optim import optimizer as _torch_optimizer
+
+from ._torch_compat import torch_at_least
+
+__all__ = ["NOT_TRACED", "traced_step"]
+
+#: What :func:`traced_step` returns when it did nothing: run ``optimizer.step()`` instead.
+NOT_TRACED: Final = object()
+
+
+#: The optimizer classes whose fused step this module mirrors (exactly these: a subclass may
+#: change the step) -> whether their ``_init_group`` takes ``amsgrad`` (``AdamW`` before torch
+#: 2.7, a class of its own there).
+_MIRRORED: Final[dict[type, bool]] = {
+    cls: "amsgrad" in inspect.signature(cls._init_group).parameters
+    for cls in (torch.optim.Adam, torch.optim.AdamW)
+}
+
+#: dynamo before torch 2.13 cannot trace the scaler's step whole (``id()`` of a process group or
+#: of None in the scaler's caches; an optimizer passed to a constant-result function); there
+#: torch's step runs, between graph breaks. Tried: 2.6.0, 2.7.1, 2.10.0 (no); 2.13.0, 2.15.0.
+_DYNAMO_TRACES_THE_PHASE: Final = torch_at_least(2, 13)
+
+
+def _mirrored(optimizer: Optimizer) -> bool | None:
+    """Whether ``optimizer``'s ``_init_group`` takes ``amsgrad``, if its step is one this module
+    mirrors; else None. Traced by dynamo: attribute reads only (it cannot unwrap torch's step)."""
+    takes_amsgrad = _MIRRORED.get(type(optimizer))
+    instance_step = optimizer.__dict__.get("step")
+    if instance_step is not None and not (
+        # An LR scheduler's wrapper (torch/optim/lr_scheduler.py) around the class's step: it
+        # only sets the mark that _mark_stepped sets.
+        getattr(instance_step, "_wrapped_by_lr_sched", False)
+        and instance_step.__wrapped__ is type(optimizer).step
+    ):
+        return None  # patched by something whose effect we cannot reproduce
+    return takes_amsgrad
+
+
+def _traceable(optimizer: Optimizer) -> bool:
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("differentiable"):
+            return False
+        if any(isinstance(v, torch.Tensor) for v in group["betas"]):
+            return False  # torch reads tensor betas on the host
+    return True
+
+
+def traced_step(
+    optimizer: Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run a fused ``Adam``/``AdamW`` step inside the graph dynamo is tracing, or do nothing.
+
+    Args:
+        optimizer: the optimizer to step.
+        grad_scale: 0-dim float32 the kernel divides the gradients by, or None.
+        found_inf: 0-dim float32; exactly 1.0 makes the kernel skip the update and the step count
+            stay, as torch's fused step does.
+        args, kwargs: ``step``'s own arguments; any makes this return :data:`NOT_TRACED`.
+
+    Returns:
+        None (what ``Adam.step`` returns without a closure) after stepping, or :data:`NOT_TRACED`
+        when not tracing or the step is not one this module mirrors (nothing was run or changed).
+    """
+    if args or kwargs or not (_DYNAMO_TRACES_THE_PHASE and torch.compiler.is_compiling()):
+        return NOT_TRACED
+    init_takes_amsgrad = _mirrored(optimizer)
+    if init_takes_amsgrad is None or not _traceable(optimizer):
+        return NOT_TRACED
+    for pre_hook in chain(
+        _torch_optimizer._global_optimizer_pre_hooks.values(),
+        optimizer._optimizer_step_pre_hooks.values(),
+    ):
+        if pre_hook(optimizer, (), {}) is not None:
+            raise RuntimeError(
+                "an optimizer step pre-hook returned new step arguments, which a compiled "
+                "distscaler step cannot pass on (GradScaler takes no step arguments)"
+            )
+    with torch.no_grad():  # what _use_grad sets for a non-differentiable optimizer
+        for group in optimizer.param_groups:
+            _step_group(optimizer, group, grad_scale, found_inf, init_takes_amsgrad)
+    for post_hook in chain(
+        optimizer._optimizer_step_post_hooks.values(),
+        _torch_optimizer._global_optimizer_post_hooks.values(),
+    ):
+        post_hook(optimizer, (), {})
+    if "step" in optimizer.__dict__ and not getattr(optimizer, "_opt_called", False):
+        _mark_stepped(optimizer)
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _mark_stepped(optimizer: Optimizer) -> bool:
+    # The mark an LR scheduler's step wrapper sets (torch/optim/lr_scheduler.py), read once, at
+    # the scheduler's first step, to warn about a scheduler stepped before its optimizer. dynamo
+    # drops (torch 2.13) or refuses (2.6) attribute writes on an optimizer; a constant-result
+    # function runs for real, once, while the step is traced, which is enough for a flag that is
+    # only ever set.
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+    return True
+
+
+def _step_group(
+    optimizer: Any,
+    group: dict[str, Any],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor,
+    init_takes_amsgrad: bool,
+) -> None:
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    exp_avgs: list[torch.Tensor] = []
+    exp_avg_sqs: list[torch.Tensor] = []
+    max_exp_avg_sqs: list[torch.Tensor] = []
+    steps: list[torch.Tensor] = []
+    amsgrad = group["amsgrad"]
+    if init_takes_amsgrad:
+        optimizer._init_group(
+            group, params, grads, amsgrad, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+        )
+    else:
+        optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+    if not params:
+        return
+    decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+    packet = torch.ops.aten._fused_adamw if decoupled else torch.ops.aten._fused_adam
+    lr = group["lr"]
+    # A tensor lr (torch's advice for compiled steps under an LR scheduler: no recompile when it
+    # changes) goes to the kernel as a tensor, on the parameters' device unless on the CPU.
+    kernel = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
+    beta1, beta2 = group["betas"]
+    # _fused_adam's grouping by (device, dtype): one kernel launch per group.
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        by_kind.setdefault((p.device, p.dtype), []).append(i)
+    for (device, _), index in by_kind.items():
+        # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (empty without amsgrad)
+        lists = [
+            [t[i] for i in index] if t else []
+            for t in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+        ]
+        dev_steps = [steps[i] for i in index]
+        dev_found_inf = found_inf.to(device, non_blocking=True)
+        torch._foreach_add_(dev_steps, 1)
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            lr = lr.to(device, non_blocking=True)
+        outs = kernel(
+            *lists,
+            dev_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=amsgrad,
+            maximize=group["maximize"],
+            grad_scale=None if grad_scale is None else grad_scale.to(device, non_blocking=True),
+            found_inf=dev_found_inf,
+        )
+        for dst, src in zip(lists, outs):
+            if dst:
+                torch._foreach_copy_(dst, src)
+        torch._foreach_sub_(dev_steps, [dev_found_inf] * len(dev_steps))
