@@ -71,6 +71,8 @@ def _classes() -> tuple[type, type, type]:
         records: list[dict[str, Any]]
         injected: list[int]
         raw_grad_norms: list[float]
+        compute_dtypes: set[str]
+        first_state: dict[str, Any] | None = None
 
         def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
             t: Any = self
@@ -88,8 +90,10 @@ def _classes() -> tuple[type, type, type]:
 
         def train_step(self, data_iterator: Any) -> None:
             t: Any = self
-            super().train_step(data_iterator)  # type: ignore[misc]
             scaler = getattr(t, "grad_scaler", None)
+            if scaler is not None and self.first_state is None:  # after a resume's load
+                self.first_state = scaler.state_dict()
+            super().train_step(data_iterator)  # type: ignore[misc]
             self.records.append(
                 {
                     "step": t.step,
@@ -111,7 +115,9 @@ def _classes() -> tuple[type, type, type]:
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.item()
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    return (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -171,6 +177,11 @@ def _run(kind: str, tmp: str, name: str, *, inject: bool = True, **kwargs: Any) 
     trainer = (OursProbe if kind == "ours" else StockProbe)(config)
     adapt_pipeline_schedule(trainer)
     trainer.records, trainer.injected, trainer.raw_grad_norms = [], [], []
+    trainer.compute_dtypes = set()
+    linears = [m for m in trainer.model_parts[0].modules() if isinstance(m, torch.nn.Linear)]
+    linears[0].register_forward_hook(  # the dtype FSDP2's policy computes in
+        lambda module, args, output: trainer.compute_dtypes.add(str(output.dtype))
+    )
     if inject:
         trainer.inject_rank, trainer.inject_step = dist.get_world_size() - 1, INJECT_STEP
     recorder = Recorder()
@@ -186,6 +197,8 @@ def _run(kind: str, tmp: str, name: str, *, inject: bool = True, **kwargs: Any) 
         injected=trainer.injected,
         raw_grad_norms=trainer.raw_grad_norms,
         grad_type=type(next(trainer.model_parts[0].parameters())).__name__,
+        compute_dtypes=sorted(trainer.compute_dtypes),
+        first_state=trainer.first_state,
     )
     if kind == "ours":
         scaler = trainer.grad_scaler

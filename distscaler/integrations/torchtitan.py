@@ -67,13 +67,14 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 try:
     import torchtitan
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+    from torchtitan.config import TrainingConfig
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils as tt_utils
     from torchtitan.tools.logging import logger as tt_logger
@@ -96,7 +97,14 @@ from ..layouts import GradLayout
 from ..scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
-__all__ = ["TESTED_VERSION", "DistScalerTrainer", "fp16", "scale_loss_fn", "scaled_for_backward"]
+__all__ = [
+    "TESTED_VERSION",
+    "DistScalerTrainer",
+    "Fp16TrainingConfig",
+    "fp16",
+    "scale_loss_fn",
+    "scaled_for_backward",
+]
 
 #: The torchtitan release this module is written against and tested with.
 TESTED_VERSION = "0.3.0"
@@ -237,6 +245,16 @@ def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
 # ----------------------------------------------------------------------------- the trainer
 
 
+@dataclass(kw_only=True, slots=True)
+class Fp16TrainingConfig(TrainingConfig):
+    """torchtitan's ``training`` section with ``float16`` among the parameter dtypes (its default
+    here); ``--training.mixed_precision_param`` takes it on the command line."""
+
+    mixed_precision_param: Literal["float16", "bfloat16", "float32"] = "float16"
+    """Parameter dtype of FSDP2's ``MixedPrecisionPolicy`` (gradients are reduced in
+    ``mixed_precision_reduce``, float32)."""
+
+
 class DistScalerTrainer(Trainer):
     """torchtitan's ``Trainer`` with a ``distscaler.GradScaler``: fp16 training whose overflowing
     steps every rank skips together (see the module docstring).
@@ -261,6 +279,7 @@ class DistScalerTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        training: Fp16TrainingConfig = field(default_factory=Fp16TrainingConfig)
         grad_scaler: ScalerConfig = field(default_factory=ScalerConfig)
         """The loss scaler's settings, one flag each (``--grad_scaler.init_scale 65536``...)."""
 
@@ -309,6 +328,16 @@ class DistScalerTrainer(Trainer):
             tt_logger.warning(
                 "distscaler: no module is wrapped by fully_shard, so mixed_precision_param=%s has "
                 "no effect (torchtitan applies it through FSDP2's MixedPrecisionPolicy)",
+                config.training.mixed_precision_param,
+            )
+        if (
+            config.training.mixed_precision_param != "float16"
+            and grad_scaler.config.policy != "static"
+        ):
+            tt_logger.warning(
+                "distscaler: mixed_precision_param=%s does not need a loss scale; "
+                "--grad_scaler.policy static --grad_scaler.init_scale 1 keeps only the agreement "
+                "on non-finite steps",
                 config.training.mixed_precision_param,
             )
         tt_logger.info(
@@ -487,11 +516,13 @@ def fp16(config: Any, scaler: ScalerConfig | None = None) -> DistScalerTrainer.C
     if scaler is not None and not isinstance(scaler, ScalerConfig):
         raise TypeError(f"scaler must be a ScalerConfig or None, got: {type(scaler).__name__}")
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+    training = {
+        f.name: getattr(config.training, f.name) for f in dataclasses.fields(TrainingConfig)
+    }
+    values["training"] = Fp16TrainingConfig(**{**training, "mixed_precision_param": "float16"})
     if scaler is None:
         scaler = getattr(config, "grad_scaler", None) or ScalerConfig()
-    out = DistScalerTrainer.Config(**values, grad_scaler=scaler)
-    out.training.mixed_precision_param = "float16"  # outside the command line's Literal
-    return out
+    return DistScalerTrainer.Config(**values, grad_scaler=scaler)
 
 
 def _config_function(name: str) -> Callable[[], DistScalerTrainer.Config]:
