@@ -16,47 +16,40 @@ Or from a config function of your own (``--module my_configs --config llama3_8b_
 
 What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what :class:`DistScalerTrainer` changes:
 
-* **fp16.** ``training.mixed_precision_param`` takes ``bfloat16`` or ``float32`` on the command
-  line. :func:`fp16` sets ``float16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=float16,
-  reduce_dtype=float32)`` (torchtitan applies it through ``fully_shard`` even at a shard degree of 1).
-* **Loss scaling.** torchtitan has no scaler. Its default LLM loss, ``ChunkedLossWrapper``, runs the
-  output layer's backward inside the loss call and ignores the gradient that reaches its result, so
-  ``scaler.scale(loss).backward()`` would train with gradients divided by the scale. Here the loss
-  object (the wrapper's inner loss for a ``ChunkedLossWrapper``) returns :func:`scaled_for_backward`
-  of its value: the same value, a gradient multiplied by the scale. Pipeline schedules call that same
-  object.
-* **Clip, step, verdict.** ``Trainer.train_step`` clips with ``dist_utils.clip_grad_norm_`` (scaled
-  gradients) and steps the optimizers; an inf gradient turns into NaN weights and the next step stops
-  the job ("Loss is not finite"). :meth:`DistScalerTrainer.train_step` clips with
-  :meth:`GradScaler.clip_grad_norm_` (the global norm of the unscaled gradients, every layout, in the
-  verdict's one ``all_reduce``), then ``step`` and ``update``: every rank skips the step, or none
-  does, and the scale backs off on every rank. A non-finite loss is logged, not raised.
-* **Fused optimizers.** torchtitan's ``OptimizersContainer`` holds one optimizer per model part (and
-  per optimizer name). When every one of them takes ``grad_scale``/``found_inf`` (``Adam``/``AdamW``/
-  ``SGD``/``Adagrad`` with ``implementation="fused"``, torchtitan's default), the scaler's verdict
-  covers all their parameters and the container's ``step()`` runs with both handed to each inner
-  optimizer: the container's and the optimizers' step hooks run as in stock, on skipped steps too
-  (as a fused optimizer's do under torch's scaler), no host read. Otherwise (``foreach``,
-  ``for-loop``, ``DistMuon``...) the container itself is the scaler's optimizer: one in-place
-  unscale pass and one host read of the agreed flag per step; on a skipped step the container's
-  ``step()`` (hooks included) does not run.
-* **Logs.** At each of torchtitan's logging steps the metrics logger (console, TensorBoard, W&B)
-  gets ``distscaler/scale``, ``distscaler/skipped`` (since the previous log), ``distscaler/skipped_total``
-  and, once a step was skipped, ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``;
-  a skip is logged as a warning naming the parameters and ranks (:meth:`GradScaler.report_overflow`).
-  The LR scheduler steps on skipped steps too (torch's recipe; holding it would cost a host read
-  per step).
-* **Checkpoints.** ``Trainer.state_dict`` (torchtitan's ``train_state``) carries the scaler's state:
-  a resume continues with the same scale, tracker and skip counts.
+* **fp16.** Its command line takes ``bfloat16``/``float32`` parameters only; :func:`fp16` (and the
+  command line here) sets ``float16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=float16,
+  reduce_dtype=float32)``, which torchtitan applies through ``fully_shard`` even at shard degree 1.
+* **Loss scaling.** No scaler. Its default LLM loss, ``ChunkedLossWrapper``, runs the output layer's
+  backward inside the loss call and ignores the gradient reaching its result: with
+  ``scaler.scale(loss).backward()`` the gradients would be divided by the scale. Here the loss
+  object (a ``ChunkedLossWrapper``'s inner loss) returns :func:`scaled_for_backward` of its value:
+  the same value, its gradient times the scale; pipeline schedules call that same object.
+* **Verdict.** ``train_step`` clips the (scaled) gradients and steps; an inf gradient becomes NaN
+  weights and the next step stops the job ("Loss is not finite"). Here :meth:`GradScaler.clip_grad_norm_`
+  (the global norm of the unscaled gradients, any layout, in the verdict's one ``all_reduce``),
+  ``step`` and ``update``: every rank skips, or none does, and backs off; logged, not raised.
+* **Fused optimizers.** ``OptimizersContainer`` holds one optimizer per model part and optimizer
+  name. When all take ``grad_scale``/``found_inf`` (``Adam``/``AdamW``/``SGD``/``Adagrad`` with
+  ``implementation="fused"``, the default), one verdict covers all their parameters and the
+  container's ``step()`` runs with both handed to each: its and their step hooks run as in stock
+  (on skipped steps too, as a fused optimizer's do under torch's scaler); no host read. Otherwise
+  (``foreach``, ``for-loop``, ``DistMuon``...) the container is the scaler's optimizer: an in-place
+  unscale pass and one host read of the agreed flag per step; a skipped step runs no hook.
+* **Logs.** torchtitan's metrics logger (console, TensorBoard, W&B) gets ``distscaler/scale``,
+  ``distscaler/skipped`` (since the last log), ``distscaler/skipped_total`` and, after a skip,
+  ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``; a warning names the parameters
+  and ranks (:meth:`GradScaler.report_overflow`). The LR scheduler steps on skipped steps too
+  (torch's recipe; holding it would cost a host read per step).
+* **Checkpoints.** ``Trainer.state_dict`` (torchtitan's ``train_state``) carries the scaler: a
+  resume continues with the same scale, tracker and skip counts.
 
-Hooks of torchtitan 0.3.0 this relies on, so the upstream changes that break it: ``Trainer.train_step``
-(overridden whole: batching, global token count, loss metrics and the optimizer block),
-``Trainer.forward_backward_step`` (called), ``Trainer.state_dict``/``load_state_dict`` (extended),
-``Trainer.__init__``'s loss object reaching the pipeline schedule and ``ChunkedLossWrapper.loss_fn``
-(scaled in place), ``OptimizersContainer.optimizers``/``step``, ``MetricsProcessor.log``'s
-``extra_metrics`` and ``should_log``, ``dist_utils.dist_sum``/``dist_max``/``dist_sum_tensor``,
-``ParallelDims`` mesh names ``batch``/``loss``/``pp``. Tested with torchtitan 0.3.0 and torch 2.13 on
-CPU processes (gloo; the tests apply the CPU shims of ``launch/common/torchtitan_cpu.py``).
+What it relies on in torchtitan 0.3.0 (upstream changes there break it): ``Trainer.train_step``
+(overridden whole: batching, token count, loss metrics, optimizer block), ``forward_backward_step``
+(called), ``state_dict``/``load_state_dict`` (extended), the loss object reaching the pipeline
+schedule and ``ChunkedLossWrapper.loss_fn`` (scaled in place), ``OptimizersContainer.optimizers``/
+``step``, ``MetricsProcessor.should_log``/``log(extra_metrics=)``, ``dist_utils.dist_sum``/
+``dist_max``/``dist_sum_tensor``, the mesh names ``batch``/``loss``. Tested with torchtitan 0.3.0
+and torch 2.13 on CPU processes (gloo, with the shims of ``launch/common/torchtitan_cpu.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +66,7 @@ import torch
 
 try:
     import torchtitan
-    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+    from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.config import TrainingConfig
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils as tt_utils
@@ -96,6 +89,7 @@ from ..fused import uses_fused_scaling
 from ..layouts import GradLayout
 from ..scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
+from .torchtitan_loss import scale_loss_fn, scaled_for_backward
 
 __all__ = [
     "TESTED_VERSION",
@@ -123,82 +117,6 @@ if torchtitan.__version__ != TESTED_VERSION:  # pragma: no cover - depends on th
 # constructor's ``fused`` (torchtitan puts ``fused`` into each group, so torch leaves their
 # ``_step_supports_amp_scaling`` unset). Source: torch/optim/{adam,sgd,adagrad}.py.
 _FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-
-
-# ----------------------------------------------------------------------------- loss scaling
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the incoming gradient by the scaler's scale."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scaler: GradScaler) -> torch.Tensor:
-        ctx.scaler = scaler
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.scaler.scale(grad), None
-
-
-def scaled_for_backward(loss: torch.Tensor, scaler: GradScaler) -> torch.Tensor:
-    """``loss`` with the same value (bit for bit, inf and NaN included) whose gradient is multiplied
-    by ``scaler``'s current scale: ``scaled_for_backward(loss, s).backward()`` gives the gradients
-    of ``s.scale(loss).backward()``.
-
-    For losses whose backward runs inside the loss call and ignores the gradient reaching their
-    result (torchtitan's ``ChunkedLossWrapper``): scale the inner loss this way. Returns ``loss``
-    itself when the scaler is disabled, gradients are off or ``loss`` does not require them.
-
-    Args:
-        loss: a tensor (a 0-dim float32 in torchtitan; DTensors too) on the scaler's device type.
-
-    Cost: one clone in the forward, one multiply in the backward (the scale read on the device);
-    no host read, no collective.
-    """
-    if not (scaler.is_enabled() and torch.is_grad_enabled() and loss.requires_grad):
-        return loss
-    return _ScaleGradient.apply(loss, scaler)
-
-
-_SCALED_CLASSES: dict[type, type] = {}
-
-
-def _scaled_class(cls: type) -> type:
-    """``cls`` with a ``__call__`` that scales the gradient of its loss (made once per class)."""
-    scaled = _SCALED_CLASSES.get(cls)
-    if scaled is None:
-
-        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            loss, metrics = cls.__call__(self, *args, **kwargs)  # type: ignore[operator]
-            return scaled_for_backward(loss, self._distscaler_scaler), metrics
-
-        scaled = type(
-            f"Scaled{cls.__name__}", (cls,), {"__call__": __call__, "__module__": __name__}
-        )
-        _SCALED_CLASSES[cls] = scaled
-    return scaled
-
-
-def scale_loss_fn(loss_fn: Any, scaler: GradScaler) -> Any:
-    """Make a torchtitan loss object scale the gradients of its result, in place.
-
-    The object whose result is backpropagated (``loss_fn`` itself, or the inner ``loss_fn`` of a
-    ``ChunkedLossWrapper``) becomes an instance of a subclass of its class (one per class, made once)
-    whose ``__call__`` returns ``(scaled_for_backward(loss, scaler), metrics)``; identity, attributes
-    and ``isinstance`` are kept, so a pipeline schedule built around the object scales too (as
-    ``fully_shard`` changes a module's class). Calling it again swaps the scaler. Returns ``loss_fn``.
-
-    Raises:
-        TypeError: the object is not callable as ``(pred, labels, ...) -> (loss, metrics)``.
-    """
-    leaf = loss_fn.loss_fn if isinstance(loss_fn, ChunkedLossWrapper) else loss_fn
-    if not callable(leaf):
-        raise TypeError(f"loss_fn must be a torchtitan loss object, got: {type(leaf).__name__}")
-    if type(leaf) not in _SCALED_CLASSES.values():
-        leaf.__class__ = _scaled_class(type(leaf))
-    leaf._distscaler_scaler = scaler
-    return loss_fn
 
 
 # ----------------------------------------------------------------------------- the optimizer step
@@ -320,25 +238,18 @@ class DistScalerTrainer(Trainer):
             _ContainerStep(self.optimizers) if self.fused_step else self.optimizers
         )
         self._logged_skipped = 0
-        if not any(
-            isinstance(m, torch.distributed.fsdp.FSDPModule)
-            for part in self.model_parts
-            for m in part.modules()
-        ):
+        modules = (m for part in self.model_parts for m in part.modules())
+        if not any(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in modules):
             tt_logger.warning(
-                "distscaler: no module is wrapped by fully_shard, so mixed_precision_param=%s has "
-                "no effect (torchtitan applies it through FSDP2's MixedPrecisionPolicy)",
-                config.training.mixed_precision_param,
+                "distscaler: no fully_shard module: mixed_precision_param has no effect "
+                "(torchtitan applies it through FSDP2's MixedPrecisionPolicy)"
             )
-        if (
-            config.training.mixed_precision_param != "float16"
-            and grad_scaler.config.policy != "static"
-        ):
+        dtype = config.training.mixed_precision_param
+        if dtype != "float16" and grad_scaler.config.policy != "static":
             tt_logger.warning(
-                "distscaler: mixed_precision_param=%s does not need a loss scale; "
-                "--grad_scaler.policy static --grad_scaler.init_scale 1 keeps only the agreement "
-                "on non-finite steps",
-                config.training.mixed_precision_param,
+                "distscaler: %s parameters need no loss scale; --grad_scaler.policy static "
+                "--grad_scaler.init_scale 1 keeps only the agreement on non-finite steps",
+                dtype,
             )
         tt_logger.info(
             "distscaler: %r, %s path (%s)",
@@ -368,9 +279,10 @@ class DistScalerTrainer(Trainer):
         loss_sum: torch.Tensor | None = None
         for group in groups:
             inputs = [
-                ({k: _to(v, self.device) for k, v in x.items()}, y.to(self.device))
+                ({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in x.items()},
+                 y.to(self.device))
                 for x, y in group
-            ]
+            ]  # fmt: skip
             if self.parallel_dims.pp_enabled:
                 kwargs: dict[str, Any] = {
                     "input_dict": [x for x, _ in inputs],
@@ -488,10 +400,6 @@ class DistScalerTrainer(Trainer):
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
             self._logged_skipped = self.grad_scaler.skip_totals.num_skipped
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 # ----------------------------------------------------------------------------- configs
