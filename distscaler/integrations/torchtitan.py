@@ -354,10 +354,10 @@ class DistScalerTrainer(Trainer):
         )
 
     def scaler_metrics(self) -> dict[str, float]:
-        """The ``distscaler/*`` metrics of this logging step (module docstring); after new skips it
-        logs their report as a warning. Every rank must call it at the same step: after new skips
-        it runs :meth:`GradScaler.report_overflow` (one ``all_gather`` at world size > 1). Two host
-        reads (the skip counts, the scale)."""
+        """The ``distscaler/*`` metrics of this logging step (module docstring). After new skips it
+        runs :meth:`GradScaler.report_overflow`, which logs the report (a warning on rank 0, logger
+        ``"distscaler"``): every rank must call it at the same step (one ``all_gather`` at world
+        size > 1, only then). Two host reads (the skip counts, the scale)."""
         scaler = self.grad_scaler
         if not scaler.is_enabled():
             return {}
@@ -373,15 +373,6 @@ class DistScalerTrainer(Trainer):
         if report is not None:
             metrics["distscaler/overflow_step"] = report.step
             metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
-        if new:
-            tt_logger.warning(
-                "step %d: %d optimizer step(s) skipped on every rank since the last log (inf/NaN "
-                "gradients); loss scale now %g; last: %s",
-                self.step,
-                new,
-                metrics["distscaler/scale"],
-                report.describe() if report is not None else "not attributed",
-            )
         return metrics
 
     # ------------------------------------------------------------------ checkpoint

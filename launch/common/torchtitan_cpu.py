@@ -3,8 +3,8 @@ data loader, and a tiny llama3. For the tests and ``launch/train_torchtitan.py``
 (``distscaler.integrations.torchtitan``) patches nothing.
 
 torchtitan is written for GPUs and a torch nightly. On a machine without GPUs, with torch 2.13, it
-fails in five places; :func:`apply_cpu_shims` (before anything imports torchtitan's trainer) and
-:func:`cpu_config` (on the config) work around each, and each says why:
+fails in seven places; :func:`apply_cpu_shims` (before anything imports torchtitan's trainer),
+:func:`cpu_config` (on the config) and :func:`adapt_pipeline_schedule` work around each:
 
 1. ``import torchtitan.trainer`` imports triton (``distributed/minimal_async_ep/kernels.py``, expert
    parallel kernels), which CPU builds of torch do not bring: a stand-in module for those kernels.
@@ -19,8 +19,13 @@ fails in five places; :func:`apply_cpu_shims` (before anything imports torchtita
    gloo has no ``PREMUL_SUM``: plain sums (``set_force_sum_reduction_for_comms``, the same values:
    a factor of 1) after parallelizing, through the model spec's ``parallelize_fn``.
 
-Also: ``spmd_backend="partial_dtensor"`` (torchtitan's default ``spmd_types`` backend needs
-``torch.distributed`` features gloo lacks), no CUDA graphs, no compile, no validation.
+6. (torch 2.13, pipeline parallel only) torchtitan steps its pipeline schedule with the nightly's
+   ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``: :func:`adapt_pipeline_schedule`.
+7. (torch 2.13) torchtitan's default ``spmd_types`` backend hands ``fully_shard`` the whole SPMD
+   mesh, which torch 2.13 refuses ("all parameters must be DTensors on the full SPMD mesh"):
+   ``spmd_backend="partial_dtensor"`` (DTensors on the model-parallel axes, FSDP2 on its own mesh).
+
+Also: no CUDA graphs (CUDA only), no compile, no validation (no held-out data here).
 """
 
 from __future__ import annotations
@@ -39,21 +44,30 @@ import torch
 __all__ = [
     "ByteDataLoader",
     "ByteTokenizer",
+    "adapt_pipeline_schedule",
     "apply_cpu_shims",
     "cpu_config",
+    "llama3_debugmodel_fp16_bytes",
     "tiny_llama3",
 ]
 
 _SHIMMED = False
 
 
-def apply_cpu_shims() -> None:
-    """Apply shims 1-3 of the module docstring (idempotent). Call before importing
-    ``torchtitan.trainer`` (or ``distscaler.integrations.torchtitan``) in every process."""
+def apply_cpu_shims(*, cpu: bool | None = None) -> None:
+    """Apply shims 1-3 of the module docstring where needed (idempotent). Call before importing
+    ``torchtitan.trainer`` (or ``distscaler.integrations.torchtitan``) in every process.
+
+    Args:
+        cpu: train on the CPU (shim 2): True for the tests, which run gloo CPU ranks on GPU
+            machines too; None: when torch sees no GPU.
+    """
     global _SHIMMED
     if _SHIMMED:
         return
     _SHIMMED = True
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
     if importlib.util.find_spec("triton") is None:
         # 1. Only expert-parallel code calls these kernels; a module whose every name is a
         #    placeholder satisfies ``from ...kernels import (...)`` without faking triton for torch.
@@ -63,7 +77,7 @@ def apply_cpu_shims() -> None:
         sys.modules[name] = stub
     import torchtitan.tools.utils as tt_utils
 
-    if not torch.cuda.is_available() and tt_utils.device_type == "cuda":
+    if cpu and tt_utils.device_type != "cpu":
         # 2. Before the modules that import ``device_type``/``device_module`` by name load.
         tt_utils.device_type = "cpu"
         tt_utils.device_module = _CpuDeviceModule()
@@ -330,10 +344,21 @@ def cpu_config(
     config.hf_assets_path = "."
     config.training.seq_len = seq_len
     config.training.disable_cuda_graphs = True
-    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.spmd_backend = "partial_dtensor"  # 7.
     config.compile.enable = False
     config.validator.enable = False
     if isinstance(config.loss, ChunkedLossWrapper.Config):
         config.loss.loss_fn = CrossEntropyLoss.Config(global_vocab_size=256)
         config.loss.num_chunks = min(config.loss.num_chunks, seq_len)
     return config
+
+
+def llama3_debugmodel_fp16_bytes() -> Any:
+    """A config function for torchtitan's command line (``--module common.torchtitan_cpu --config
+    llama3_debugmodel_fp16_bytes``): torchtitan's llama3 debug config in fp16 with distscaler
+    (``distscaler.integrations.torchtitan.fp16``), shrunk and on byte data by :func:`cpu_config`."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from distscaler.integrations.torchtitan import fp16
+
+    return cpu_config(fp16(llama3_debugmodel()))
