@@ -222,7 +222,7 @@ def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
-    apply_cpu_shims()
+    apply_cpu_shims(cpu=True)  # gloo CPU ranks, on GPU machines too
     _quiet_train_end()
     out: dict[str, Any] = {}
     # FSDP2 over both ranks: the references (same seed and data), stock fp16, ours.

@@ -26,21 +26,32 @@ import torch
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra (Python >= 3.11)")
 
-from common.torchtitan_cpu import apply_cpu_shims  # noqa: E402
-
-# torchtitan 0.3.0 imports triton and takes "cuda" as its device type on a machine without GPUs:
-# the shims (launch/common/torchtitan_cpu.py) before anything imports its trainer.
-apply_cpu_shims()
-
 import _torchtitan_scenarios as S  # noqa: E402
 from _harness import spawn  # noqa: E402
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
-from torchtitan.config import ConfigManager  # noqa: E402
-from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
 
+from common.torchtitan_cpu import apply_cpu_shims  # noqa: E402
 from distscaler import GradScaler, ScalerConfig  # noqa: E402
-from distscaler.integrations import torchtitan as T  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def T():
+    """The integration module, imported by the first test that needs it rather than at collection
+    (torchtitan's trainer takes seconds to import, in every xdist worker). The shims first:
+    torchtitan 0.3.0 imports triton and takes "cuda" as its device type on a machine without GPUs
+    (launch/common/torchtitan_cpu.py); the in-process tests run on the CPU on GPU machines too."""
+    apply_cpu_shims(cpu=True)
+    from distscaler.integrations import torchtitan
+
+    return torchtitan
+
+
+def _torchtitan() -> tuple:
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return ChunkedLossWrapper, CrossEntropyLoss, ConfigManager, llama3_debugmodel
+
 
 SKIPS = [False, True, False, False]  # an inf at step 2 of 4
 assert S.INJECT_STEP == 2 and S.STEPS == 4
@@ -49,8 +60,9 @@ assert S.INJECT_STEP == 2 and S.STEPS == 4
 # ----------------------------------------------------------------------- one process
 
 
-def _chunked_grads(mode: str) -> tuple[float, torch.Tensor, torch.Tensor]:
+def _chunked_grads(T, mode: str) -> tuple[float, torch.Tensor, torch.Tensor]:
     """A chunked loss over a tiny "decoder" and lm_head: loss, lm_head and decoder gradients."""
+    ChunkedLossWrapper, CrossEntropyLoss, _, _ = _torchtitan()
     torch.manual_seed(0)
     head, body = torch.nn.Linear(16, 32), torch.nn.Linear(8, 16)
     x, y = torch.randn(2, 8, 8), torch.randint(0, 32, (2, 8))
@@ -66,21 +78,21 @@ def _chunked_grads(mode: str) -> tuple[float, torch.Tensor, torch.Tensor]:
     return loss.item(), head.weight.grad.clone(), body.weight.grad.clone()
 
 
-def test_chunked_loss_ignores_a_scaled_result_and_ours_scales_inside():
-    loss, head, body = _chunked_grads("reference")
+def test_chunked_loss_ignores_a_scaled_result_and_ours_scales_inside(T):
+    loss, head, body = _chunked_grads(T, "reference")
     # torch's recipe, scaler.scale(loss).backward(): the output layer's backward already ran
     # inside the loss call, and the decoder's ignores the incoming gradient: nothing is scaled,
     # and unscaling would divide the gradients by 1024.
-    naive = _chunked_grads("stock-recipe")
+    naive = _chunked_grads(T, "stock-recipe")
     assert torch.equal(naive[1], head) and torch.equal(naive[2], body)
-    ours = _chunked_grads("ours")
+    ours = _chunked_grads(T, "ours")
     assert ours[0] == loss  # the value is the loss, bit for bit
     assert torch.allclose(ours[1], head * 1024, rtol=1e-6) and torch.allclose(
         ours[2], body * 1024, rtol=1e-6
     )
 
 
-def test_scaled_for_backward_keeps_the_value_and_scales_the_gradient():
+def test_scaled_for_backward_keeps_the_value_and_scales_the_gradient(T):
     scaler = GradScaler("cpu", init_scale=8.0)
     w = torch.tensor([2.0, math.inf], requires_grad=True)
     out = T.scaled_for_backward((w * 3).sum(), scaler)
@@ -98,7 +110,8 @@ def test_scaled_for_backward_keeps_the_value_and_scales_the_gradient():
     assert T.scaled_for_backward(z, scaler) is z
 
 
-def test_scale_loss_fn_keeps_the_object_and_its_class():
+def test_scale_loss_fn_keeps_the_object_and_its_class(T):
+    _, CrossEntropyLoss, _, _ = _torchtitan()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config())
     first, second = GradScaler("cpu"), GradScaler("cpu", init_scale=4.0)
     T.scale_loss_fn(loss_fn, first)
@@ -110,7 +123,8 @@ def test_scale_loss_fn_keeps_the_object_and_its_class():
         T.scale_loss_fn(3, first)
 
 
-def test_fp16_config_keeps_every_field_and_sets_float16():
+def test_fp16_config_keeps_every_field_and_sets_float16(T):
+    *_, llama3_debugmodel = _torchtitan()
     base = llama3_debugmodel()
     base.training.steps = 7
     config = T.fp16(base, ScalerConfig(init_scale=1024.0))
@@ -125,7 +139,8 @@ def test_fp16_config_keeps_every_field_and_sets_float16():
         T.fp16(base, {"init_scale": 2.0})  # type: ignore[arg-type]
 
 
-def test_command_line_takes_any_model_config_and_every_scaler_field():
+def test_command_line_takes_any_model_config_and_every_scaler_field(T):
+    _, _, ConfigManager, _ = _torchtitan()
     args = [
         "--module",
         "distscaler.integrations.torchtitan",
@@ -149,7 +164,10 @@ def test_command_line_takes_any_model_config_and_every_scaler_field():
         ConfigManager().parse_args([*args[:3], "llama3.nope"])
 
 
-def test_trainer_checks_its_arguments_before_building_anything():
+def test_trainer_checks_its_arguments_before_building_anything(T):
+    from torchtitan.trainer import Trainer
+
+    *_, llama3_debugmodel = _torchtitan()
     config = T.fp16(llama3_debugmodel())
     with pytest.raises(
         TypeError,
