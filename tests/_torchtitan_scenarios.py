@@ -231,6 +231,7 @@ def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["stock"] = _run("stock", tmp, "stock")
     out["ours"] = _run("ours", tmp, "ours")
     out["ours-clean"] = _run("ours", tmp, "ours-clean", inject=False)
+    out["ours-disabled"] = _run("ours", tmp, "ours-disabled", scaler={"enabled": False})
     out["ours-foreach"] = _run("ours", tmp, "ours-foreach", implementation="foreach")
     out["ours-ce"] = _run("ours", tmp, "ours-ce", chunked=False)
     # FSDP2 (a shard degree of 1) x TP over both ranks.

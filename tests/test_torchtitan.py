@@ -232,8 +232,11 @@ def test_inf_on_one_rank_is_skipped_on_every_rank_and_named_in_the_report(runs, 
 
 
 @TWO_RANKS
-@pytest.mark.parametrize(("name", "ours"), [("stock", "ours"), ("stock-tp", "ours-tp")])
+@pytest.mark.parametrize(
+    ("name", "ours"), [("stock", "ours"), ("stock-tp", "ours-tp"), ("ours-disabled", "ours")]
+)
 def test_stock_fp16_turns_the_inf_into_nan_weights_and_stops(runs, name, ours):
+    # ours-disabled: ScalerConfig(enabled=False) is stock torchtitan, stop included.
     for run in runs:
         stock = run[name]
         # The same first step as ours, the inf then goes through clipping into the weights and

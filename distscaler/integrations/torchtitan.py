@@ -69,6 +69,7 @@ try:
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.config import TrainingConfig
     from torchtitan.distributed import utils as dist_utils
+    from torchtitan.observability import structured_logger as sl
     from torchtitan.tools import utils as tt_utils
     from torchtitan.tools.logging import logger as tt_logger
     from torchtitan.trainer import Trainer
@@ -222,7 +223,10 @@ class DistScalerTrainer(Trainer):
             tt_utils.device_type,
             "torchtitan's device type",
         )
-        assert grad_scaler is not None
+        if grad_scaler is None:
+            raise TypeError(
+                "config.grad_scaler must be a ScalerConfig when scaler is None, got: None"
+            )
         super().__init__(config)
         self.grad_scaler = grad_scaler
         grad_scaler.materialize(self.device)  # pipeline stages without a loss never call scale()
@@ -270,6 +274,7 @@ class DistScalerTrainer(Trainer):
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
         groups, local_tokens = self._next_batches(data_iterator)
+        sl.log_trace_scalar({"local_valid_tokens": int(local_tokens)})  # a host tensor
         if self.parallel_dims.dp_enabled:
             global_tokens = dist_utils.dist_sum_tensor(
                 local_tokens.to(self.device), self.parallel_dims.get_mesh("batch")
@@ -296,11 +301,12 @@ class DistScalerTrainer(Trainer):
                     loss.detach().clone() if loss_sum is None else loss_sum.add_(loss.detach())
                 )
         scaler = self.grad_scaler
-        grad_norm = scaler.clip_grad_norm_(self._scaler_optimizer, training.max_norm)
-        self.checkpointer.maybe_wait_for_staging()
-        scaler.step(self._scaler_optimizer)
-        scaler.update()
-        self.lr_schedulers.step()
+        with sl.log_trace_span("optim"):
+            grad_norm = scaler.clip_grad_norm_(self._scaler_optimizer, training.max_norm)
+            self.checkpointer.maybe_wait_for_staging()
+            scaler.step(self._scaler_optimizer)
+            scaler.update()
+            self.lr_schedulers.step()
         if should_log:
             assert loss_sum is not None
             self._log_step(loss_sum, local_tokens, global_tokens, grad_norm, lr_metrics)
@@ -327,6 +333,7 @@ class DistScalerTrainer(Trainer):
         grad_norm: torch.Tensor,
         lr_metrics: dict[str, Any],
     ) -> None:
+        sl.log_trace_scalar({"global_valid_tokens": int(global_tokens)})
         dims = self.parallel_dims
         ntokens_seen: Any = self.ntokens_seen
         if dims.dp_cp_enabled:
@@ -342,8 +349,12 @@ class DistScalerTrainer(Trainer):
             avg_loss = max_loss = float(loss_sum.item())
         extra = {"n_tokens_seen": ntokens_seen, **lr_metrics, **self.scaler_metrics()}
         if not math.isfinite(float(avg_loss)):
-            # Stock torchtitan raises here; its gradients were not finite either, so every rank
-            # skipped the step and backed off.
+            if not self.grad_scaler.is_enabled():  # nothing skipped the step: stock's stop
+                raise RuntimeError(
+                    f"Loss is not finite (global_avg_loss={float(avg_loss)}) at step {self.step}. "
+                    "Stopping training."
+                )
+            # Its gradients were not finite either: every rank skipped the step and backed off.
             tt_logger.warning(
                 "step %d: loss is not finite (%s); the optimizer step was skipped on every rank",
                 self.step,
