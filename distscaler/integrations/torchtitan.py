@@ -190,8 +190,13 @@ class DistScalerTrainer(Trainer):
         ValueError: ``scaler`` on another device type; ``training.max_norm`` not > 0. Both before
             torchtitan builds anything.
 
+    Attributes:
+        grad_scaler: the ``distscaler.GradScaler`` (its verdict group: the world).
+        fused_step: whether every optimizer of ``optimizers`` takes ``grad_scale``/``found_inf``
+            (the fused path of the module docstring).
+
     Cost per step on top of stock torchtitan: the verdict's one ``all_reduce`` of 2 float32 over
-    the world (which replaces the clip's norm reductions) and a few device ops; no host read on the
+    the world (in place of the clip's norm reductions) and a few device ops; no host read on the
     fused path. Per logging step: two host reads, and after new skips one ``all_gather`` (every
     rank). Every rank must run the same steps, as in stock torchtitan.
     """
@@ -408,9 +413,11 @@ class DistScalerTrainer(Trainer):
 
 
 def fp16(config: Any, scaler: ScalerConfig | None = None) -> DistScalerTrainer.Config:
-    """A :class:`DistScalerTrainer.Config` with every field of ``config`` (a torchtitan
-    ``Trainer.Config``, not copied: shared), ``training.mixed_precision_param = "float16"`` and
-    the ``grad_scaler`` section ``scaler`` (default: ``ScalerConfig()``, torch's defaults).
+    """A :class:`DistScalerTrainer.Config` with every section of ``config`` (a torchtitan
+    ``Trainer.Config``; the sections are shared, not copied, except ``training``, copied into an
+    :class:`Fp16TrainingConfig` with ``mixed_precision_param="float16"``) and the ``grad_scaler``
+    section ``scaler`` (default: ``config``'s own if it has one, else ``ScalerConfig()``, torch's
+    defaults: initial scale 2**16, growth every 2000 clean steps).
 
     Raises:
         TypeError: ``config`` is not a ``Trainer.Config`` (a config of another trainer class, such
