@@ -27,6 +27,7 @@ EXTRAS: dict[str, dict[str, str]] = {
 }
 EXTRAS["accelerate"] = {**EXTRAS["train"], "accelerate": "accelerate"}
 EXTRAS["transformers"] = {**EXTRAS["accelerate"], "transformers": "transformers"}
+EXTRAS["torchtitan"] = {**EXTRAS["train"], "torchtitan": "torchtitan"}
 
 
 def missing(extra: str) -> list[str]:
