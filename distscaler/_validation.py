@@ -51,14 +51,18 @@ def check_scale(name: str, value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def check_factor(name: str, value: object, *, low: float, high: float | None) -> float:
-    """Check an open-interval factor: ``low < value < high`` (``high=None`` means ``value > low``)."""
+def check_factor(
+    name: str, value: object, *, low: float, high: float | None, low_inclusive: bool = False
+) -> float:
+    """Check a factor: ``low < value < high`` (``low <= value`` with ``low_inclusive``;
+    ``high=None`` means no upper bound)."""
     ok = is_real(value) and math.isfinite(float(value))  # type: ignore[arg-type]
     if ok:
         v = float(value)  # type: ignore[arg-type]
-        ok = v > low and (high is None or v < high)
+        ok = (v >= low if low_inclusive else v > low) and (high is None or v < high)
     if not ok:
-        valid = f"in ({low}, {high})" if high is not None else f"a finite number > {low}"
+        bracket = "[" if low_inclusive else "("
+        valid = f"in {bracket}{low}, {high})" if high is not None else f"a finite number > {low}"
         raise ValueError(f"{name} must be {valid}, got: {value!r}")
     return float(value)  # type: ignore[arg-type]
 

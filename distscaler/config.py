@@ -29,7 +29,12 @@ FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "skip_nonfinite": (V.check_bool, {}),
     "init_scale": (V.check_scale, {}),
     "growth_factor": (V.check_factor, {"low": 1.0, "high": None}),
-    "backoff_factor": (V.check_factor, {"low": 0.0, "high": 1.0}),
+    # float32's normal range: a denormal factor would take a small scale to exactly 0 in one
+    # backoff (and torch's kernel multiplies in float32).
+    "backoff_factor": (
+        V.check_factor,
+        {"low": V.FLOAT32_TINY, "high": 1.0, "low_inclusive": True},
+    ),
     "growth_interval": (V.check_int, {"minimum": 1, "maximum": V.INT32_MAX}),
     "hysteresis": (V.check_int, {"minimum": 1}),
     "skip_log_interval": (V.check_int, {"minimum": 0}),

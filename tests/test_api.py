@@ -162,9 +162,23 @@ def test_clip_after_explicit_unscale_clips_the_unscaled_gradients():
             r"growth_factor must be a finite number > 1.0, got: 1.0",
         ),
         (dict(growth_factor=math.inf), ValueError, r"growth_factor must be a finite number > 1.0"),
-        (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 1.0"),
-        (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0.0, 1.0\), got: 0.0"),
-        (dict(backoff_factor=math.nan), ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+        (
+            dict(backoff_factor=1.0),
+            ValueError,
+            r"backoff_factor must be in \[1.17549\d*e-38, 1.0\), got: 1.0",
+        ),
+        (
+            dict(backoff_factor=0.0),
+            ValueError,
+            r"backoff_factor must be in \[1.17549\d*e-38, 1.0\), got: 0.0",
+        ),
+        (dict(backoff_factor=math.nan), ValueError, r"backoff_factor must be in \[1.17549"),
+        # a denormal factor takes a small scale to exactly 0 in one backoff
+        (
+            dict(backoff_factor=1e-45),
+            ValueError,
+            r"backoff_factor must be in \[1.17549\d*e-38, 1.0\), got: 1e-45",
+        ),
         (
             dict(init_scale=0.0),
             ValueError,
@@ -264,7 +278,9 @@ def test_setters_validate():
     scaler = distscaler.GradScaler("cpu")
     with pytest.raises(ValueError, match=r"growth_factor must be a finite number > 1.0, got: 0.5"):
         scaler.set_growth_factor(0.5)
-    with pytest.raises(ValueError, match=r"backoff_factor must be in \(0.0, 1.0\), got: 2.0"):
+    with pytest.raises(
+        ValueError, match=r"backoff_factor must be in \[1.17549\d*e-38, 1.0\), got: 2.0"
+    ):
         scaler.set_backoff_factor(2.0)
     with pytest.raises(
         ValueError, match=r"growth_interval must be an integer in \[1, 2147483647\]"

@@ -90,7 +90,7 @@ from ..fused import uses_fused_scaling
 from ..layouts import GradLayout
 from ..scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
-from .torchtitan_loss import scale_loss_fn, scaled_for_backward
+from ._torchtitan_loss import scale_loss_fn, scaled_for_backward
 
 __all__ = [
     "TESTED_VERSION",
