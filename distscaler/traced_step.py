@@ -48,7 +48,7 @@ from torch.optim import optimizer as _torch_optimizer
 
 from ._torch_compat import torch_at_least
 
-__all__ = ["NOT_TRACED", "traced_step"]
+__all__ = ["NOT_TRACED", "TRACES_WHOLE_PHASE", "traced_step"]
 
 #: What :func:`traced_step` returns when it did nothing: run ``optimizer.step()`` instead.
 NOT_TRACED: Final = object()
@@ -62,10 +62,12 @@ _MIRRORED: Final[dict[type, bool]] = {
     for cls in (torch.optim.Adam, torch.optim.AdamW)
 }
 
-#: dynamo before torch 2.13 cannot trace the scaler's step whole (``id()`` of a process group or
+#: Whether this torch traces the scaler's phase whole (``fullgraph=True`` with a fused Adam/AdamW).
+#: dynamo before torch 2.12 cannot trace the scaler's phase whole (``id()`` of a process group or
 #: of None in the scaler's caches; an optimizer passed to a constant-result function); there
-#: torch's step runs, between graph breaks. Tried: 2.6.0, 2.7.1, 2.10.0 (no); 2.13.0, 2.15.0.
-_DYNAMO_TRACES_THE_PHASE: Final = torch_at_least(2, 13)
+#: torch's step runs, between graph breaks. Tried: 2.6.0, 2.10.0, 2.11.0 (no); 2.12.1, 2.13.0,
+#: 2.15.0 (whole).
+TRACES_WHOLE_PHASE: Final = torch_at_least(2, 12)
 
 
 def _mirrored(optimizer: Optimizer) -> bool | None:
@@ -112,7 +114,7 @@ def traced_step(
         None (what ``Adam.step`` returns without a closure) after stepping, or :data:`NOT_TRACED`
         when not tracing or the step is not one this module mirrors (nothing was run or changed).
     """
-    if args or kwargs or not (_DYNAMO_TRACES_THE_PHASE and torch.compiler.is_compiling()):
+    if args or kwargs or not (TRACES_WHOLE_PHASE and torch.compiler.is_compiling()):
         return NOT_TRACED
     init_takes_amsgrad = _mirrored(optimizer)
     if init_takes_amsgrad is None or not _traceable(optimizer):

@@ -39,9 +39,7 @@ class Run:
     clip: bool
 
     @classmethod
-    def build(
-        cls, policy: str, clip: bool, device: str = "cpu", skip_log_interval: int = 0
-    ) -> Run:
+    def build(cls, policy: str, clip: bool, device: str = "cpu", skip_log_interval: int = 0) -> Run:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in _SIZES]
         for p in params:
@@ -84,8 +82,7 @@ class Run:
             "totals": self.scaler.skip_totals,
             "params": [p.detach().cpu().tolist() for p in self.params],
             "optimizer": [
-                [state[p][k].detach().cpu().tolist() for k in sorted(state[p])]
-                for p in self.params
+                [state[p][k].detach().cpu().tolist() for k in sorted(state[p])] for p in self.params
             ],
         }
 

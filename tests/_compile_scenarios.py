@@ -17,6 +17,7 @@ import torch.distributed as dist
 from _common import make_optimizer
 
 from distscaler import GradScaler
+from distscaler.traced_step import TRACES_WHOLE_PHASE
 
 __all__ = ["INJECT_STEP", "NUM_STEPS", "compile_scenarios", "compiled_kernels"]
 
@@ -128,6 +129,8 @@ def compile_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                 "param_diff": _max_diff(t_eager["params"], t_comp["params"]),
                 "scales": [t_eager["scales"], t_comp["scales"]],
             }
+    if not TRACES_WHOLE_PHASE:  # older dynamo: the phase compiles between graph breaks only
+        return out
     out["fullgraph"] = {
         clip_id: _fullgraph(rank, world_size, clip) for clip_id, clip in CLIP_IDS.items()
     }

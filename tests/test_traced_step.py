@@ -20,8 +20,12 @@ from distscaler import traced_step as T
 
 def _traced(*args):
     # traced_step as dynamo's trace would call it; torch's own steps outside stay eager (torch's
-    # optimizers read is_compiling too).
-    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+    # optimizers read is_compiling too). The mirror is checked on every torch, also where dynamo
+    # cannot trace the whole phase (TRACES_WHOLE_PHASE false: the compiled phase leaves it out).
+    with (
+        mock.patch.object(torch.compiler, "is_compiling", return_value=True),
+        mock.patch.object(T, "TRACES_WHOLE_PHASE", True),
+    ):
         return T.traced_step(*args)
 
 
