@@ -327,3 +327,44 @@ def _kernels(codes: list[str]) -> int:
             if line.startswith("cpp_fused_") or "= torch.ops." in line or "extern_kernels." in line:
                 count += 1
     return count
+
+
+def reduce_overhead_runs(device: str) -> dict[str, Any]:
+    """The whole fused phase compiled with ``mode="reduce-overhead"`` (inductor's CUDA graphs)
+    against eager on ``device``, clipped, an inf at ``INJECT_STEP``: scales, norms, parameters,
+    and how many times inductor declined a CUDA graph (``cudagraph_skips``)."""
+    runs: dict[str, Any] = {}
+    skips_before = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+    for compiled in (False, True):
+        model = _model().to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        scaler = GradScaler(
+            device, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, skip_log_interval=0
+        )
+        phase = (
+            torch.compile(_whole_phase, fullgraph=True, mode="reduce-overhead")
+            if compiled
+            else _scaler_phase
+        )
+        scales, norms = [], []
+        for step in range(NUM_STEPS):
+            optimizer.zero_grad(set_to_none=False)  # the same gradient tensors: static inputs
+            gen = torch.Generator().manual_seed(1000 * step)
+            x = torch.randn(4, 8, generator=gen).to(device)
+            scaler.scale(model(x).square().mean()).backward()
+            if step == INJECT_STEP:
+                next(model.parameters()).grad[0, 0] = math.inf
+            norms.append(float(phase(scaler, optimizer, True)))
+            scales.append(scaler.get_scale())
+        runs["compiled" if compiled else "eager"] = {
+            "scales": scales,
+            "norms": norms,
+            "params": [p.detach().cpu().clone() for p in model.parameters()],
+        }
+    return {
+        "scales": [runs["eager"]["scales"], runs["compiled"]["scales"]],
+        "norms": [runs["eager"]["norms"], runs["compiled"]["norms"]],
+        "param_diff": _max_diff(runs["eager"]["params"], runs["compiled"]["params"]),
+        "cudagraph_skips": int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+        - skips_before,
+    }

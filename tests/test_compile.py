@@ -134,3 +134,14 @@ def test_inductor_kernels_of_the_whole_phase(runs):
     # Without clipping there is little to fuse, and the copy of the kernel's outputs back into
     # the parameters, gradients and moments is one kernel more.
     assert kernels["noclip"]["compiled"] <= kernels["noclip"]["eager"] + 1, kernels
+
+
+@pytest.mark.cuda
+@needs_whole_phase
+def test_reduce_overhead_captures_the_whole_phase_in_a_cuda_graph():
+    run = C.reduce_overhead_runs("cuda")
+    assert run["cudagraph_skips"] == 0  # inductor took the whole phase into a CUDA graph
+    assert run["scales"][0] == run["scales"][1] == EXPECTED_SCALES
+    assert run["norms"][1][C.INJECT_STEP] == float("inf")
+    assert run["norms"][1] == pytest.approx(run["norms"][0], rel=1e-6)
+    assert run["param_diff"] == 0.0
