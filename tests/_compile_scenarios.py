@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import make_optimizer
+from _common import gpu_verdict, make_optimizer
 
 from distscaler import GradScaler
 from distscaler.traced_step import TRACES_WHOLE_PHASE
@@ -286,7 +286,9 @@ def compiled_kernels() -> dict[str, Any]:
     """Kernels inductor generates for the whole fused phase (``clip_grad_norm_`` or not, then
     ``step`` and ``update``; ``skip_log_interval=0``) traced as one graph on the CPU, against the
     device ops eager dispatches for the same calls (:class:`common.probes.DispatchCounter`), the
-    optimizer's fused step included, after a warm-up step (the optimizer's state exists)."""
+    optimizer's fused step included, after a warm-up step (the optimizer's state exists): the
+    CPU's eager verdict (it reads its flag on the host) and the one a GPU runs, which is also the
+    one a trace takes."""
     from torch._inductor.utils import run_and_get_code
 
     from common.probes import DispatchCounter
@@ -304,10 +306,19 @@ def compiled_kernels() -> dict[str, Any]:
             _scaler_phase(scaler, optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         _backward(model, scaler, 2, 0, 1)
+        with gpu_verdict(), DispatchCounter() as gpu_ops:  # what an eager GPU step launches
+            _scaler_phase(scaler, optimizer, clip)
+        optimizer.zero_grad(set_to_none=True)
+        _backward(model, scaler, 3, 0, 1)
         _, code = run_and_get_code(
             torch.compile(_whole_phase, fullgraph=True), scaler, optimizer, clip
         )
-        counts[clip_id] = {"eager": ops.total, "eager_ops": ops.ops, "compiled": _kernels(code)}
+        counts[clip_id] = {
+            "eager": ops.total,
+            "eager_ops": ops.ops,
+            "eager_gpu_verdict": gpu_ops.total,
+            "compiled": _kernels(code),
+        }
     return counts
 
 

@@ -131,6 +131,7 @@ def test_inductor_kernels_of_the_whole_phase(runs):
         assert counts["eager_ops"]["aten._fused_adamw_.default"] == 1, counts  # the step counted
     # With clipping the verdict's epilogue and the step counts fuse: fewer kernels than eager ops.
     assert kernels["clip"]["compiled"] < kernels["clip"]["eager"], kernels
+    assert kernels["clip"]["compiled"] < kernels["clip"]["eager_gpu_verdict"], kernels
     # Without clipping there is little to fuse, and the copy of the kernel's outputs back into
     # the parameters, gradients and moments is one kernel more.
     assert kernels["noclip"]["compiled"] <= kernels["noclip"]["eager"] + 1, kernels
