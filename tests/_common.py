@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,3 +127,33 @@ def set_rank_env(rank: int, world_size: int) -> None:
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
+
+
+#: The repository root (what launched jobs import distscaler and launch/ from).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a job a test launches: no rank variables inherited from a spawned test
+    process, one thread per process, no GPU, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def torchrun_summary(
+    script: str, *args: str, out: Path, nproc: int = 2, timeout: float = 240
+) -> dict[str, Any]:
+    """Run ``launch/<script> --out out *args`` under torchrun on ``nproc`` CPU processes (its own
+    rendezvous port) and return the ``summary.json`` it wrote; fails with the job's output tail."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+        str(REPO / "launch" / script), "--out", str(out), *args,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=launch_env(), cwd=out.parent, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())

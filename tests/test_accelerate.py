@@ -18,16 +18,14 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import _accelerate_scenarios as S
 import pytest
 import torch
-from _common import mlp
+from _common import REPO, launch_env, mlp
 from _harness import spawn
 
 accelerate = pytest.importorskip("accelerate")  # a test extra; CI installs it
@@ -43,8 +41,6 @@ from distscaler.integrations.accelerate import (  # noqa: E402
     installed_scaler,
     uninstall,
 )
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -386,9 +382,7 @@ def test_accelerate_configs_parse():
 @pytest.mark.slow
 @pytest.mark.xdist_group("accelerate_launch")
 def test_train_accelerate_runs_with_accelerate_launch_on_two_cpu_processes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = launch_env()
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",

@@ -14,12 +14,7 @@ cross-entropy), FSDP2 x TP (tp=2), pipeline parallel (pp=2), a checkpoint and it
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +22,7 @@ import torch
 pytest.importorskip("torchtitan", reason="the torchtitan extra (Python >= 3.11)")
 
 import _torchtitan_scenarios as S  # noqa: E402
+from _common import REPO, torchrun_summary  # noqa: E402
 from _harness import spawn  # noqa: E402
 
 from common.torchtitan_cpu import apply_cpu_shims  # noqa: E402
@@ -317,25 +313,15 @@ def test_torchtitans_metrics_logger_gets_the_scaler_metrics(runs):
 def test_train_torchtitan_runs_with_torchrun_on_two_cpu_processes(tmp_path):
     """launch/train_torchtitan.py through torchtitan's command line: an inf at step 3 is skipped on
     both ranks, and torchtitan's checkpoint holds the scaler (resumes: the spawn's tests)."""
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     out = tmp_path / "run"
 
     def run(*extra: str) -> dict:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-            str(repo / "launch" / "train_torchtitan.py"), "--out", str(out),
-            "--dataloader.dataset_path", str(repo / "launch" / "train.py"),
-            "--training.local_batch_size", "2", "--checkpoint.enable", *extra,
-        ]  # fmt: skip
-        proc = subprocess.run(
-            cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+        return torchrun_summary(
+            "train_torchtitan.py",
+            *("--dataloader.dataset_path", str(REPO / "launch" / "train.py")),
+            *("--training.local_batch_size", "2", "--checkpoint.enable", *extra),
+            out=out,
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads((out / "summary.json").read_text())
 
     summary = run("--inject-inf", "3", "--training.steps", "4", "--grad_scaler.init_scale", "1024")
     assert summary["ranks_consistent"] and summary["steps"] == 4 and summary["fused_step"]

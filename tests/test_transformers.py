@@ -16,17 +16,13 @@ Two kinds of runs:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import _transformers_scenarios as S
 import pytest
 import torch
+from _common import REPO, torchrun_summary
 from _harness import spawn
 
 transformers = pytest.importorskip("transformers")  # the transformers extra; CI installs it
@@ -266,25 +262,15 @@ def test_fsdp2_through_trainer_settings_skips_on_both_ranks_and_holds_the_schedu
 @pytest.mark.slow
 def test_train_transformers_runs_with_torchrun_on_two_cpu_processes(tmp_path):
     """launch/train_transformers.py: an inf on rank 1 at step 3 is skipped on both ranks."""
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     out = tmp_path / "run"
 
     def run(*extra: str) -> dict:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-            str(repo / "launch" / "train_transformers.py"),
-            "--data", str(repo / "launch" / "train.py"), "--block-size", "32",
-            "--batch-size", "2", "--n-embd", "32", "--n-layer", "1", "--out", str(out), *extra,
-        ]  # fmt: skip
-        proc = subprocess.run(
-            cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+        return torchrun_summary(
+            "train_transformers.py",
+            *("--data", str(REPO / "launch" / "train.py"), "--block-size", "32"),
+            *("--batch-size", "2", "--n-embd", "32", "--n-layer", "1", *extra),
+            out=out,
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads((out / "summary.json").read_text())
 
     summary = run("--steps", "4", "--inject-inf", "3", "--save-steps", "4")
     assert summary["distributed_type"] == "DistributedType.MULTI_CPU"
