@@ -342,6 +342,11 @@ class ScalerState:
             )
         )
         self.last_found_inf = found_inf
+        if torch.compiler.is_compiling():
+            # As in a CUDA graph replay, the host's count stays where it was inside compiled code:
+            # the device counts, and an int that changed at every call would make dynamo guard on
+            # it and recompile. No periodic read inside a compiled step.
+            return False
         self._host_updates += 1
         interval = config.skip_log_interval
         due = (interval and self._host_updates % interval == 0) or (

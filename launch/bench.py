@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from benchkit.cases import measure, plain_params
-from benchkit.contenders import CONTENDERS, VARIANTS
+from benchkit.contenders import CONTENDERS, ON_REQUEST, VARIANTS
 from benchkit.launch_cost import measure_launch
 from benchkit.report import check_targets, markdown, plot
 from benchkit.sweeps import SWEEPS, plan
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=CONTENDERS,
         default=None,
-        help="default: all (distscaler-graph on --device cuda only); the launch sweep adds "
+        help="default: all but distscaler-compiled (distscaler-graph on --device cuda only); the launch sweep adds "
         "distscaler's variants (its DeepSpeed and Megatron rules, no overflow report) when "
         "distscaler runs",
     )
@@ -110,7 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA device is available")
     if args.contenders is None:
         args.contenders = [
-            c for c in CONTENDERS if args.device == "cuda" or c != "distscaler-graph"
+            c
+            for c in CONTENDERS
+            if c not in ON_REQUEST and (args.device == "cuda" or c != "distscaler-graph")
         ]
     return args
 

@@ -137,6 +137,7 @@ def compile_scenarios(rank: int, world_size: int) -> dict[str, Any]:
     if world_size == 1:
         out["breaks"] = {kind: _break_sites(kind) for kind in OPT_KINDS}
         out["variants"] = _traced_variants()
+        out["interleaved"] = _interleaved()
         out["kernels"] = compiled_kernels()
     return out
 
@@ -280,6 +281,54 @@ def _traced_variants() -> dict[str, Any]:
             "num_state": len(runs[True]["state"]),
         }
     return out
+
+
+#: The README's form: a compiled phase that takes its scaler and optimizer from module globals
+#: (dynamo guards on a global's attributes as values: no automatic dynamic ints there).
+_GLOBALS: dict[str, Any] = {}
+
+
+@torch.compile(fullgraph=True)
+def _global_phase() -> Any:
+    return _scaler_phase(_GLOBALS["scaler"], _GLOBALS["optimizer"], True)
+
+
+#: The 0-based updates ``_interleaved`` runs eagerly; the others, up to NUM_INTERLEAVED, compiled.
+NUM_INTERLEAVED = 12
+EAGER_UPDATES = (1, 3, 4)
+
+
+def _interleaved() -> dict[str, Any]:
+    """Eager and ``fullgraph=True`` calls of the phase taking turns on one scaler for 12 updates
+    (``EAGER_UPDATES`` eager), an inf at update 4 (eager: ``_backward``'s) and 5 (eager),
+    graphs compiled (the host's update count, which advances
+    in eager calls only, must not be baked into the graph: dynamo would recompile at every call
+    and, with fullgraph=True, fail at its recompile limit) and the totals the device counted."""
+    torch._dynamo.reset()
+    graphs = _num_graphs()
+    model = _model()
+    optimizer = make_optimizer("fused", model.parameters())
+    scaler = GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
+
+    _GLOBALS.update(scaler=scaler, optimizer=optimizer)
+
+    for step in range(NUM_INTERLEAVED):
+        optimizer.zero_grad(set_to_none=True)
+        _backward(model, scaler, step, 0, 1)
+        if step == INJECT_STEP + 1:
+            next(model.parameters()).grad[0, 0] = math.inf
+        try:
+            if step in EAGER_UPDATES:
+                _scaler_phase(scaler, optimizer, True)
+            else:
+                _global_phase()
+        except Exception as exc:  # this case fails alone, not the spawn's others
+            return {"error": f"update {step + 1}: {type(exc).__name__}: {exc}"[:2000]}
+    totals = scaler.skip_totals
+    return {
+        "graphs": _num_graphs() - graphs,
+        "totals": [totals.num_updates, totals.num_skipped, totals.last_skipped],
+    }
 
 
 def compiled_kernels() -> dict[str, Any]:

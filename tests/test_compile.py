@@ -122,6 +122,18 @@ def test_traced_fused_step_variants_equal_eager(runs, variant):
 
 
 @needs_whole_phase
+def test_eager_and_compiled_calls_can_take_turns(runs):
+    world_size, results = runs
+    if world_size != 1:
+        pytest.skip("checked in one process")
+    run = results[0]["interleaved"]
+    assert "error" not in run, run["error"]  # e.g. fullgraph=True at dynamo's recompile limit
+    assert 1 <= run["graphs"] <= 3, run  # not one per call
+    # The device counted every update, compiled or not: skips at updates 4 and 5.
+    assert run["totals"] == [12, 2, 5], run
+
+
+@needs_whole_phase
 def test_inductor_kernels_of_the_whole_phase(runs):
     world_size, results = runs
     if world_size != 1:

@@ -136,7 +136,7 @@ def measure(
             errors.setdefault(key.split("/", 1)[1], value)
     counts = {}
     for name, c in built.items():
-        if name not in errors and c.phase is not None:
+        if name not in errors and c.phase is not None and c.countable:
             counts[name] = count_per_step(c.phase, untimed=reset)
     return {
         **case.asdict(),

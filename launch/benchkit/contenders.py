@@ -36,6 +36,7 @@ from common.tensors import local_tensor
 
 __all__ = [
     "CONTENDERS",
+    "ON_REQUEST",
     "VARIANTS",
     "Contender",
     "build_contender",
@@ -46,7 +47,20 @@ __all__ = [
 
 #: Every contender, in the order the reports list them. ``distscaler-graph`` (CUDA only): the same
 #: sequence as ``distscaler``, captured once in a CUDA graph and replayed.
-CONTENDERS = ("distscaler", "torch", "torch-sharded", "deepspeed", "distscaler-graph")
+#: ``distscaler-compiled`` (asked for by name only: compiling costs seconds per case): the same
+#: sequence compiled as one graph (``fullgraph=True``; on CUDA ``mode="reduce-overhead"``).
+CONTENDERS = (
+    "distscaler",
+    "torch",
+    "torch-sharded",
+    "deepspeed",
+    "distscaler-graph",
+    "distscaler-compiled",
+)
+#: The most gradient tensors ``distscaler-compiled`` compiles (one case's compile time).
+MAX_COMPILED_TENSORS = 1000
+#: Contenders a run takes only when named (``--contenders``).
+ON_REQUEST = ("distscaler-compiled",)
 #: distscaler with other settings (the launch sweep runs them beside ``distscaler``): the DeepSpeed
 #: rule as ``ScalerConfig.from_deepspeed`` gives it to a DeepSpeed user (hysteresis 2, window 1000,
 #: minimum 1, raise at the minimum: one host read per update), Megatron's rule (hysteresis 2,
@@ -73,6 +87,9 @@ class Contender:
     phase: Callable[[], Any] | None = None
     step: Callable[[], Any] | None = None
     error: str | None = None
+    #: Whether a dispatch-mode counter can count its ops (a compiled graph cannot run under one:
+    #: its kernels are counted from inductor's code by tests/test_compile.py).
+    countable: bool = True
 
 
 def noop_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -312,6 +329,36 @@ def _distscaler_graph(*, params, optimizer, device, **kwargs) -> Contender:
         return Contender("distscaler-graph", error=f"{type(exc).__name__}: {exc}"[:200])
 
 
+def _distscaler_compiled(*, params, optimizer, device, **kwargs) -> Contender:
+    """distscaler's sequence without the overflow report (``skip_log_interval=0``: the report reads
+    the host) compiled whole: ``torch.compile(fullgraph=True)``, on CUDA with
+    ``mode="reduce-overhead"`` (inductor's CUDA graphs). Compiled at build time (two calls each)."""
+    from distscaler.traced_step import TRACES_WHOLE_PHASE
+
+    if not TRACES_WHOLE_PHASE:
+        raise _NotApplicable(f"torch {torch.__version__}: dynamo traces the phase whole from 2.12")
+    if not optimizer.defaults.get("fused"):
+        raise _NotApplicable("needs a fused optimizer (the only kind a graph can skip sync-free)")
+    if len(params) > MAX_COMPILED_TENSORS:
+        raise _NotApplicable(
+            f"{len(params)} tensors: dynamo's trace grows with the tensor count (10,000 took 14 "
+            f"minutes on a 2-core CPU); compiled up to {MAX_COMPILED_TENSORS}"
+        )
+    base = _distscaler(
+        params=params, optimizer=optimizer, device=device, variant="distscaler-noreport", **kwargs
+    )
+    assert base.phase is not None and base.step is not None
+    torch._dynamo.reset()  # one case's compiles at a time, far from dynamo's recompile limit
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    compiled = []
+    for fn in (base.phase, base.step):
+        fn = torch.compile(fn, fullgraph=True, mode=mode)
+        for _ in range(2):  # traced, then again once the scaler's caches are warm
+            fn()
+        compiled.append(fn)
+    return Contender("distscaler-compiled", phase=compiled[0], step=compiled[1], countable=False)
+
+
 def _captured(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], Any]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -329,6 +376,7 @@ _BUILDERS: dict[str, Callable[..., Contender]] = {
     "distscaler": _distscaler,
     **{name: functools.partial(_distscaler, variant=name) for name in VARIANTS},
     "distscaler-graph": _distscaler_graph,
+    "distscaler-compiled": _distscaler_compiled,
     "torch": _torch_scaler(sharded=False),
     "torch-sharded": _torch_scaler(sharded=True),
     "deepspeed": _deepspeed,

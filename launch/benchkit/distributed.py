@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchkit.cases import OPTIMIZERS, Case, measure  # noqa: E402
-from benchkit.contenders import CONTENDERS, INIT_SCALE  # noqa: E402
+from benchkit.contenders import CONTENDERS, INIT_SCALE, ON_REQUEST  # noqa: E402
 from common.distributed import Dist, setup_distributed  # noqa: E402
 from common.tensors import local_tensor  # noqa: E402
 from common.wrapping import ddp_device_ids, fully_shard_blocks  # noqa: E402
@@ -157,7 +157,7 @@ def run_layout(layout: str, args: argparse.Namespace, d: Dist) -> dict[str, Any]
         case,
         params=list(wrapped.parameters()),
         device=d.device,
-        contenders=CONTENDERS,
+        contenders=[c for c in CONTENDERS if c not in ON_REQUEST],
         rounds=args.rounds,
         warmup=args.warmup,
         model=wrapped if layout == "ddp" else None,

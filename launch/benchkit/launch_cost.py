@@ -75,7 +75,7 @@ def measure_launch(
                 times[name].append(elapsed / calls * 1e6)
     ops = {}
     for name, phase in phases.items():
-        if name not in errors:
+        if name not in errors and built[name].countable:
             ops[name] = count_per_step(phase, untimed=reset)["ops"]
     return {
         **case.asdict(),
