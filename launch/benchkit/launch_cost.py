@@ -142,7 +142,7 @@ def launch_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def launch_table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: one row per (tensor count, clipping), host time and ops per contender."""
-    order = ("distscaler", *VARIANTS, "torch", "torch-sharded", "deepspeed")
+    order = ("distscaler", *VARIANTS, "distscaler-compiled", "torch", "torch-sharded", "deepspeed")
     names = [n for n in order if any(n in r["host_us"] or n in r["errors"] for r in rows)]
     lines = [
         "| tensors, clip | "
