@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import host_read
+from ._torch_compat import amp_check_and_unscale_
 from .attribution import TensorCodes, tensor_codes
 from .grad_kernels import (
     VERDICT_NUMEL,
@@ -274,7 +275,7 @@ class VerdictGroup:
         zero, one = state.zero, state.one
         found, *ends = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
         for grads in groups.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            amp_check_and_unscale_(grads, found, one)
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

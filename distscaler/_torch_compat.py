@@ -1,0 +1,45 @@
+"""Where torch behaves differently across the versions distscaler supports (``pyproject.toml``).
+
+The one place in the library that knows; everything else calls these helpers. Each entry names the
+versions it was checked on and why it exists. (The jobs under ``launch/`` have their own:
+``launch/common/torch_compat.py``.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["amp_check_and_unscale_"]
+
+#: torch 2.6 and 2.7 (checked) cannot trace ``_amp_foreach_non_finite_check_and_unscale_``:
+#: functionalization turns it into its out-of-place form, which returns ``(list, Tensor)``, and
+#: FakeTensor's handler for every op whose name contains "foreach" treats each output as a tensor
+#: (``BackendCompilerFailed: AttributeError: 'list' object has no attribute 'device'``), also for a
+#: function that calls nothing but that op. torch's own scaler never meets it because dynamo does
+#: not trace ``torch.amp`` (it runs there eagerly, outside the graph). torch 2.8 (checked in its
+#: source: the handler matches ``aten::_foreach_*`` only) and later trace it (pytorch/pytorch PR
+#: 154930, for issue 138412).
+_CHECK_KERNEL_TRACES = torch.__version__ >= "2.8"
+
+
+def amp_check_and_unscale_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: multiply
+    ``grads`` (one device and dtype) in place by the 0-dim float32 ``inv_scale`` and set the 0-dim
+    float32 ``found_inf`` to 1.0 if an element was inf/NaN (left as it was otherwise).
+
+    torch's kernel, except while ``torch.compile`` traces on a torch that cannot trace it (2.6,
+    2.7): there the same arithmetic in ops it traces (``isfinite``/``all`` per gradient,
+    ``masked_fill_``, ``_foreach_mul_``). The values are the same bit for bit: the kernel, too,
+    multiplies in float32 (float64 for float64 gradients) and rounds once to the gradient's dtype,
+    and a product with an inv_scale of exactly 1.0 is the value itself.
+    """
+    if _CHECK_KERNEL_TRACES or not torch.compiler.is_compiling():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return
+    if not grads:
+        return
+    finite = torch.stack([g.isfinite().all() for g in grads]).all()
+    found_inf.masked_fill_(finite.logical_not(), 1.0)
+    torch._foreach_mul_(grads, inv_scale)
