@@ -151,6 +151,12 @@ class VerdictGroup:
         group is kept: one kept past ``destroy_process_group()`` would be torn down at interpreter
         exit, which aborts gloo ("terminate called without an active exception").
         """
+        if torch.compiler.is_compiling():
+            # Traced: nothing cached (dynamo guards on what it reads) and no id() of the group,
+            # which torch 2.6-2.11's dynamo cannot take and 2.12's fakes differently per pass.
+            if not (dist.is_available() and dist.is_initialized()):
+                return None, 1
+            return self.process_group, dist.get_world_size(self.process_group)
         world = dist.GroupMember.WORLD if dist.is_available() else None
         key = None if world is None else id(world)
         resolved = self._resolved
