@@ -7,18 +7,24 @@ versions it was checked on and why it exists. (The jobs under ``launch/`` have t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
-__all__ = ["amp_check_and_unscale_"]
+__all__ = ["amp_check_and_unscale_", "fused_handoff"]
 
-#: torch 2.6 and 2.7 (checked) cannot trace ``_amp_foreach_non_finite_check_and_unscale_``:
+_F = TypeVar("_F", bound=Callable)
+
+#: torch 2.6.0 (run) and 2.7.1 (read in its source) cannot trace
+#: ``_amp_foreach_non_finite_check_and_unscale_``:
 #: functionalization turns it into its out-of-place form, which returns ``(list, Tensor)``, and
 #: FakeTensor's handler for every op whose name contains "foreach" treats each output as a tensor
 #: (``BackendCompilerFailed: AttributeError: 'list' object has no attribute 'device'``), also for a
 #: function that calls nothing but that op. torch's own scaler never meets it because dynamo does
-#: not trace ``torch.amp`` (it runs there eagerly, outside the graph). torch 2.8 (checked in its
+#: not trace ``torch.amp`` (it runs there eagerly, outside the graph). torch 2.8.0 (read in its
 #: source: the handler matches ``aten::_foreach_*`` only) and later trace it (pytorch/pytorch PR
-#: 154930, for issue 138412).
+#: 154930, for issue 138412); 2.10.0 to 2.15.0 run.
 _CHECK_KERNEL_TRACES = torch.__version__ >= "2.8"
 
 
@@ -43,3 +49,21 @@ def amp_check_and_unscale_(
     finite = torch.stack([g.isfinite().all() for g in grads]).all()
     found_inf.masked_fill_(finite.logical_not(), 1.0)
     torch._foreach_mul_(grads, inv_scale)
+
+
+#: torch 2.10.0 and 2.11.0 (run) crash while torch.compile traces an attribute set on an optimizer
+#: (``AssertionError: Attempted setattr on a user-defined object that does not have an
+#: AttributeMutation mutation_type``), which is how a fused optimizer gets ``grad_scale`` and
+#: ``found_inf`` (torch's contract; torch's own scaler is not traced: dynamo skips ``torch.amp``).
+#: torch 2.6.0, 2.12.1 to 2.15.0 (run) trace it; 2.7 to 2.9 not run.
+_OPTIMIZER_SETATTR_TRACES = torch.__version__ >= "2.12"
+
+
+def fused_handoff(fn: _F) -> _F:
+    """Decorate the function that hands ``grad_scale``/``found_inf`` to a fused optimizer and
+    steps it: below torch 2.12 it runs outside torch.compile's graph (``torch._dynamo.disable``),
+    which costs nothing but the place of a graph break (torch's optimizer step breaks the graph
+    there anyway); ``fn`` itself from 2.12 on, where the hand-off traces."""
+    if _OPTIMIZER_SETATTR_TRACES:
+        return fn
+    return torch._dynamo.disable(fn)  # type: ignore[return-value]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import tempfile
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "CRASH",
     "GAPS",
     "GapMap",
+    "fullgraph_gaps",
     "gap_in",
     "guarded",
     "run_case",
@@ -59,6 +61,41 @@ def _fully_shard_backward(world_size: int) -> None:
 
 #: Torch recipes the layouts rely on, by name.
 RECIPES: dict[str, Callable[[int], None]] = {"fully_shard + backward": _fully_shard_backward}
+
+
+def _fullgraph_id_of_a_list() -> None:
+    # What a cached plan's key does: the identity and length of a parameter list, compared.
+    params = [torch.ones(2)]
+    key = (id(params), len(params))
+    torch.compile(lambda ps: ps[0] * ((id(ps), len(ps)) == key), fullgraph=True)(params)
+
+
+def _fullgraph_weak_key_lookup() -> None:
+    # What a per-optimizer cache does: a WeakKeyDictionary looked up by the optimizer.
+    owner = torch.nn.Linear(1, 1)
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary({owner: 2.0})
+    torch.compile(lambda o, x: x * cache.get(o), fullgraph=True)(owner, torch.ones(1))
+
+
+#: Python that dynamo must trace for ``fullgraph=True``, by name, nothing of ours in it.
+FULLGRAPH_RECIPES: dict[str, Callable[[], None]] = {
+    "fullgraph id() of a list": _fullgraph_id_of_a_list,
+    "fullgraph WeakKeyDictionary lookup": _fullgraph_weak_key_lookup,
+}
+
+
+@functools.cache
+def fullgraph_gaps() -> dict[str, str]:
+    """Run each of :data:`FULLGRAPH_RECIPES` in this process (small compiles, once); name -> its
+    error (``"ExceptionType: first line"``) for those torch's dynamo cannot trace here. Empty
+    where it traces them all (torch 2.12.1 to 2.15.0, run)."""
+    gaps: dict[str, str] = {}
+    for name, recipe in FULLGRAPH_RECIPES.items():
+        try:
+            recipe()
+        except Exception as exc:
+            gaps[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return gaps
 
 
 def torch_gaps(world_size: int) -> dict[str, str]:
