@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ._torch_compat import fused_handoff
 from .errors import CallOrderError
 from .traced_step import NOT_TRACED, traced_step
 
@@ -56,6 +57,7 @@ def uses_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+@fused_handoff
 def fused_step(
     optimizer: torch.optim.Optimizer,
     grad_scale: torch.Tensor | None,

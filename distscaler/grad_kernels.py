@@ -15,6 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ._torch_compat import amp_check_and_unscale_
 from .attribution import tensor_codes
 from .layouts import GradGroups
 
@@ -198,7 +199,7 @@ def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.
                     inv_scale.to(key.device, non_blocking=True),
                 )
             found, factor = others[key.device]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor)
+        amp_check_and_unscale_(grads, found, factor)
     for found, _ in others.values():
         verdict[0:1].copy_(torch.maximum(verdict[0], found.to(device, non_blocking=True)))
     return verdict

@@ -360,7 +360,9 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
                 coded = [s["coded"] for s in states if s["coded"] is not None]
                 self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None, lerps)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        # Cleared in place: torch 2.6's dynamo gives a defaultdict made in a compiled graph back
+        # as a plain dict (the next step raised KeyError).
+        self._per_optimizer_states.clear()
 
     def _apply(
         self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: Sequence = ()
@@ -577,7 +579,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         self.materialize()
         state = self._device_state("update_scale")
         self._apply(state.one if overflow else state.zero, None)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states.clear()
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScalerConfig))

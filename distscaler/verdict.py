@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import host_read
+from ._torch_compat import amp_check_and_unscale_
 from .attribution import TensorCodes, tensor_codes
 from .grad_kernels import (
     VERDICT_NUMEL,
@@ -151,8 +152,8 @@ class VerdictGroup:
         exit, which aborts gloo ("terminate called without an active exception").
         """
         if torch.compiler.is_compiling():
-            # dynamo before torch 2.13 cannot take id() of a ProcessGroup; it guards on what it
-            # reads here, and a compiled step's collective is bound to the group it traced.
+            # Traced: nothing cached (dynamo guards on what it reads) and no id() of the group,
+            # which torch 2.6-2.11's dynamo cannot take and 2.12's fakes differently per pass.
             if not (dist.is_available() and dist.is_initialized()):
                 return None, 1
             return self.process_group, dist.get_world_size(self.process_group)
@@ -280,7 +281,7 @@ class VerdictGroup:
         zero, one = state.zero, state.one
         found, *ends = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
         for grads in groups.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            amp_check_and_unscale_(grads, found, one)
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

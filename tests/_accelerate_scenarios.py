@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import mlp, set_rank_env
+from _torch_gaps import GAPS, run_case, torch_gaps
 
 from common.tensors import params_digest
 
@@ -159,4 +160,9 @@ def fsdp2_load_state(tmp: str) -> dict[str, Any]:
 def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     set_rank_env(rank, world_size)
-    return {"ddp": ddp_skip_and_clip(), "fsdp2": fsdp2_load_state(tmp)}
+    # A crash (torch's own, on an old torch) fails its scenario only (tests/_torch_gaps.py).
+    return {
+        GAPS: torch_gaps(world_size),
+        "ddp": run_case(ddp_skip_and_clip),
+        "fsdp2": run_case(lambda: fsdp2_load_state(tmp)),
+    }

@@ -8,6 +8,7 @@ injects an inf on the last rank at ``INJECT_STEP`` so that the run grows, skips 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import gpu_verdict, make_optimizer
+from _torch_gaps import run_case
 
 from distscaler import GradScaler
 from distscaler.traced_step import TRACES_WHOLE_PHASE
@@ -130,15 +132,19 @@ def compile_scenarios(rank: int, world_size: int) -> dict[str, Any]:
                 "scales": [t_eager["scales"], t_comp["scales"]],
             }
     if not TRACES_WHOLE_PHASE:  # older dynamo: the phase compiles between graph breaks only
+        out["fullgraph"] = {clip_id: {} for clip_id in CLIP_IDS}
+        out.update(breaks={}, variants={}, interleaved={}, kernels={})
         return out
+    # Each fullgraph case fails alone (run_case), not the spawn's others.
     out["fullgraph"] = {
-        clip_id: _fullgraph(rank, world_size, clip) for clip_id, clip in CLIP_IDS.items()
+        clip_id: run_case(functools.partial(_fullgraph, rank, world_size, clip))
+        for clip_id, clip in CLIP_IDS.items()
     }
     if world_size == 1:
-        out["breaks"] = {kind: _break_sites(kind) for kind in OPT_KINDS}
-        out["variants"] = _traced_variants()
-        out["interleaved"] = _interleaved()
-        out["kernels"] = compiled_kernels()
+        out["breaks"] = run_case(lambda: {kind: _break_sites(kind) for kind in OPT_KINDS})
+        out["variants"] = run_case(_traced_variants)
+        out["interleaved"] = run_case(_interleaved)
+        out["kernels"] = run_case(compiled_kernels)
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import mlp
+from _torch_gaps import GAPS, run_case, torch_gaps
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.tensors import params_digest
@@ -235,8 +236,10 @@ def everything(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), NODE_RANK="0",
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
     )  # fmt: skip
+    # A crash (torch's own, on an old torch) fails its scenario only (tests/_torch_gaps.py).
     return {
-        "ddp": ddp(tmp),
-        "fsdp2": model_parallel(tmp, "fsdp2"),
-        "tp": model_parallel(tmp, "tp"),
+        GAPS: torch_gaps(world_size),
+        "ddp": run_case(lambda: ddp(tmp)),
+        "fsdp2": run_case(lambda: model_parallel(tmp, "fsdp2")),
+        "tp": run_case(lambda: model_parallel(tmp, "tp")),
     }

@@ -8,6 +8,23 @@ import torch
 # Tiny tensors: intra-op threads only contend with the other xdist worker on a 2-core runner.
 torch.set_num_threads(1)
 
+#: The torch-compatibility subset (``pytest -m compat``), which CI runs on the floor of the declared
+#: torch range and on the newest torch (README, "torch.compile and torch versions"): every test of
+#: a file, or one test by its ``file::name`` prefix, and why it is in. Kept here, in one place, so
+#: that the test files themselves stay free of it.
+COMPAT: dict[str, str] = {
+    "test_api.py": "the drop-in: torch's semantics, errors and state_dict, both ways",
+    "test_verdict.py": "the per-rank kernels (torch's check kernel, fp32 norms of fp16 gradients)",
+    "test_parity.py": "torch.amp.GradScaler as the oracle, bit for bit",
+    "test_policies.py": "DeepSpeed's DynamicLossScaler and Megatron's rule as oracles, on 2 ranks too",
+    "test_layouts.py": "every layout (DDP, FSDP1, FSDP2, HSDP, FSDP2 x TP, PP) on gloo ranks",
+    "test_attribution.py": "the overflow report, per layout and across ranks",
+    "test_compile.py": "torch.compile of the scaler phase, compiled equals eager",
+    "test_traced_step.py": "the fused step a compiled phase traces, against torch's, eagerly",
+    "test_layout_costs.py": "the job's model laid out in every layout under torchrun",
+    "test_train.py::test_inf_on_one_rank_skips_step_on_every_rank": "the reference job, end to end",
+}
+
 #: On GPU CI runners: the number of GPUs the machine must show, so that the GPU tests cannot pass
 #: by skipping (a runner whose container lost its GPUs fails instead of going green).
 REQUIRE_GPUS_ENV = "DISTSCALER_REQUIRE_GPUS"
@@ -37,6 +54,9 @@ def pytest_collection_modifyitems(config, items):
             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); with Docker, pass --gpus all"
         )
     for item in items:
+        name = f"{item.path.name}::{item.name}"  # test_x.py::test_y[params]
+        if any(key in (item.path.name, name) or name.startswith(f"{key}[") for key in COMPAT):
+            item.add_marker(pytest.mark.compat)
         if "cuda" in item.keywords and num_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and num_gpus < 2:

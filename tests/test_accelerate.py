@@ -27,6 +27,7 @@ import pytest
 import torch
 from _common import REPO, launch_env, mlp
 from _harness import spawn
+from _torch_gaps import guarded
 
 accelerate = pytest.importorskip("accelerate")  # a test extra; CI installs it
 
@@ -296,7 +297,7 @@ def test_install_validates_and_uninstall_restores(make_accelerator):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("accelerate2")
-    return spawn(functools.partial(S.everything, tmp=str(tmp)), 2, tmp)
+    return guarded(spawn(functools.partial(S.everything, tmp=str(tmp)), 2, tmp))
 
 
 @pytest.mark.xdist_group("accelerate2")

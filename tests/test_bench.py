@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _torch_gaps import skip_if_gap_in
 from benchkit.cases import Case, make_optimizer, measure, plain_params, split_sizes
 from benchkit.contenders import CONTENDERS, build_contender, noop_step
 
@@ -171,6 +172,8 @@ def test_quick_run_end_to_end(tmp_path):
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    if proc.returncode != 0:  # its world sweep shards with FSDP2, which an old torch's CPU fails
+        skip_if_gap_in(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     records = results["records"]

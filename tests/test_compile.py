@@ -10,6 +10,7 @@ import _compile_scenarios as C
 import pytest
 import torch
 from _harness import spawn
+from _torch_gaps import CRASH, fullgraph_gaps
 
 WORLD_SIZES = [
     pytest.param(1, marks=pytest.mark.xdist_group("compile1"), id="1rank"),
@@ -48,28 +49,39 @@ def test_compiled_phase_equals_eager_through_growth_skip_and_backoff(runs, opt_k
         # rounds differently; a fused step is exact), with the same steps on the same rank.
         if opt_kind == "fused":
             assert run["param_diff"] == 0.0
-            assert compiled["norms"] == eager["norms"]
+            if clip:  # torch's own compiled 2-norm may round an ulp off its eager one (2.6.0)
+                assert compiled["norms"] == pytest.approx(eager["norms"], rel=1e-6), rank
         else:
             torch_diff = res["torch-foreach"]["param_diff"]
             assert run["param_diff"] <= torch_diff, (rank, run["param_diff"], torch_diff)
     assert len({str(r[f"{opt_kind}-clip"]["compiled"]) for r in results}) == 1  # ranks agree
 
 
-#: The tests of the whole phase as one graph: dynamo before torch 2.12 cannot trace it.
-needs_whole_phase = pytest.mark.skipif(
-    not C.TRACES_WHOLE_PHASE,
-    reason=f"torch {torch.__version__}: dynamo before 2.12 cannot trace the phase whole",
-)
+def _whole(result: dict) -> dict:
+    """A result of the whole phase as one graph (``fullgraph=True``). Where this torch is below
+    distscaler's gate (``TRACES_WHOLE_PHASE``), skip with the proof: dynamo failing torch-only
+    recipes of the Python the phase needs (``tests/_torch_gaps.FULLGRAPH_RECIPES``)."""
+    if not C.TRACES_WHOLE_PHASE:
+        pytest.skip(
+            f"torch {torch.__version__}: dynamo cannot trace, fullgraph: {fullgraph_gaps()}"
+        )
+    assert CRASH not in result, result.get(CRASH)
+    return result
 
 
-@needs_whole_phase
+def test_the_fullgraph_gate_is_what_torchs_dynamo_can_trace():
+    # Neither too strict (torch traces it all, yet we take graph breaks) nor too lax.
+    gaps = fullgraph_gaps()
+    assert C.TRACES_WHOLE_PHASE == (not gaps), (torch.__version__, gaps)
+
+
 @pytest.mark.parametrize("clip_id", list(C.CLIP_IDS))
 def test_fused_phase_traces_whole_with_fullgraph(runs, clip_id):
     # clip_grad_norm_ (its all_reduce included at 2 ranks), the fused AdamW step and update in
     # one graph: torch's step alone cannot be (its graph breaks; dynamo skips fused kernels).
     world_size, results = runs
     for rank, res in enumerate(results):
-        full = res["fullgraph"][clip_id]
+        full = _whole(res["fullgraph"][clip_id])
         eager_graphs, compiled_graphs = full["graphs"]
         assert eager_graphs == 0 and 1 <= compiled_graphs <= 2, full[
             "graphs"
@@ -92,12 +104,11 @@ def test_fused_phase_traces_whole_with_fullgraph(runs, clip_id):
     assert len({str(r["fullgraph"][clip_id]["norms"]) for r in results}) == 1  # ranks agree
 
 
-@needs_whole_phase
 def test_graph_breaks_of_the_phase(runs):
     world_size, results = runs
     if world_size != 1:
         pytest.skip("checked in one process")
-    breaks = results[0]["breaks"]
+    breaks = _whole(results[0]["breaks"])
     assert breaks["fused"] == []
     # A non-fused step is decided on the host (the agreed flag, read once): that read breaks it.
     assert breaks["foreach"], "the non-fused step's graph break was not seen"
@@ -107,13 +118,12 @@ def test_graph_breaks_of_the_phase(runs):
     ), breaks["foreach"]
 
 
-@needs_whole_phase
 @pytest.mark.parametrize("variant", ["adam-amsgrad-maximize", "adamw-two-dtypes"])
 def test_traced_fused_step_variants_equal_eager(runs, variant):
     world_size, results = runs
     if world_size != 1:
         pytest.skip("checked in one process")
-    run = results[0]["variants"][variant]
+    run = _whole(results[0]["variants"])[variant]
     assert run["graphs"] >= 1
     assert run["scales"][0] == run["scales"][1] == [16.0, 16.0, 16.0, 8.0]  # the inf skipped
     assert run["param_diff"] == 0.0 and run["state_diff"] == 0.0
@@ -121,24 +131,22 @@ def test_traced_fused_step_variants_equal_eager(runs, variant):
     assert run["num_state"] == (16 if "amsgrad" in variant else 12)
 
 
-@needs_whole_phase
 def test_eager_and_compiled_calls_can_take_turns(runs):
     world_size, results = runs
     if world_size != 1:
         pytest.skip("checked in one process")
-    run = results[0]["interleaved"]
+    run = _whole(results[0]["interleaved"])
     assert "error" not in run, run["error"]  # e.g. fullgraph=True at dynamo's recompile limit
     assert 1 <= run["graphs"] <= 3, run  # not one per call
     # The device counted every update, compiled or not: skips at updates 4 and 5.
     assert run["totals"] == [12, 2, 5], run
 
 
-@needs_whole_phase
 def test_inductor_kernels_of_the_whole_phase(runs):
     world_size, results = runs
     if world_size != 1:
         pytest.skip("counted in one process")
-    kernels = results[0]["kernels"]
+    kernels = _whole(results[0]["kernels"])
     for counts in kernels.values():
         assert counts["eager_ops"]["aten._fused_adamw_.default"] == 1, counts  # the step counted
     # With clipping the verdict's epilogue and the step counts fuse: fewer kernels than eager ops.
@@ -150,9 +158,8 @@ def test_inductor_kernels_of_the_whole_phase(runs):
 
 
 @pytest.mark.cuda
-@needs_whole_phase
 def test_reduce_overhead_captures_the_whole_phase_in_a_cuda_graph():
-    run = C.reduce_overhead_runs("cuda")
+    run = _whole(C.reduce_overhead_runs("cuda") if C.TRACES_WHOLE_PHASE else {})
     assert run["cudagraph_skips"] == 0  # inductor took the whole phase into a CUDA graph
     assert run["scales"][0] == run["scales"][1] == EXPECTED_SCALES
     assert run["norms"][1][C.INJECT_STEP] == float("inf")

@@ -23,6 +23,7 @@ import pytest
 import torch
 from _common import mlp
 from _harness import spawn
+from _torch_gaps import guarded
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")  # a test extra; CI installs it
@@ -271,7 +272,7 @@ def test_importing_without_lightning_names_the_install_command(monkeypatch):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lightning2")
-    return spawn(functools.partial(S.everything, tmp=str(tmp)), 2, tmp)
+    return guarded(spawn(functools.partial(S.everything, tmp=str(tmp)), 2, tmp))
 
 
 def _both(results, scenario, run):

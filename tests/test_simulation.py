@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torch_gaps import skip_if_gap_in
 
 import distscaler
 
@@ -40,6 +41,8 @@ def records() -> dict[tuple[str, int], dict]:
         cwd=repo,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    if proc.returncode != 0:  # every layout here is FSDP2's, which an old torch's CPU may fail
+        skip_if_gap_in(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {(r["layout"], r["world_size"]): r for r in json.loads(proc.stdout)}
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,31 @@ def _standalone(nproc: int = 2) -> list[str]:
     return _torchrun("--standalone", f"--nproc-per-node={nproc}")
 
 
-def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIMEOUT_S) -> None:
-    """Runs ``cmds`` concurrently; fails (killing all of them) if one fails or times out."""
+def _run_jobs(
+    cmds: list[list[str]],
+    logs: list[Path],
+    timeout: float = JOB_TIMEOUT_S,
+    *,
+    tolerate: Callable[[str], str | None] | None = None,
+) -> dict[int, str]:
+    """Runs ``cmds`` concurrently; fails (killing all of them) if one fails or times out.
+
+    ``tolerate`` maps a failed job's log to a reason not to fail (None: fail); such jobs are
+    returned (index -> reason) and the others run on.
+    """
     procs = []
     timed_out = False
+    tolerated: dict[int, str] = {}
+
+    def failed(i: int, p: subprocess.Popen) -> bool:
+        if p.returncode in (None, 0):
+            return False
+        if i not in tolerated and tolerate is not None:
+            reason = tolerate(logs[i].read_text(errors="replace"))
+            if reason is not None:
+                tolerated[i] = reason
+        return i not in tolerated
+
     try:
         for cmd, log in zip(cmds, logs, strict=True):
             with open(log, "w") as f:
@@ -104,7 +126,7 @@ def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIME
                 )
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+            if any(failed(i, p) for i, p in enumerate(procs)):
                 break  # the others would wait for it at the next collective
             if time.monotonic() > deadline:
                 timed_out = True
@@ -120,10 +142,11 @@ def _run_jobs(cmds: list[list[str]], logs: list[Path], timeout: float = JOB_TIME
         + (f" (killed after the {timeout} s timeout)" if timed_out else "")
         + ", log tail:\n"
         + "\n".join(log.read_text(errors="replace").replace("\r", "\n").splitlines()[-30:])
-        for cmd, p, log in zip(cmds, procs, logs, strict=True)
-        if p.returncode != 0
+        for i, (cmd, p, log) in enumerate(zip(cmds, procs, logs, strict=True))
+        if failed(i, p)
     ]
     assert not problems, "\n\n".join(problems)
+    return tolerated
 
 
 def _job_args(

@@ -24,6 +24,7 @@ import pytest
 import torch
 from _common import REPO, torchrun_summary
 from _harness import spawn
+from _torch_gaps import guarded
 
 transformers = pytest.importorskip("transformers")  # the transformers extra; CI installs it
 
@@ -153,7 +154,7 @@ TWO_RANKS = pytest.mark.xdist_group("transformers2")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("transformers")
-    return spawn(functools.partial(S.everything, tmp=str(tmp / "work")), 2, tmp)
+    return guarded(spawn(functools.partial(S.everything, tmp=str(tmp / "work")), 2, tmp))
 
 
 def _per_rank(runs, name, key):
