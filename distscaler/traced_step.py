@@ -77,7 +77,7 @@ def _mirrored(optimizer: Optimizer) -> bool | None:
     instance_step = optimizer.__dict__.get("step")
     if instance_step is not None and not (
         # An LR scheduler's wrapper (torch/optim/lr_scheduler.py) around the class's step: it
-        # only sets the mark that _mark_stepped sets.
+        # only sets the mark that _lr_mark.mark_stepped sets.
         getattr(instance_step, "_wrapped_by_lr_sched", False)
         and instance_step.__wrapped__ is type(optimizer).step
     ):
@@ -137,19 +137,13 @@ def traced_step(
     ):
         post_hook(optimizer, (), {})
     if "step" in optimizer.__dict__ and not getattr(optimizer, "_opt_called", False):
-        _mark_stepped(optimizer)
+        # Imported here, while dynamo traces (it runs an import for real): the module marks a
+        # function with torch.compiler.assume_constant_result, which imports dynamo (0.35 s), a
+        # cost `import distscaler` should not pay.
+        from ._lr_mark import mark_stepped
+
+        mark_stepped(optimizer)
     return None
-
-
-@torch.compiler.assume_constant_result
-def _mark_stepped(optimizer: Optimizer) -> bool:
-    # The mark an LR scheduler's step wrapper sets (torch/optim/lr_scheduler.py), read once, at
-    # the scheduler's first step, to warn about a scheduler stepped before its optimizer. dynamo
-    # drops (torch 2.13) or refuses (2.6) attribute writes on an optimizer; a constant-result
-    # function runs for real, once, while the step is traced, which is enough for a flag that is
-    # only ever set.
-    optimizer._opt_called = True  # type: ignore[attr-defined]
-    return True
 
 
 def _step_group(

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from _torch_gaps import skip_if_gap_in
 from benchkit.cases import Case, make_optimizer, measure, plain_params, split_sizes
-from benchkit.contenders import CONTENDERS, build_contender, noop_step
+from benchkit.contenders import CONTENDERS, ON_REQUEST, build_contender, noop_step
 
 from common.probes import count_per_step
 
 REPO = Path(__file__).resolve().parents[1]
-#: distscaler-graph needs a CUDA device (its own test below).
-CPU_CONTENDERS = [c for c in CONTENDERS if c != "distscaler-graph"]
+#: distscaler-graph needs a CUDA device (its own test below); distscaler-compiled runs when asked
+#: for by name (its own test below: a compile costs seconds).
+CPU_CONTENDERS = [c for c in CONTENDERS if c != "distscaler-graph" and c not in ON_REQUEST]
 
 
 @pytest.fixture
@@ -159,6 +160,51 @@ def test_graph_contender_says_why_it_cannot_run_on_cpu():
         device=torch.device("cpu"),
     )
     assert c.phase is None and c.error == "CUDA graphs need a CUDA device"
+
+
+def test_compiled_contender_steps_and_says_when_it_cannot(world_of_one):
+    """distscaler-compiled (asked for by name) compiles the phase and the step whole: built with a
+    fused AdamW its step moves the parameters as the eager distscaler's does; with another
+    optimizer it says why it does not run."""
+    from distscaler.traced_step import TRACES_WHOLE_PHASE
+
+    case = Case(params=600, tensors=3)
+    moved = {}
+    for name in ("distscaler-noreport", "distscaler-compiled"):
+        params = plain_params(case, torch.device("cpu"))
+        start = [p.detach().clone() for p in params]
+        c = build_contender(
+            name,
+            params=params,
+            make_optimizer=lambda: make_optimizer("fused", params),
+            optimizer=make_optimizer("fused", params),
+            clip=1.0,
+            device=torch.device("cpu"),
+        )
+        if name == "distscaler-compiled" and not TRACES_WHOLE_PHASE:
+            assert c.error is not None and "from 2.12" in c.error
+            return
+        assert c.error is None and c.phase is not None and c.step is not None, (name, c.error)
+        c.phase()
+        # Built compiled, its step already ran twice (traced, then warm): three steps each. The
+        # gradients stay as they are (a fused step unscales and clips inside its kernel).
+        for _ in range(3 if name == "distscaler-noreport" else 1):
+            c.step()
+        moved[name] = [p.detach() - s for p, s in zip(params, start)]
+    assert c.countable is False  # a dispatch-mode counter cannot see into a compiled graph
+    for eager, compiled in zip(moved["distscaler-noreport"], moved["distscaler-compiled"]):
+        assert eager.abs().sum() > 0
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+    foreach = make_optimizer("foreach", params)
+    c = build_contender(
+        "distscaler-compiled",
+        params=params,
+        make_optimizer=lambda: foreach,
+        optimizer=foreach,
+        clip=1.0,
+        device=torch.device("cpu"),
+    )
+    assert c.phase is None and c.error is not None and "fused optimizer" in c.error
 
 
 @pytest.mark.xdist_group("bench_quick")
