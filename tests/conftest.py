@@ -7,6 +7,30 @@ import torch
 
 # Tiny tensors: intra-op threads only contend with the other xdist worker on a 2-core runner.
 torch.set_num_threads(1)
+# inductor compiles in this process (read when torch._inductor is first imported; spawned ranks
+# inherit it): its default, a pool of compile subprocesses per core, would start in every xdist
+# worker and every spawned rank that compiles. tests/test_compile.py took as long either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def _usable_cores() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cores = min(cores or 1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores or 1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable core. xdist's own count asks psutil, which counts the
+    host's cores, not the container's: on a 2-core runner in a large host that would start dozens of
+    workers, each spawning ranks."""
+    return _usable_cores()
+
 
 #: The torch-compatibility subset (``pytest -m compat``), which CI runs on the floor of the declared
 #: torch range and on the newest torch (README, "torch.compile and torch versions"): every test of

@@ -176,7 +176,7 @@ def test_compiled_contender_steps_and_says_when_it_cannot(world_of_one):
         c = build_contender(
             name,
             params=params,
-            make_optimizer=lambda: make_optimizer("fused", params),
+            make_optimizer=lambda params=params: make_optimizer("fused", params),
             optimizer=make_optimizer("fused", params),
             clip=1.0,
             device=torch.device("cpu"),

@@ -67,6 +67,7 @@ def _float_from_yaml_string(value: Any) -> Any:
 # Strict: YAML's `true` is not 1, and 2.5 is not an int. A float field takes an int.
 YamlFloat = Annotated[float, BeforeValidator(_float_from_yaml_string), Strict()]
 
+
 def _as_float(value: Any) -> Any:
     """A YAML number for a float field: "1e-3" (a string to PyYAML) and 1024 become floats."""
     value = _float_from_yaml_string(value)
