@@ -44,6 +44,8 @@ from benchkit.report import check_targets, markdown, plot
 from benchkit.sweeps import SWEEPS, plan
 from tqdm import tqdm
 
+from common.distributed import destroy_process_group
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append({"sweep": sweep, **record})
             del params
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # one rank: its barrier waits for nobody
 
     world_sizes = p.world_sizes
     if device.type == "cuda":  # one GPU per rank

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from benchkit.contenders import build_contender, optimizer_like
 from benchkit.timing import interleave
 
-from common.distributed import Dist, setup_distributed
+from common.distributed import Dist, destroy_process_group, setup_distributed
 from common.tensors import local_tensor
 from distscaler import GradScaler
 from lm.config import load_config
@@ -256,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(records, indent=2))
         print(table(records))
         print(f"(medians of {args.repeats} rounds, slowest rank; written to {out})")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    destroy_process_group()
     return 0
 
 

@@ -97,7 +97,6 @@ Outputs, written by rank 0 into ``--out``:
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -147,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     # Before anything is started or written: a missing package is named now, not at the plot.
     require("train", "launch/train.py")
-    import torch.distributed as dist
-
-    from common.distributed import launched, setup_distributed
+    from common.distributed import destroy_process_group, launched, setup_distributed
     from lm.config import DEFAULT_CONFIG, ConfigError, load_config
     from lm.parallel import check_parallelism
     from lm.trainer import Trainer
@@ -183,13 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # No teardown after an error: destroy_process_group is collective-like and would hang the
     # ranks that are still running (torchrun stops them instead).
     summary = Trainer(cfg, d, config_path=config_path, resume=args.resume, t_start=t_start).run()
-    # The trainer is gone; collect its cycles too while the process group lives: a DDP model
-    # freed after destroy_process_group destroys gloo's group on this thread, which then waits
-    # for gloo's worker threads while they wait for the GIL it holds (a hang at exit).
-    gc.collect()
-    if d.enabled:
-        d.barrier()  # every rank is done communicating before any rank tears its connections down
-        dist.destroy_process_group()
+    # The trainer is gone: its cycles (a DDP model) are collected while the process group lives.
+    destroy_process_group()
     return summary
 
 

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
+    from common.distributed import destroy_process_group
     from common.tensors import params_digest
     from lm.agreement import RankView, ranks_agree
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         for problem in problems:
             print(f"train_torchtitan: {problem}", file=sys.stderr, flush=True)
-    dist.destroy_process_group()
+    destroy_process_group()  # after a barrier: gloo's teardown can hang on torch < 2.8
     if problems:
         raise SystemExit(1)
     return summary

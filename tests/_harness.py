@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.distributed import destroy_process_group
 from common.probes import HostReadSpy  # re-exported for the tests
 
 __all__ = ["HostReadSpy", "spawn"]
@@ -45,17 +46,26 @@ def _worker(
         timeout=datetime.timedelta(seconds=300 if backend == "nccl" else 120),
         device_id=torch.device("cuda", rank) if backend == "nccl" else None,
     )
+    crashed = True
     try:
         try:
             if with_device:
                 results = scenarios(rank, world_size, device)
             else:
                 results = scenarios(rank, world_size)
+            crashed = False
         except Exception:
             results = {"__crash__": traceback.format_exc()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
-        dist.destroy_process_group()
+        if crashed:  # the other ranks may be inside a collective: no barrier to pair with it
+            dist.destroy_process_group()
+        else:
+            try:  # after a barrier: gloo's teardown can hang on torch < 2.8
+                destroy_process_group()
+            except Exception:  # a rank crashed (its results say how): tear down without it
+                if dist.is_initialized():
+                    dist.destroy_process_group()
 
 
 def spawn(

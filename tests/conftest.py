@@ -47,6 +47,7 @@ COMPAT: dict[str, str] = {
     "test_traced_step.py": "the fused step a compiled phase traces, against torch's, eagerly",
     "test_layout_costs.py": "the job's model laid out in every layout under torchrun",
     "test_train.py::test_inf_on_one_rank_skips_step_on_every_rank": "the reference job, end to end",
+    "test_teardown.py": "gloo's teardown, which hangs before torch 2.8 unless done in order",
 }
 
 #: On GPU CI runners: the number of GPUs the machine must show, so that the GPU tests cannot pass

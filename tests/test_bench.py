@@ -19,6 +19,7 @@ from _torch_gaps import skip_if_gap_in
 from benchkit.cases import Case, make_optimizer, measure, plain_params, split_sizes
 from benchkit.contenders import CONTENDERS, ON_REQUEST, build_contender, noop_step
 
+from common.distributed import destroy_process_group
 from common.probes import count_per_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def world_of_one():
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_split_sizes_and_bad_input():

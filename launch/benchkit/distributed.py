@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 
 from benchkit.cases import OPTIMIZERS, Case, measure  # noqa: E402
 from benchkit.contenders import CONTENDERS, INIT_SCALE, ON_REQUEST  # noqa: E402
-from common.distributed import Dist, setup_distributed  # noqa: E402
+from common.distributed import Dist, destroy_process_group, setup_distributed  # noqa: E402
 from common.tensors import local_tensor  # noqa: E402
 from common.wrapping import ddp_device_ids, fully_shard_blocks  # noqa: E402
 
@@ -191,9 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(records, indent=2))
-        d.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other ranks may be inside a collective
+        raise
+    destroy_process_group()
     return 0
 
 

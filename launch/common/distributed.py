@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +14,14 @@ import torch.distributed as dist
 
 from common.rendezvous import elastic_store, uses_agent_store
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Dist", "gather_objects", "launched", "setup_distributed"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Dist",
+    "destroy_process_group",
+    "gather_objects",
+    "launched",
+    "setup_distributed",
+]
 
 #: Seconds a collective (or the start of the process group) may wait for a rank before it fails.
 #: torch's own default is 30 minutes on gloo and 10 on NCCL: a lost rank then looks like a hang.
@@ -48,6 +57,28 @@ class Dist:
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
+
+
+def destroy_process_group() -> None:
+    """``dist.destroy_process_group()`` after every rank is done, in the order that cannot hang.
+
+    Every rank calls it after its last collective (a no-op without a process group). Before torch
+    2.8 (pytorch/pytorch PR 154976), gloo's process group is destroyed holding the GIL while it
+    joins gloo's worker threads, and a worker still freeing a finished collective's last tensor
+    waits for that GIL: both wait forever. Seen on torch 2.6: both ranks of a compiled-phase test
+    stuck in ``~ProcessGroupGloo``, now and then. So first collect the cycles that hold tensors (a
+    DDP model), then a barrier, whose wait releases the GIL: the workers free what the earlier
+    collectives held. The short sleep (also without the GIL) covers a worker descheduled then.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+    time.sleep(0.05)
+    dist.destroy_process_group()
 
 
 def launched() -> bool:
