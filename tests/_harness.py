@@ -58,14 +58,16 @@ def _worker(
             results = {"__crash__": traceback.format_exc()}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
-        if crashed:  # the other ranks may be inside a collective: no barrier to pair with it
-            dist.destroy_process_group()
-        else:
-            try:  # after a barrier: gloo's teardown can hang on torch < 2.8
+        # After a crash the other ranks may be inside a collective: no barrier to pair with it.
+        # Otherwise after one (gloo's teardown can hang on torch < 2.8), unless a rank crashed
+        # meanwhile (its results say how).
+        if not crashed:
+            try:
                 destroy_process_group()
-            except Exception:  # a rank crashed (its results say how): tear down without it
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+            except Exception:
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn(

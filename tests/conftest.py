@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ def _usable_cores() -> int:
     """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
         if quota != "max":
             cores = min(cores or 1, -(-int(quota) // int(period)))
     except (OSError, ValueError):

@@ -53,10 +53,15 @@ class Dist:
     def barrier(self) -> None:
         """``dist.barrier`` on every rank when ``enabled``; a no-op otherwise."""
         if self.enabled:
-            if self.device.type == "cuda":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+            _barrier()
+
+
+def _barrier() -> None:
+    # NCCL's barrier on this rank's GPU (setup_distributed made it the current device).
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def destroy_process_group() -> None:
@@ -73,10 +78,7 @@ def destroy_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     gc.collect()
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
+    _barrier()
     time.sleep(0.05)
     dist.destroy_process_group()
 
