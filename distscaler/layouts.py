@@ -189,6 +189,20 @@ class LayoutResolver:
         self.version += 1
         return len(learnt)
 
+    def register_params(self, params: Any, replicas: float, source: str) -> int:
+        """Give each of ``params`` the weight ``1 / replicas`` (0 for ``math.inf``). Returns how many.
+
+        For gradients whose layout only their framework knows (Megatron's main parameters: the
+        ranks of its grad-stats group hold each value once, its copies of that group hold it
+        again). Later registrations of the same parameter win.
+        """
+        count = 0
+        for param in params:
+            self._registered.set(param, (1.0 / replicas, source))
+            count += 1
+        self.version += 1
+        return count
+
     # ------------------------------------------------------------------ weights
 
     def weight(

@@ -416,6 +416,36 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         self._overflows.register_model(model)
         return self
 
+    def register_params(
+        self, params: Sequence[torch.Tensor], *, replicas: float
+    ) -> GradScaler:
+        """Declare that each gradient of ``params`` is held identically by ``replicas`` ranks.
+
+        For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's
+        main parameters, :mod:`distscaler.integrations.megatron`): in :meth:`clip_grad_norm_`'s
+        norm each rank's ``sum |g|**2`` of them is weighted ``1 / replicas``, so that one SUM over
+        ``process_group`` counts each value once. ``replicas=math.inf`` leaves them out of the norm
+        (a copy that another rank counts, such as Megatron's tensor-parallel duplicates); the
+        overflow flag still sees every gradient. Call on every rank (no collective, no host read);
+        a later call wins.
+
+        Raises:
+            TypeError: ``params`` holds something other than tensors.
+            ValueError: ``replicas`` is not a number in ``[1, inf]``.
+        """
+        params = list(params)
+        bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if bad:
+            raise TypeError(f"params must be tensors, got: {', '.join(sorted(set(bad)))}")
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, (int, float))
+            or not replicas >= 1
+        ):
+            raise ValueError(f"replicas must be a number in [1, inf], got: {replicas!r}")
+        self._verdict.layouts.register_params(params, float(replicas), f"replicas={replicas}")
+        return self
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
