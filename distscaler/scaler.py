@@ -416,9 +416,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         self._overflows.register_model(model)
         return self
 
-    def register_params(
-        self, params: Sequence[torch.Tensor], *, replicas: float
-    ) -> GradScaler:
+    def register_params(self, params: Sequence[torch.Tensor], *, replicas: float) -> GradScaler:
         """Declare that each gradient of ``params`` is held identically by ``replicas`` ranks.
 
         For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's

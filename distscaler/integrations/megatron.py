@@ -167,7 +167,9 @@ class _MainGrads:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return [g for sub in self.subs if sub.optimizer is not None for g in sub.optimizer.param_groups]
+        return [
+            g for sub in self.subs if sub.optimizer is not None for g in sub.optimizer.param_groups
+        ]
 
     def step(self) -> None:
         self.stepped = True
@@ -263,9 +265,9 @@ class MegatronBinding:
                 sub._copy_model_grads_to_main_grads()
         clip = float(self.optimizer.config.clip_grad)
         scaler, view = self.scaler, self.view
-        norm = scaler.clip_grad_norm_(view, clip if clip > 0.0 else math.inf)
+        norm = scaler.clip_grad_norm_(view, clip if clip > 0.0 else math.inf)  # type: ignore[arg-type]
         view.stepped = False
-        scaler.step(view)  # the one host read of the agreed flag
+        scaler.step(view)  # type: ignore[arg-type]  # the one host read of the agreed flag
         found_inf = not view.stepped
         self.last_grad_norm = None if found_inf else float(norm)
         scaler.update()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaToCpu", "cpu_megatron", "install_stubs"]
+__all__ = ["CudaToCpu", "cpu_megatron", "install_stubs", "stub_gpu_only_imports"]
 
 #: The module that imports triton unguarded; its kernels run only on GPUs.
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
@@ -98,8 +98,8 @@ class _Stream:
 _STREAM = _Stream()
 
 
-def install_stubs() -> None:
-    """Process-wide stand-ins that must exist before megatron is imported (idempotent)."""
+def stub_gpu_only_imports() -> None:
+    """Let ``import megatron.core`` run without triton (idempotent; changes nothing else)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -109,6 +109,11 @@ def install_stubs() -> None:
         stub.GLOBAL_BLOCK_SIZE = 1024  # type: ignore[attr-defined]
         stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = None  # type: ignore[attr-defined]
         sys.modules.setdefault(_PAGED_STASH, stub)
+
+
+def install_stubs() -> None:
+    """Every process-wide stand-in of the module docstring (idempotent), for a Megatron rank."""
+    stub_gpu_only_imports()
     cuda = torch.cuda
     cuda.current_device = lambda: 0
     cuda.current_stream = lambda device=None: _STREAM

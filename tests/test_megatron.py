@@ -1,0 +1,206 @@
+"""Megatron-core integration (``distscaler.integrations.megatron``) against stock megatron-core 0.19.2.
+
+One spawn of 2 gloo ranks (tests/_megatron_scenarios.py: the model, what "stock" is;
+launch/common/megatron_cpu.py: the CPU stand-ins, each with why):
+
+* (a, b) dense + expert optimizers (``ChainedOptimizer``), non-distributed and distributed, an inf
+  only in rank 0's expert gradients at step 1: stock splits the scales and mis-scales the expert
+  gradients from then on (the ratio measured), ours keeps one scale, ratio 1.0, ranks identical;
+  collectives and host reads per step, counted;
+* (c) Megatron's own trajectory step for step where nothing splits (one optimizer, hysteresis 2,
+  a minimum scale, a growth window, clipping);
+* (d) checkpoints: a stock chained checkpoint whose scales differ loads into ours (the smallest,
+  with a warning); ours loads into stock Megatron;
+* ``prepare_grads`` twice, a sub-optimizer stepped alone, unsupported paths refused at install.
+
+And ``launch/train_megatron.py``: a real ``GPTModel`` through torchrun with ``--inject-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from _common import torchrun_summary
+from _harness import spawn
+
+from common.megatron_cpu import stub_gpu_only_imports
+
+stub_gpu_only_imports()  # triton, imported unguarded by one module of megatron-core
+megatron = pytest.importorskip(
+    "megatron.core",
+    reason="the megatron extra (Python >= 3.12, or `pip install --ignore-requires-python "
+    "megatron-core==0.19.2` on 3.11; README)",
+)
+if os.environ.get("CI") and megatron.__version__ != "0.19.2":  # CI must run these for real
+    pytest.fail(f"CI installs megatron-core 0.19.2, found {megatron.__version__}", pytrace=False)
+
+import _megatron_scenarios as S  # noqa: E402
+
+TWO_RANKS = pytest.mark.xdist_group("megatron2")
+LAYOUTS = ["plain", "dist"]
+#: Stock megatron-core 0.19.2 per step, (all_reduces, host reads) on a clean and a skipped step.
+STOCK_COUNTS = {"plain": ((4, 6), (2, 2)), "dist": ((3, 4), (2, 2))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("megatron")
+    return spawn(S.everything, 2, tmp)
+
+
+@TWO_RANKS
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stock_splits_the_scales_and_misscales_expert_gradients(runs, layout):
+    for r in runs:
+        steps = r["split"][f"stock-{layout}"]
+        assert [s["found_inf"] for s in steps] == [False, True, False, False]
+        assert steps[1]["scales"] == [8.0, 4.0]  # only the expert scaler backed off
+        # The loss is scaled by the dense scale (8), the expert gradients unscaled by 4: 2x.
+        assert steps[2]["loss_scale"] == 8.0
+        assert steps[2]["ratio"] == pytest.approx(2.0, rel=1e-6)
+        assert steps[3]["ratio"] == pytest.approx(2.0, rel=1e-6)
+        assert steps[0]["ratio"] == pytest.approx(1.0, rel=1e-6)
+        # One all_reduce and one host read per sub-optimizer for the flag, then the norm's: the
+        # non-distributed sub-optimizers' grad-stats groups differ (model-parallel: 1 rank for the
+        # dense one, 2 for the expert one), so the chain takes one norm per sub-optimizer (and
+        # reads each twice); the distributed ones' are the world, one norm.
+        clean, skip = STOCK_COUNTS[layout]
+        assert [s["all_reduces"] for s in steps] == [clean[0], skip[0], clean[0], clean[0]]
+        assert [s["host_reads"] for s in steps] == [clean[1], skip[1], clean[1], clean[1]]
+
+
+@TWO_RANKS
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_scale_for_dense_and_expert_and_ranks_agree(runs, layout):
+    for r in runs:
+        steps = r["split"][f"ours-{layout}"]
+        assert [s["found_inf"] for s in steps] == [False, True, False, False]
+        assert [s["scales"] for s in steps] == [[8.0, 8.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
+        for s in steps:
+            if not s["found_inf"]:
+                assert s["ratio"] == pytest.approx(1.0, rel=1e-6)
+        # One all_reduce per step for the whole chain: the flag and the norm together.
+        assert [s["all_reduces"] for s in steps] == [1, 1, 1, 1]
+        # The flag (Megatron's step returns a bool) and the norm (a float): one read each.
+        assert [s["host_reads"] for s in steps] == [2, 1, 2, 2]
+    ours = [r["split"][f"ours-{layout}"] for r in runs]
+    for key in ("scales", "found_inf", "grad_norm"):
+        assert [s[key] for s in ours[0]] == [s[key] for s in ours[1]], key
+    # The same gradients before the split: the same norm as stock, to fp32 precision.
+    stock = runs[0]["split"][f"stock-{layout}"]
+    assert ours[0][0]["grad_norm"] == pytest.approx(stock[0]["grad_norm"], rel=1e-6)
+    assert ours[0][0]["params"] == stock[0]["params"]
+
+
+@TWO_RANKS
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_trajectory_step_for_step_where_nothing_splits(runs, layout):
+    for r in runs:
+        stock = r["trajectory"][f"stock-{layout}"]
+        ours = r["trajectory"][f"ours-{layout}"]
+        skipped = [not s["success"] for s in stock]
+        assert skipped == [i in S.TRAJECTORY_INF for i in range(S.TRAJECTORY_STEPS)]
+        scales = [s["scale"] for s in stock]
+        assert min(scales) == 4.0 and max(scales) > 4.0  # the minimum was reached, then growth
+        assert [s["scale"] for s in ours] == scales
+        assert [s["success"] for s in ours] == [s["success"] for s in stock]
+        for a, b in zip(ours, stock):
+            assert (a["grad_norm"] is None) == (b["grad_norm"] is None)
+            if a["grad_norm"] is not None:
+                assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+            assert a["params"] == pytest.approx(b["params"], rel=1e-5, abs=1e-6)
+    assert runs[0]["trajectory"][f"ours-{layout}"] == runs[1]["trajectory"][f"ours-{layout}"]
+
+
+@TWO_RANKS
+def test_stock_lets_data_parallel_ranks_diverge_on_a_one_rank_inf_and_ours_does_not(runs):
+    stock = [r["trajectory"]["stock-one-rank"] for r in runs]
+    ours = [r["trajectory"]["ours-one-rank"] for r in runs]
+    assert [s["success"] for s in stock[0]] == [True, True, True]  # rank 0 stepped and went on
+    assert [s["success"] for s in stock[1]] == [True, False, True]  # rank 1 skipped
+    assert stock[0][1]["params"] != stock[1][1]["params"]
+    for r in ours:
+        assert [s["success"] for s in r] == [True, False, True]
+    assert ours[0] == ours[1]
+
+
+@TWO_RANKS
+def test_prepare_grads_twice_unscales_once_and_sub_optimizers_refuse_to_step_alone(runs):
+    for r in runs:
+        c = r["contracts"]
+        twice = c["prepare_twice"]
+        assert twice["first"] is False and twice["second"] is False
+        assert twice["same_grads"] and twice["second_all_reduces"] == 0
+        assert "ChainedOptimizer given to install()" in c["sub_step"]
+
+
+@TWO_RANKS
+def test_checkpoints_stock_in_with_the_smallest_scale_and_ours_out_to_stock(runs):
+    for r in runs:
+        c = r["contracts"]
+        assert c["stock_saved_scales"] == [8.0, 4.0]
+        assert c["loaded_scales"] == [4.0, 4.0]
+        assert len(c["load_warnings"]) == 1 and "[4.0, 8.0]" in c["load_warnings"][0]
+        # Ours saved after one more backoff: Megatron's keys, one value for every sub-optimizer.
+        assert c["ours_scale"] == 2.0
+        assert c["ours_saved"][0] == c["ours_saved"][1]
+        assert set(c["ours_saved"][0]) == {"scale", "growth_tracker", "hysteresis_tracker"}
+        assert c["ours_saved"][0]["scale"] == [2.0]
+        assert c["stock_loaded_scales"] == [2.0, 2.0]
+        saved = c["ours_saved"][0]
+        assert (
+            c["stock_loaded_trackers"]
+            == [[saved["growth_tracker"], saved["hysteresis_tracker"]]] * 2
+        )
+
+
+@TWO_RANKS
+def test_unsupported_paths_are_refused_at_install_by_name(runs):
+    for r in runs:
+        refused = r["contracts"]["refused"]
+        names = {
+            "use_precision_aware_optimizer": "precision-aware optimizer",
+            "optimizer_cpu_offload": "CPU offloading",
+            "fp16": "without fp16",
+        }
+        for field, words in names.items():
+            message, stock_kept = refused[field]
+            assert words in message and stock_kept, field
+
+
+def test_install_refuses_what_is_not_a_megatron_optimizer():
+    import torch
+
+    from distscaler.integrations import megatron as ds_megatron
+
+    with pytest.raises(TypeError, match="get_megatron_optimizer"):
+        ds_megatron.install(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+def test_scaler_config_follows_megatrons_rule():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from distscaler.integrations import megatron as ds_megatron
+
+    dynamic = ds_megatron.scaler_config(
+        OptimizerConfig(fp16=True, initial_loss_scale=2.0**12, min_loss_scale=2.0,
+                        loss_scale_window=50, hysteresis=3)
+    )  # fmt: skip
+    assert (dynamic.policy, dynamic.init_scale, dynamic.min_scale) == ("megatron", 4096.0, 2.0)
+    assert (dynamic.growth_interval, dynamic.hysteresis) == (50, 3)
+    assert (dynamic.growth_factor, dynamic.backoff_factor) == (2.0, 0.5)
+    static = ds_megatron.scaler_config(OptimizerConfig(fp16=True, loss_scale=128.0))
+    assert (static.policy, static.init_scale) == ("static", 128.0)
+
+
+@pytest.mark.slow
+def test_train_megatron_gpt_with_an_inf_on_one_rank_agrees(tmp_path):
+    summary = torchrun_summary(
+        "train_megatron.py", "--steps", "8", "--inject-inf", "3", out=tmp_path / "run"
+    )
+    assert summary["skipped_steps"] == [3]
+    assert summary["ranks_agree"] is True
+    assert len(set(summary["scales"])) == 1  # one scale for every sub-optimizer
+    assert math.isfinite(summary["final_loss"])
