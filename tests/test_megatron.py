@@ -196,11 +196,13 @@ def test_scaler_config_follows_megatrons_rule():
 
 
 @pytest.mark.slow
-def test_train_megatron_gpt_with_an_inf_on_one_rank_agrees(tmp_path):
-    summary = torchrun_summary(
-        "train_megatron.py", "--steps", "8", "--inject-inf", "3", out=tmp_path / "run"
-    )
-    assert summary["skipped_steps"] == [3]
-    assert summary["ranks_agree"] is True
-    assert len(set(summary["scales"])) == 1  # one scale for every sub-optimizer
-    assert math.isfinite(summary["final_loss"])
+def test_train_megatron_gpt_moe_with_an_inf_in_one_ranks_experts_keeps_one_scale(tmp_path):
+    args = ("--steps", "6", "--inject-inf", "3")
+    ours = torchrun_summary("train_megatron.py", *args, out=tmp_path / "ours")
+    stock = torchrun_summary("train_megatron.py", *args, "--stock", out=tmp_path / "stock")
+    for summary in (ours, stock):
+        assert summary["sub_optimizers"] == ["Float16OptimizerWithFloat16Params"] * 2
+        assert summary["skipped_steps"] == [3] and summary["ranks_agree"] is True
+        assert math.isfinite(summary["final_loss"])
+    assert ours["scales"] == [2048.0, 2048.0]  # one scale for the dense and the expert optimizer
+    assert stock["scales"] == [4096.0, 2048.0]  # the expert scaler backed off alone

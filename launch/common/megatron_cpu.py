@@ -13,10 +13,13 @@ Every stand-in, and why (megatron-core 0.19.2):
   ``distributed/param_and_grad_buffer.py`` make their tensors on ``'cuda'``); ``Tensor.type()``
   answers with the CUDA type name its CPU twin would have on a GPU (``optimizer.py`` and
   ``distrib_optimizer.py`` accept only ``'torch.cuda.HalfTensor'``/``'torch.cuda.FloatTensor'``...).
+* ``torch.distributed.all_to_all_single`` takes its split sizes as tensors too (the MoE
+  dispatcher turns them into host arrays only when they are on CUDA).
 * ``torch.cuda.current_device``/``current_stream``/``Stream``/``stream``/``synchronize``: the grad
   buffers wait on streams (``param_and_grad_buffer.py``); on a CPU every op has run when it
   returns, so a stream that does nothing is exact.
 * ``torch.cuda`` RNG calls (``tensor_parallel/random.py``'s CUDA RNG tracker): the CPU generator.
+* ``torch.cuda.Event``: an event that is always complete (the MoE dispatcher waits on one).
 * Without triton, a stub for ``transformer/moe/ops/paged_stash.py``, which imports triton at
   module level for kernels that only a GPU runs.
 * Python 3.11: megatron-core >= 0.17 declares Python >= 3.12; its cp311 wheel installs with
@@ -32,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["CudaToCpu", "cpu_megatron", "install_stubs", "stub_gpu_only_imports"]
@@ -92,10 +96,48 @@ class _Stream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return event if event is not None else _Event()
+
+
+class _Event:
+    """A CUDA event stand-in: already complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 _STREAM = _Stream()
+
+
+def _split_sizes_as_lists(all_to_all_single: Any) -> Any:
+    """Megatron's MoE dispatcher moves its split sizes to the host as numpy arrays only when
+    they are on CUDA (``moe_utils.maybe_move_tensor_to_cpu``); on the CPU they stay tensors,
+    which c10d does not take. (Patched on ``torch.distributed``, not in the mode: autograd runs
+    the dispatcher's backward outside it.)"""
+
+    def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):  # noqa: ANN001
+        if torch.is_tensor(output_split_sizes):
+            output_split_sizes = output_split_sizes.tolist()
+        if torch.is_tensor(input_split_sizes):
+            input_split_sizes = input_split_sizes.tolist()
+        return all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, *args, **kwargs
+        )
+
+    wrapper._split_sizes_as_lists = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def stub_gpu_only_imports() -> None:
@@ -115,10 +157,13 @@ def install_stubs() -> None:
     """Every process-wide stand-in of the module docstring (idempotent), for a Megatron rank."""
     stub_gpu_only_imports()
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    # The CPU itself rather than an index: autograd's backward runs Megatron's functions (the MoE
+    # all-to-all's) outside the TorchFunctionMode, and they make tensors on this device.
+    cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     cuda.current_stream = lambda device=None: _STREAM
     cuda.default_stream = lambda device=None: _STREAM
     cuda.Stream = _Stream  # type: ignore[misc]
+    cuda.Event = _Event  # type: ignore[misc]
     cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
     cuda.synchronize = lambda device=None: None
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
@@ -126,8 +171,11 @@ def install_stubs() -> None:
     # torch.manual_seed seeds the CPU generator and then calls these.
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
+    if not getattr(dist.all_to_all_single, "_split_sizes_as_lists", False):
+        dist.all_to_all_single = _split_sizes_as_lists(dist.all_to_all_single)
     from megatron.core.tensor_parallel import random as mpu_random
 
+    mpu_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mpu_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.set_rng_state(new_state)
     )

@@ -28,6 +28,7 @@ EXTRAS: dict[str, dict[str, str]] = {
 EXTRAS["accelerate"] = {**EXTRAS["train"], "accelerate": "accelerate"}
 EXTRAS["transformers"] = {**EXTRAS["accelerate"], "transformers": "transformers"}
 EXTRAS["torchtitan"] = {**EXTRAS["train"], "torchtitan": "torchtitan"}
+EXTRAS["megatron"] = {**EXTRAS["train"], "megatron.core": "megatron-core"}
 
 
 def missing(extra: str) -> list[str]:
