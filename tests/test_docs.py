@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose examples run. docs/benchmarks/ holds reports that launch/bench.py writes.
 PAGES = sorted(
     [p for p in (ROOT / "README.md", ROOT / "CONTRIBUTING.md") if p.exists()]
-    + [p for p in (ROOT / "docs").rglob("*.md") if "benchmarks" not in p.relative_to(ROOT).parts[1:-1]]
+    + [
+        p
+        for p in (ROOT / "docs").rglob("*.md")
+        if "benchmarks" not in p.relative_to(ROOT).parts[1:-1]
+    ]
 )
 
 #: Floors, so that the suite cannot pass by running nothing (a renamed fence, a lost page): the
