@@ -34,7 +34,7 @@ PAGES = sorted(
 
 #: Floors, so that the suite cannot pass by running nothing (a renamed fence, a lost page): the
 #: Python examples found, and those that actually ran.
-MIN_EXAMPLES = 25
+MIN_EXAMPLES = 20
 MIN_RUN = 15
 
 _SKIP = re.compile(r'^<!-- skip: next "(?P<reason>[^"]+)" -->\n```python', re.MULTILINE)
