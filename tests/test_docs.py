@@ -1,7 +1,9 @@
 """Every Python example of README.md, CONTRIBUTING.md and docs/ runs (Sybil), on the CPU.
 
 One test per page runs the page's ```` ```python ```` blocks in order, in one namespace (a later
-block may use what an earlier one made), with the repository as the working directory. An example
+block may use what an earlier one made), with the repository as the working directory; the
+integration guides each in a fresh Python process (their examples build Accelerate's, Lightning's
+and Transformers' process-wide state, which the other tests must not inherit). An example
 that needs GPUs or several ranks carries ``<!-- skip: next "reason" -->`` right above it: it is
 not run, and ``test_doc_example_skipped`` reports it as skipped with that reason. Hidden setup
 goes in ``<!-- invisible-code-block: python ... -->``. ``mkdocs build --strict`` (CI's docs stage)
@@ -10,7 +12,11 @@ checks the links and the API reference; this module checks that the examples wor
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from unittest import SkipTest
 
@@ -76,10 +82,28 @@ def _run_page(page: Path) -> tuple[int, int]:
     return ran, skipped
 
 
+def _run_page_in_a_process(page: Path) -> tuple[int, int]:
+    path = os.pathsep.join([str(ROOT), str(ROOT / "launch"), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, __file__, str(page)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{_name(page)}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    ran, skipped = json.loads(done.stdout.strip().splitlines()[-1])
+    return ran, skipped
+
+
 @pytest.mark.parametrize("page", _pages_with_examples(), ids=_name)
 def test_doc_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
-    ran, skipped = _run_page(page)
+    if "integrations" in page.relative_to(ROOT).parts:
+        ran, skipped = _run_page_in_a_process(page)
+    else:
+        monkeypatch.chdir(ROOT)
+        ran, skipped = _run_page(page)
     found = len(_FENCE.findall(page.read_text(encoding="utf-8")))
     # Every fenced example was either run or skipped with a reason.
     assert ran + skipped == found, f"{_name(page)}: {found} examples, {ran} ran, {skipped} skipped"
@@ -98,3 +122,7 @@ def test_doc_examples_are_found() -> None:
     assert found >= MIN_EXAMPLES, f"only {found} Python examples in {len(pages)} pages"
     assert found - len(_skipped()) >= MIN_RUN, f"only {found - len(_skipped())} examples run"
     assert _name(ROOT / "README.md") in {_name(p) for p in pages}
+
+
+if __name__ == "__main__":  # one page, in the process test_doc_examples_run starts
+    print(json.dumps(_run_page(Path(sys.argv[1]))))
