@@ -2,8 +2,10 @@
 
 One test per page runs the page's ```` ```python ```` blocks in order, in one namespace (a later
 block may use what an earlier one made), with the repository as the working directory; the
-integration guides each in a fresh Python process (their examples build Accelerate's, Lightning's
-and Transformers' process-wide state, which the other tests must not inherit). An example
+integration guides and pages that start a process group each in a fresh Python process (their
+examples build Accelerate's, Lightning's, Transformers' or torch.distributed's process-wide state,
+which the other tests must not inherit). A page's multi-rank example runs there as one rank on
+gloo. An example
 that needs GPUs or several ranks carries ``<!-- skip: next "reason" -->`` right above it: it is
 not run, and ``test_doc_example_skipped`` reports it as skipped with that reason. Hidden setup
 goes in ``<!-- invisible-code-block: python ... -->``. ``mkdocs build --strict`` (CI's docs stage)
@@ -99,12 +101,13 @@ def _run_page_in_a_process(page: Path) -> tuple[int, int]:
 
 @pytest.mark.parametrize("page", _pages_with_examples(), ids=_name)
 def test_doc_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "integrations" in page.relative_to(ROOT).parts:
+    text = page.read_text(encoding="utf-8")
+    if "integrations" in page.relative_to(ROOT).parts or "init_process_group(" in text:
         ran, skipped = _run_page_in_a_process(page)
     else:
         monkeypatch.chdir(ROOT)
         ran, skipped = _run_page(page)
-    found = len(_FENCE.findall(page.read_text(encoding="utf-8")))
+    found = len(_FENCE.findall(text))
     # Every fenced example was either run or skipped with a reason.
     assert ran + skipped == found, f"{_name(page)}: {found} examples, {ran} ran, {skipped} skipped"
 
