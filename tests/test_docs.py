@@ -129,3 +129,32 @@ def test_doc_examples_are_found() -> None:
 
 if __name__ == "__main__":  # one page, in the process test_doc_examples_run starts
     print(json.dumps(_run_page(Path(sys.argv[1]))))
+
+
+_LINK = re.compile(r"\]\((?!https?://|mailto:)(?P<path>[^)#\s]*)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors of a markdown page, as MkDocs' toc writes them."""
+    anchors = set()
+    for heading in re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.MULTILINE):
+        slug = re.sub(r"[^\w\s-]", "", heading.lower()).strip()
+        anchors.add(re.sub(r"[\s]+", "-", slug))
+    return anchors
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md"])
+def test_links_outside_the_site_resolve(page: str) -> None:
+    """README.md and CONTRIBUTING.md are not part of the site, so mkdocs does not check their
+    links: each relative link names an existing file and, for a docs page, an existing heading."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    links = list(_LINK.finditer(text))
+    assert links, f"{page} links to nothing"
+    broken = []
+    for link in links:
+        target = ROOT / link["path"] if link["path"] else ROOT / page
+        if not target.exists():
+            broken.append(link.group(0))
+        elif link["anchor"] and target.suffix == ".md" and link["anchor"] not in _anchors(target):
+            broken.append(link.group(0))
+    assert broken == []
