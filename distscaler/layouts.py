@@ -444,6 +444,7 @@ class GradPlan:
         return out, tuple(p for p in self.params if p.grad is not None)
 
     def has_fp16(self) -> bool:
+        """Whether any gradient group of the plan is float16."""
         return any(key.dtype is torch.float16 for key, _, _ in self.groups)
 
 

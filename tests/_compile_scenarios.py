@@ -289,7 +289,7 @@ def _traced_variants() -> dict[str, Any]:
     return out
 
 
-#: The README's form: a compiled phase that takes its scaler and optimizer from module globals
+#: The form docs/compile.md shows: a compiled phase that takes its scaler and optimizer from module globals
 #: (dynamo guards on a global's attributes as values: no automatic dynamic ints there).
 _GLOBALS: dict[str, Any] = {}
 

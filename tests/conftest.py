@@ -34,7 +34,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 #: The torch-compatibility subset (``pytest -m compat``), which CI runs on the floor of the declared
-#: torch range and on the newest torch (README, "torch.compile and torch versions"): every test of
+#: torch range and on the newest torch (docs/torch-versions.md): every test of
 #: a file, or one test by its ``file::name`` prefix, and why it is in. Kept here, in one place, so
 #: that the test files themselves stay free of it.
 COMPAT: dict[str, str] = {

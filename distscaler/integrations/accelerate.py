@@ -106,6 +106,7 @@ class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
     _distscaler_found_inf: torch.Tensor | None = None
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Step through the scaler when gradients are synchronized: every rank skips, or none does."""
         scaler = self.scaler
         if not isinstance(scaler, GradScaler):  # uninstalled: Accelerate's own behaviour
             return super().step(closure)

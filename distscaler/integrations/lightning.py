@@ -208,9 +208,11 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
+        """No dtype context: tensors are created in fp32 (mixed precision)."""
         return nullcontext()
 
     def module_init_context(self) -> AbstractContextManager:
+        """No dtype context: modules are created in fp32 (mixed precision)."""
         return nullcontext()
 
     def forward_context(self) -> AbstractContextManager:
@@ -239,6 +241,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         return _TrainerPrecision.backward(self, tensor, model, *args, **kwargs)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        """Lightning's own ``post_backward`` of the Trainer's or Fabric's precision, unchanged."""
         if _trainer_of(module) is None:
             return _FabricPrecision.post_backward(self, tensor, module)
         return _TrainerPrecision.post_backward(self, tensor, module)

@@ -89,12 +89,14 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
         self._logged_skipped = 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After a skipped step, fill ``scaler.last_overflow`` (every rank together)."""
         if self.scaler.is_enabled() and self.scaler.step_was_skipped:
             self.scaler.report_overflow()
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        """Add the scale, the skip counts and the last overflow report to the Trainer's log."""
         if not self.log_metrics or logs is None or not self.scaler.is_enabled():
             return
         totals = self.scaler.skip_totals
@@ -117,6 +119,7 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
             history[-1].update(metrics)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Count skips from the checkpoint's totals on a resumed run."""
         # A resumed run continues the skip counts of its checkpoint: count from there.
         if self.scaler.is_enabled():
             self._logged_skipped = self.scaler.skip_totals.num_skipped

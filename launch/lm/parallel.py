@@ -3,7 +3,7 @@
 Every builder starts from the same ``ByteGPT`` (same seed, so the same initial function on every
 rank and in every layout) and returns a :class:`Parallel`: the module the step calls, what the
 optimizer and the checkpoint get, the data-parallel coordinates that pick each rank's batches, and
-how the scaler learns the gradients' layout (the README's "Sharded and model-parallel layouts"):
+how the scaler learns the gradients' layout (docs/layouts.md, "Sharded and model-parallel layouts"):
 
 ==========  ==========================================================  ========================
 layout      wrapping                                                    scaler learns it from
