@@ -136,10 +136,12 @@ class SharedGradScaler(MegatronGradScaler):
 
     @property
     def scale(self) -> torch.Tensor:
+        """The one scale (:meth:`MegatronBinding.scale_tensor`)."""
         return self._binding.scale_tensor()
 
     @property
     def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` computed in float64, as Megatron's (a new float32 tensor of shape ``(1,)``)."""
         return self.scale.double().reciprocal().float()
 
     def update(self, found_inf: bool) -> None:
@@ -204,9 +206,13 @@ class MegatronBinding:
     # ------------------------------------------------------------------ the scale
 
     def scale_tensor(self) -> torch.Tensor:
+        """The one scale: float32, shape ``(1,)``, on the scaler's device; a view (no copy, no
+        host read) that follows every update."""
         return self.scaler._scale.view(1)  # type: ignore[union-attr]  # materialized by install
 
     def megatron_state(self) -> dict[str, Any]:
+        """The scale in Megatron's ``DynamicGradScaler.state_dict()`` keys (one host read);
+        ``{}`` for a static scale, as ``ConstantGradScaler``."""
         if self.scaler.config.policy == "static":
             return {}
         state = self.scaler.state_dict()
@@ -221,6 +227,8 @@ class MegatronBinding:
         }
 
     def load_sub_state(self, state: Mapping[str, Any]) -> None:
+        """One sub-optimizer's ``"grad_scaler"`` entry into the one scaler (skipped while the
+        optimizer's own ``load_state_dict`` loads the chain, which chose an entry already)."""
         if self._loading or not state:
             return  # the chain's load_state_dict loaded it once already; {}: a constant scale
         self.scaler.load_state_dict(dict(state))
@@ -275,10 +283,12 @@ class MegatronBinding:
         return found_inf
 
     def step_with_ready_grads(self) -> bool:
+        """Megatron's ``step_with_ready_grads`` (inner steps, main to model copies); ends the step."""
         self._prepared = None
         return self._stock["step_with_ready_grads"]()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Megatron's ``zero_grad``; a ``prepare_grads`` after it prepares a new step."""
         self._prepared = None
         self._stock["zero_grad"](set_to_none)
 
