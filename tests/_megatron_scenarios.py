@@ -320,6 +320,42 @@ def contracts(rank: int, world_size: int) -> dict[str, Any]:
         for s in stock2.chained_optimizers
     ]
 
+    # scaler= as every integration takes it, and its checks.
+    from distscaler import GradScaler, ScalerConfig
+
+    args = {}
+    _, optimizer = build(rank, dist_opt=False)
+    for name, scaler in (
+        ("disabled", GradScaler("cpu", enabled=False)),
+        ("cuda", GradScaler("cuda", init_scale=8.0, enabled=True)),
+        ("int", 3),
+    ):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "cuda" without CUDA: torch's warning
+                _install(optimizer, scaler)
+            args[name] = None
+        except (ValueError, TypeError) as e:
+            args[name] = [type(e).__name__, str(e)]
+    args["stock_kept"] = type(optimizer.chained_optimizers[0].grad_scaler).__name__
+    config_scaler = _install(optimizer, ScalerConfig(init_scale=32.0, policy="torch"))
+    args["config"] = [config_scaler.get_scale(), config_scaler.config.policy, sub_scales(optimizer)]
+    try:
+        _install(optimizer)
+        args["twice"] = None
+    except RuntimeError as e:
+        args["twice"] = str(e)
+    out["arguments"] = args
+
+    # sharded_state_dict (distributed checkpointing's view): the same grad_scaler entries.
+    model, optimizer = build(rank, dist_opt=False)
+    _install(optimizer)
+    sharded = optimizer.sharded_state_dict(model.sharded_state_dict())
+    out["sharded_grad_scalers"] = [
+        {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in sharded[i]["grad_scaler"].items()}
+        for i in sorted(sharded)
+    ]
+
     # Unsupported paths: refused at install, nothing changed.
     refused = {}
     for field in ("use_precision_aware_optimizer", "optimizer_cpu_offload", "fp16"):

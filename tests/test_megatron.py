@@ -157,6 +157,25 @@ def test_checkpoints_stock_in_with_the_smallest_scale_and_ours_out_to_stock(runs
 
 
 @TWO_RANKS
+def test_scaler_argument_as_every_integration_takes_it(runs):
+    for r in runs:
+        args = r["contracts"]["arguments"]
+        assert args["disabled"][0] == "ValueError" and "must be enabled" in args["disabled"][1]
+        assert args["cuda"][0] == "ValueError" and "device type" in args["cuda"][1]
+        assert args["int"][0] == "TypeError" and "ScalerConfig" in args["int"][1]
+        assert args["stock_kept"] == "DynamicGradScaler"  # refused before anything changed
+        assert args["config"] == [32.0, "torch", [32.0, 32.0]]
+        assert "already installed" in args["twice"]
+
+
+@TWO_RANKS
+def test_sharded_state_dict_carries_megatrons_keys(runs):
+    for r in runs:
+        entries = r["contracts"]["sharded_grad_scalers"]
+        assert entries == [{"scale": [8.0], "growth_tracker": 0, "hysteresis_tracker": 1}] * 2
+
+
+@TWO_RANKS
 def test_unsupported_paths_are_refused_at_install_by_name(runs):
     for r in runs:
         refused = r["contracts"]["refused"]

@@ -431,7 +431,8 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
         TypeError: ``optimizer`` is not a Megatron optimizer; ``scaler`` of another type.
         NotImplementedError: a path this integration does not cover (named; module docstring).
         RuntimeError: ``optimizer`` already has distscaler installed.
-        ValueError: ``scaler`` on another device type, or config values out of range.
+        ValueError: ``scaler`` on another device type, disabled, or with a process group other
+            than the world; config values out of range.
 
     Nothing is changed when it raises. Cost: no collective, one host read (the scale).
     """
@@ -461,6 +462,11 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
         stock = subs[0].grad_scaler.scale  # every stock scaler starts from the same value
         config = _with_init_scale(config, float(stock.reshape(-1)[0]))
         built = GradScaler.from_config(config, device_type)
+    if not built.is_enabled():
+        raise ValueError(
+            "scaler must be enabled: a disabled GradScaler would train fp16 with no loss scale "
+            "and no inf/NaN check"
+        )
     if built.process_group is not None and built.process_group is not dist.group.WORLD:
         raise ValueError("scaler's process_group must be the world (None): the chain spans it")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
