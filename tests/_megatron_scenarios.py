@@ -243,7 +243,8 @@ def trajectory(rank: int, world_size: int) -> dict[str, Any]:
     # Stock's non-distributed optimizer reduces its flag over the model-parallel group only, so an
     # inf on one data-parallel rank is that rank's alone; ours agrees over the world.
     for mode in ("stock", "ours"):
-        model, optimizer = build(rank, dist_opt=False, experts=False)
+        model, chain = build(rank, dist_opt=False, experts=False)
+        optimizer = chain.chained_optimizers[0]  # a single Float16OptimizerWithFloat16Params
         if mode == "ours":
             _install(optimizer)
         steps = []
@@ -358,6 +359,24 @@ def contracts(rank: int, world_size: int) -> dict[str, Any]:
 
     # Unsupported paths: refused at install, nothing changed.
     refused = {}
+    model, optimizer = build(rank, dist_opt=True)  # its sub-optimizers know their model chunks
+    ddp_config = model.ddp_config
+    model.ddp_config = copy.copy(ddp_config)
+    model.ddp_config.use_megatron_fsdp = True
+    try:
+        _install(optimizer)
+        refused["use_megatron_fsdp"] = None
+    except NotImplementedError as e:
+        refused["use_megatron_fsdp"] = [str(e), "DynamicGradScaler" in repr(
+            [type(s.grad_scaler).__name__ for s in optimizer.chained_optimizers])]  # fmt: skip
+    model.ddp_config = ddp_config
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    try:
+        _install(MimoOptimizer.__new__(MimoOptimizer))
+        refused["mimo"] = None
+    except NotImplementedError as e:
+        refused["mimo"] = [str(e), True]
     for field in ("use_precision_aware_optimizer", "optimizer_cpu_offload", "fp16"):
         _, optimizer = build(rank, dist_opt=False)
         value = field != "fp16"

@@ -344,11 +344,11 @@ def _grad_scaler_entries(state_dict: Any) -> list[Mapping[str, Any]]:
 def _unsupported(optimizer: MegatronOptimizer, subs: list[Any]) -> list[str]:
     """What of ``optimizer`` the integration does not cover, each said by name."""
     problems = []
-    kind = type(optimizer)
-    if kind.__name__ == "MimoOptimizer":
-        problems.append("MIMO's per-module optimizer (MimoOptimizer)")
-    if kind.__name__ == "LayerWiseDistributedOptimizer":
-        problems.append("the layer-wise distributed optimizer (LayerWiseDistributedOptimizer)")
+    kind = type(optimizer).__name__
+    if kind == "MimoOptimizer":  # per-module optimizers, each with its own scaler
+        return ["MIMO's per-module optimizer (MimoOptimizer)"]
+    if kind == "LayerWiseDistributedOptimizer":
+        return ["the layer-wise distributed optimizer (LayerWiseDistributedOptimizer)"]
     config = getattr(optimizer, "config", None) or getattr(subs[0], "config", None)
     if config is not None:
         if not config.fp16:
@@ -366,11 +366,12 @@ def _unsupported(optimizer: MegatronOptimizer, subs: list[Any]) -> list[str]:
             continue
         if sub.grad_scaler is None:
             problems.append(f"sub-optimizer {i} has no grad scaler")
-        for chunk in getattr(sub, "model_chunks", None) or []:
-            ddp_config = getattr(chunk, "ddp_config", None)
-            if getattr(ddp_config, "use_megatron_fsdp", False):
-                problems.append(f"sub-optimizer {i}: Megatron-FSDP (use_megatron_fsdp)")
-                break
+        fsdp = any(
+            getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False)
+            for chunk in getattr(sub, "model_chunks", None) or []
+        ) or any(getattr(p, "__fsdp_param__", False) for p in sub.get_parameters())
+        if fsdp:
+            problems.append(f"sub-optimizer {i}: Megatron-FSDP (use_megatron_fsdp)")
         for param in sub.get_parameters():
             if getattr(param, "grad_norm_group", None) is not None:
                 problems.append(
