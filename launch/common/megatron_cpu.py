@@ -23,7 +23,7 @@ Every stand-in, and why (megatron-core 0.19.2):
 * Without triton, a stub for ``transformer/moe/ops/paged_stash.py``, which imports triton at
   module level for kernels that only a GPU runs.
 * Python 3.11: megatron-core >= 0.17 declares Python >= 3.12; its cp311 wheel installs with
-  ``pip install --ignore-requires-python megatron-core==0.19.2`` and runs the paths used here.
+  ``pip install --ignore-requires-python --no-deps megatron-core==0.19.2`` and runs the paths used here.
 """
 
 from __future__ import annotations
