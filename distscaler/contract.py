@@ -36,6 +36,8 @@ def takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     except (KeyError, TypeError):
         pass
     takes = "grad_scaler" in inspect.signature(optimizer.step).parameters
+    if torch.compiler.is_compiling():  # not cached while traced: dynamo would compile again
+        return takes
     try:
         _TAKES_GRAD_SCALER[func] = takes
     except TypeError:  # not hashable: not cached

@@ -119,6 +119,9 @@ class DeviceState:
         #: ``[flag, sum of squares]`` of the clip verdict at world size > 1 (all-reduced in place).
         self.verdict = torch.zeros(2, dtype=torch.float32, device=device)
         self._max_norm: tuple[float, torch.Tensor] | None = None
+        # The unpacked epilogue from the start (no op: existing tensors), so that a compiled phase
+        # sees the same cache at its first and later calls (dynamo guards on it: recompiles).
+        self.epilogue()
 
     # ------------------------------------------------------------------ constants
 
@@ -126,8 +129,12 @@ class DeviceState:
         """0-dim float32 tensor holding ``value``; remade (one fill) only when ``value`` changes.
 
         Under CUDA graph capture, warm up with the same ``max_norm`` first: a tensor made during
-        capture holds its value only once the graph is replayed.
+        capture holds its value only once the graph is replayed. Inside ``torch.compile`` it is a
+        constant of the graph, and the cache is left alone: dynamo would guard on the cache it saw
+        change at the first call, and compile the phase a second time at the next.
         """
+        if torch.compiler.is_compiling():
+            return torch.full((), value, dtype=torch.float32, device=self.device)
         if self._max_norm is None or self._max_norm[0] != value:
             self._max_norm = (value, torch.full((), value, dtype=torch.float32, device=self.device))
         return self._max_norm[1]
@@ -327,9 +334,12 @@ class ScalerState:
         """
         state = self.device
         assert state is not None
+        rule = self._rule
         if config is not self._config:  # a config is frozen: its rule too
-            self._config, self._rule = config, config.rule()
-        policy, rule = get_policy(config.policy), self._rule
+            rule = config.rule()
+            if not torch.compiler.is_compiling():  # no cache written while traced (recompiles)
+                self._config, self._rule = config, rule
+        policy = get_policy(config.policy)
         assert rule is not None
         state.prepare(policy, rule)
         if ends is None or not state.epilogue_valid(ends):
