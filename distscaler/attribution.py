@@ -54,6 +54,7 @@ from .layouts import _ParamTable
 
 __all__ = [
     "INF_CODE",
+    "Coded",
     "NAN_CODE",
     "OverflowEntry",
     "OverflowReport",
@@ -137,6 +138,17 @@ class TensorCodes(NamedTuple):
     #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`); None for a
     #: clean step whose flag was read on the host (nothing to record, the record is kept).
     codes: torch.Tensor | None
+
+
+class Coded(NamedTuple):
+    """One stepped optimizer's codes of this iteration, as :meth:`OverflowTracker.record_` takes
+    them."""
+
+    optimizer: torch.optim.Optimizer
+    #: None: not coded (a non-fused optimizer's clean step is not; its record is left as it was).
+    codes: TensorCodes | None
+    #: Taken after the host read the flag (then only on a skip).
+    after_read: bool
 
 
 def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
@@ -232,7 +244,7 @@ class OverflowTracker:
     def record_(
         self,
         found_inf: torch.Tensor,
-        coded: list[tuple[torch.optim.Optimizer, TensorCodes | None, bool]],
+        coded: list[Coded],
         step: int,
         lerps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:

@@ -1,19 +1,25 @@
 """``GradScaler``'s overflow attribution: :attr:`last_overflow`, :meth:`report_overflow`, and the
-hooks the step and the periodic report call. The records and the report are in
-:mod:`distscaler.attribution`; this mixin reads the scaler through a few attributes of the face
-(``_enabled``, ``_config``, ``_overflows``, ``_verdict``, ``_per_optimizer_states``, ``_read``,
+hook the periodic report calls. The records and the report are in :mod:`distscaler.attribution`;
+this mixin reads the scaler through the attributes of the face it declares, each with its type
+(``_enabled``, ``_config``, ``_overflows``, ``_verdict``, ``_records``, ``_read``,
 ``_device_state``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attribution import OverflowReport
+from .attribution import OverflowReport, OverflowTracker
 from .errors import CallOrderError
 from .telemetry import SkipTotals
+
+if TYPE_CHECKING:
+    from .config import ScalerConfig
+    from .state import DeviceState
+    from .step_record import StepRecord
+    from .verdict import VerdictGroup
 
 __all__ = ["OverflowReportingAPI"]
 
@@ -22,15 +28,15 @@ class OverflowReportingAPI:
     """The overflow report's face on :class:`~distscaler.GradScaler` (a mixin)."""
 
     _enabled: bool
-    _config: Any
-    _overflows: Any
-    _verdict: Any
-    _per_optimizer_states: Any
+    _config: ScalerConfig
+    _overflows: OverflowTracker
+    _verdict: VerdictGroup
+    _records: dict[int, StepRecord]
 
     def _read(self, *extra: torch.Tensor) -> Any:  # provided by GradScaler
         raise NotImplementedError
 
-    def _device_state(self, funcname: str) -> Any:  # provided by GradScaler
+    def _device_state(self, funcname: str) -> DeviceState:  # provided by GradScaler
         raise NotImplementedError
 
     @property
@@ -60,7 +66,7 @@ class OverflowReportingAPI:
         """
         if not self._enabled:
             return None
-        if self._per_optimizer_states:
+        if self._records:
             raise CallOrderError("report_overflow() must be called after update().")
         self._report(self._read()[2])
         return self.last_overflow
@@ -71,12 +77,6 @@ class OverflowReportingAPI:
     def _attributing(self) -> bool:
         # Records are kept only while a periodic report will read them.
         return self._config.skip_log_interval > 0
-
-    def _code_skipped(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        # A non-fused step found skipped by its host read: code the gradients now (one read pass).
-        if self._attributing and state["coded"] is None:
-            device = self._device_state("step").device
-            state["coded"] = (optimizer, self._verdict.codes(optimizer, device), True)
 
     def _report(self, totals: SkipTotals) -> None:
         # The periodic report's attribution (every rank at the same update), or report_overflow's.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -19,6 +20,10 @@ from . import _validation as V
 from .policies import POLICIES, PolicyName, ScaleRule
 
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "ScalerSettings", "settings_problems"]
+
+#: What a config's problems are reported as: "ScalerConfig", or the arguments it was built from
+#: (:meth:`ScalerConfig.of_arguments`).
+_WHAT: ContextVar[str] = ContextVar("distscaler_config_what", default="ScalerConfig")
 
 #: The check and valid range of each numeric or bool setting (``policy`` is checked apart), shared
 #: by :func:`settings_problems` and ``load_state_dict``'s per-key checks (:mod:`distscaler.persistence`).
@@ -80,7 +85,7 @@ class ScalerConfig:
     """Updates between two reads of the skip record for logging (0: only when read anyway)."""
 
     def __post_init__(self) -> None:
-        raise_problems("ScalerConfig", settings_problems(self.scaler_kwargs()))
+        raise_problems(_WHAT.get(), settings_problems(self.scaler_kwargs()))
         # Valid values in the types the kernels take: a Python int scale of 2**64 is a valid
         # float32 but not a valid clamp bound; a numpy integer interval is an int.
         for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
@@ -89,6 +94,16 @@ class ScalerConfig:
                 object.__setattr__(self, name, float(value))
         for name in ("growth_interval", "hysteresis", "skip_log_interval"):
             object.__setattr__(self, name, int(getattr(self, name)))
+
+    @classmethod
+    def of_arguments(cls, what: str, **settings: Any) -> ScalerConfig:
+        """``ScalerConfig(**settings)``, validated once, its problems reported as ``what``'s
+        (``"GradScaler arguments"``)."""
+        token = _WHAT.set(what)
+        try:
+            return cls(**settings)
+        finally:
+            _WHAT.reset(token)
 
     def scaler_kwargs(self) -> dict[str, Any]:
         """The config as keyword arguments of :class:`distscaler.GradScaler` (without ``device``)."""

@@ -478,7 +478,11 @@ def plan_grads(
     key = _plan_key(optimizer, weigh, resolver.version if weigh else 0, world_size, id(group))  # type: ignore[union-attr]
     plans = cache.get(optimizer)
     if plans is None:
-        plans = cache[optimizer] = {}
+        plans = {}
+        # Nothing cached while traced: dynamo guards on the cache it saw empty, and a plan stored
+        # at the first compiled call would compile the phase again at the next.
+        if not torch.compiler.is_compiling():
+            cache[optimizer] = plans
     plan = plans.get(weigh)
     if plan is not None and plan.key == key and not rebuild:
         return plan

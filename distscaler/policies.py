@@ -39,6 +39,8 @@ __all__ = [
     "MIN_SCALE_MESSAGE",
     "POLICIES",
     "LossScaleAtMinimumError",
+    "DeepSpeedEnds",
+    "PackedEnds",
     "PolicyName",
     "ScalePolicy",
     "ScaleRule",
@@ -107,6 +109,31 @@ class PolicyConstants:
         return cls(*values.unbind())
 
 
+class PackedEnds(NamedTuple):
+    """A hysteresis policy's lanes of the verdict's epilogue (:meth:`ScalePolicy.operands`), each a
+    0-dim float32 made in the verdict's one ``_foreach_addcdiv`` (``n``: the skip record's update
+    count, ``W``: the growth interval)."""
+
+    #: ``G = n - anchor``: the growth counter relative to ``growth_interval - 2``.
+    growth: torch.Tensor
+    #: ``n + W - 1``: the anchor that puts the counter at 0 after this update.
+    reset: torch.Tensor
+    #: The hysteresis lane plus one: its value after an overflow that does not back off.
+    hyst_plus_one: torch.Tensor
+
+
+class DeepSpeedEnds(NamedTuple):
+    """DeepSpeed's lanes of the epilogue: :class:`PackedEnds`' and two more."""
+
+    growth: torch.Tensor
+    reset: torch.Tensor
+    hyst_plus_one: torch.Tensor
+    #: ``n + W``: the anchor after an overflow (the counter at -1).
+    overflow_anchor: torch.Tensor
+    #: A copy of the hysteresis lane (its value where an exhausted overflow keeps it).
+    hyst_copy: torch.Tensor
+
+
 class UpdateContext(NamedTuple):
     """What one update hands its policy (all tensors 0-dim float32 on the scale's device unless
     said).
@@ -115,8 +142,9 @@ class UpdateContext(NamedTuple):
         scale: the loss scale, updated in place. growth_tracker: torch's (int32).
         found: the agreed flag, exactly 1.0 or 0.0.
         lanes: the policy's packed counters (views of one float32 tensor), updated in place.
-        ends: the policy's part of the epilogue (:meth:`ScalePolicy.operands`, made by the verdict
-            in the same multi-tensor op as the skip record's next counts).
+        ends: the policy's part of the epilogue, named by the policy (:meth:`ScalePolicy.name_ends`
+            of :meth:`ScalePolicy.operands`, made by the verdict in the same multi-tensor op as the
+            skip record's next counts); ``()`` for policies without lanes.
         consts: the rule's constants (None for policies without lanes).
         one, zero, minus_one: constants.
         raise_at_minimum: raise :class:`LossScaleAtMinimumError` (one host read).
@@ -128,7 +156,7 @@ class UpdateContext(NamedTuple):
     growth_tracker: torch.Tensor
     found: torch.Tensor
     lanes: list[torch.Tensor]
-    ends: list[torch.Tensor]
+    ends: tuple[torch.Tensor, ...]
     consts: PolicyConstants | None
     one: torch.Tensor
     zero: torch.Tensor
@@ -195,8 +223,13 @@ class ScalePolicy:
         self, lanes: list[torch.Tensor], n: torch.Tensor, consts: PolicyConstants, one, zero, minus
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """``(a, b, c)`` lists of the epilogue's ``a + b / c`` lanes (``n``: the record's update
-        count), in the order :meth:`update_` reads ``ctx.ends``."""
+        count), in the order of the fields of :meth:`name_ends`."""
         return [], [], []
+
+    def name_ends(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The epilogue's results of :meth:`operands`, as the named tuple :meth:`update_` reads
+        (``ctx.ends``)."""
+        return ()
 
     def update_(self, ctx: UpdateContext) -> None:
         """One update: ``ctx.record`` once, then the scale (clamped to the rule's bounds)."""
@@ -298,18 +331,20 @@ class _PackedPolicy(ScalePolicy):
             [minus, one, one],
         )
 
+    def name_ends(self, values):  # type: ignore[override]
+        return PackedEnds(*values)
+
     def update_(self, ctx: UpdateContext) -> None:
-        anchor, hyst = ctx.lanes
         consts = ctx.consts
         assert consts is not None
-        g_rel, reset, hyst_plus_one = ctx.ends[:3]
+        g_rel = ctx.ends.growth  # type: ignore[attr-defined]
         found = ctx.found
         grow, grow_now, exhausted, backoff_now = torch._foreach_clamp_min(
             [g_rel, g_rel, self._hyst_input(ctx), ctx.minus_one], 0.0
         )
         if ctx.raise_at_minimum:
             _check_minimum(ctx, exhausted)
-        selves, ends, weights, overflow = self._clean(ctx, grow, exhausted, hyst_plus_one)
+        selves, ends, weights, overflow = self._clean(ctx, grow, exhausted)
         torch._foreach_lerp_(
             [*selves, grow_now, backoff_now],
             [*ends, ctx.zero, exhausted],
@@ -323,7 +358,7 @@ class _PackedPolicy(ScalePolicy):
         )  # fmt: skip
         _clamp_(ctx.scale, r)
 
-    def _clean(self, ctx, grow, exhausted, hyst_plus_one):
+    def _clean(self, ctx, grow, exhausted):
         raise NotImplementedError
 
 
@@ -365,9 +400,10 @@ class MegatronPolicy(_PackedPolicy):
         tracker = int(record[0] - anchor) + rule.growth_interval - 2
         return tracker, {"hysteresis_tracker": 2 - int(hyst)}
 
-    def _clean(self, ctx, grow, exhausted, hyst_plus_one):
+    def _clean(self, ctx, grow, exhausted):
         anchor, hyst = ctx.lanes
-        reset = ctx.ends[1]  # n + W - 1: the tracker at 0 after this update
+        ends = ctx.ends
+        reset, hyst_plus_one = ends.reset, ends.hyst_plus_one  # reset: the tracker at 0 after
         found = ctx.found
         # clean: a growth resets the tracker and refills; overflow: reset, hysteresis - 1.
         clean = ([anchor, hyst], [reset, ctx.consts.refill], [grow, grow])
@@ -455,9 +491,14 @@ class DeepSpeedPolicy(_PackedPolicy):
         # n + W (the counter after an overflow: -1), and a copy of the hysteresis lane.
         return [*a, n, lanes[1]], [*b, consts.interval, zero], [*c, one, one]
 
-    def _clean(self, ctx, grow, exhausted, hyst_plus_one):
+    def name_ends(self, values):  # type: ignore[override]
+        return DeepSpeedEnds(*values)
+
+    def _clean(self, ctx, grow, exhausted):
         anchor, hyst = ctx.lanes
-        reset, overflow_anchor, hyst_copy = ctx.ends[1], ctx.ends[3], ctx.ends[4]
+        ends = ctx.ends
+        reset, hyst_plus_one = ends.reset, ends.hyst_plus_one
+        overflow_anchor, hyst_copy = ends.overflow_anchor, ends.hyst_copy
         refill = ctx.one if ctx.rule.consecutive_hysteresis else grow
         found = ctx.found
         # clean: a growth resets the counter to 0 (refills too); overflow: the counter at -1 and

@@ -5,13 +5,19 @@ the settings' getters and setters come from :class:`~distscaler.config.ScalerSet
 loss-scaler attributes from :mod:`~distscaler.deepspeed_api`. The work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`,
 :mod:`~distscaler.verdict`, :mod:`~distscaler.fused`, :mod:`~distscaler.policies`,
 :mod:`~distscaler.persistence` and :mod:`~distscaler.telemetry`.
+
+Each phase is one straight path: the face checks the call order and decides what runs (the
+optimizer's step contract, :mod:`~distscaler.contract`), the verdict computes
+(:mod:`~distscaler.verdict`), the fused hand-off (:mod:`~distscaler.fused`) or the face's own host
+step applies it, and the face keeps the outcome in the optimizer's
+:class:`~distscaler.step_record.StepRecord`. Nothing calls back into the face but torch's
+deprecated ``grad_scaler=`` optimizers, whose contract is to drive the scaler.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,33 +26,22 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from .attribution import OverflowTracker
+from .attribution import Coded, OverflowTracker
 from .attribution_api import OverflowReportingAPI
-from .config import ScalerConfig, ScalerSettings, raise_problems, settings_problems
+from .config import ScalerConfig, ScalerSettings
+from .contract import StepContract, step_contract, uses_fused_scaling
 from .deepspeed_api import DeepSpeedScalerAPI
 from .errors import CallOrderError
-from .fused import run_step, uses_fused_scaling
+from .fused import fused_step
 from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
 from .persistence import export_state, parse_state
 from .policies import PolicyName, get_policy
-from .state import DeviceState, HostValues, ScalerState
+from .state import DeviceState, Epilogue, HostValues, ScalerState
+from .step_record import StepRecord, torch_states
 from .telemetry import SkipTotals
 from .verdict import VerdictGroup
 
 __all__ = ["GradScaler", "OptState"]
-
-
-def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # torch's two keys, plus what the verdict decided for a fused step and whether clipping ran.
-    return {
-        "stage": OptState.READY,
-        "found_inf_per_device": {},
-        "grad_scale": None,
-        "clipped": False,
-        "ends": None,
-        # (optimizer, its gradient codes or None, whether taken after a host read of the flag).
-        "coded": None,
-    }
 
 
 class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch.amp.GradScaler):
@@ -103,12 +98,25 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
     ) -> None:
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda', got: {device!r}")
-        settings = {k: v for k, v in locals().items() if k in _CONFIG_FIELDS}
-        raise_problems("GradScaler arguments", settings_problems(settings))
+        config = ScalerConfig.of_arguments(
+            "GradScaler arguments",
+            enabled=enabled,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            policy=policy,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            raise_error_at_min_scale=raise_error_at_min_scale,
+            skip_nonfinite=skip_nonfinite,
+            skip_log_interval=skip_log_interval,
+        )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
         _check_grad_layout(grad_layout)
-        config = ScalerConfig(**settings)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
@@ -123,7 +131,8 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        #: This iteration's record per optimizer (``id(optimizer)``), dropped by :meth:`update`.
+        self._records: dict[int, StepRecord] = {}
         self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
         self._overflows = OverflowTracker()
 
@@ -145,16 +154,32 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         assert self._state.device is not None
         return self._state.device
 
-    def _record(
-        self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, **extra: Any
-    ) -> dict:
-        state = self._per_optimizer_states[id(optimizer)]
-        if not self._config.skip_nonfinite:  # a static scale told to step through inf/NaN
-            assert self._state.device is not None
-            found_inf = self._state.device.zero
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-        state.update(extra)
-        return state
+    def _record_of(self, optimizer: torch.optim.Optimizer) -> StepRecord:
+        record = self._records.get(id(optimizer))
+        if record is None:
+            record = self._records[id(optimizer)] = StepRecord()
+        return record
+
+    def _agreed(self, found_inf: torch.Tensor) -> torch.Tensor:
+        # The flag a record keeps: a static scale told to step through inf/NaN keeps 0.0.
+        if self._config.skip_nonfinite:
+            return found_inf
+        assert self._state.device is not None
+        return self._state.device.zero
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        # torch's private per-optimizer state, for code that reads it (torch's tests, optimizers
+        # of the deprecated grad_scaler= contract): a defaultdict of torch's fresh state, one entry
+        # per optimizer of this iteration (stage, found_inf_per_device). A view of the records.
+        return torch_states(self._records)
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
+        # torch resets it with a fresh defaultdict (its update()): that drops the records.
+        if value:
+            raise ValueError("_per_optimizer_states can only be reset to an empty mapping")
+        self._records.clear()
 
     # ------------------------------------------------------------------ the public API
 
@@ -174,15 +199,15 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         if not self._enabled:
             return
         device_state = self._device_state("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
+        record = self._record_of(optimizer)
+        if record.stage is OptState.UNSCALED:
             raise CallOrderError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if state["stage"] is OptState.STEPPED:
+        if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
         found_inf = self._verdict.unscale(optimizer, device_state)
-        self._record(optimizer, found_inf, grad_scale=None, stage=OptState.UNSCALED)
+        record.agreed(self._agreed(found_inf), grad_scale=None, stage=OptState.UNSCALED)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -225,24 +250,23 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         if not self._enabled:
             return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None, codes=False)[0]
         device_state = self._device_state("clip_grad_norm_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        record = self._record_of(optimizer)
+        if record.stage is OptState.STEPPED:
             raise CallOrderError("clip_grad_norm_() is being called after step().")
-        if state["clipped"]:
+        if record.clipped:
             raise CallOrderError(
                 "clip_grad_norm_() has already been called on this optimizer since the last update()."
             )
-        if state["stage"] is OptState.UNSCALED:
+        if record.stage is OptState.UNSCALED:
             norm, codes = self._verdict.clip_unscaled(
                 optimizer, max_norm, norm_type, device_state.device, codes=self._attributing
             )
-            (found_inf,) = state["found_inf_per_device"].values()
+            assert record.found_inf is not None
             nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
-            self._record(
-                optimizer,
-                torch.fmax(found_inf, nonfinite),
+            record.agreed(
+                self._agreed(torch.fmax(record.found_inf, nonfinite)),
                 clipped=True,
-                coded=(optimizer, codes, False),
+                coded=Coded(optimizer, codes, False),
             )
             return norm
         fused = uses_fused_scaling(optimizer)
@@ -255,32 +279,32 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             skip_nonfinite=self._config.skip_nonfinite,
             codes=self._attributing,
         )
-        self._record(
-            optimizer,
-            verdict.found_inf,
+        record.agreed(
+            self._agreed(verdict.found_inf),
             grad_scale=verdict.grad_scale if fused else None,
-            ends=verdict.ends,
+            epilogue=verdict.ends,
             stage=OptState.UNSCALED,
             clipped=True,
-            coded=(optimizer, verdict.codes, verdict.after_read),
+            coded=Coded(optimizer, verdict.codes, verdict.after_read),
         )
         return verdict.norm
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Agree on ``found_inf`` without changing the gradients (one check pass + the collective).
 
-        Also the hook that custom optimizers of torch's ``grad_scaler=`` contract call.
+        torch's hook, which optimizers of torch's deprecated ``grad_scaler=`` contract call from
+        their step (they drive the scaler); returns torch's ``{device: found_inf}``.
         """
         device_state = self._device_state("_check_inf_per_device")
         verdict = self._verdict.check(optimizer, device_state, codes=self._attributing)
-        state = self._record(
-            optimizer,
-            verdict.found_inf,
+        found_inf = self._agreed(verdict.found_inf)
+        self._record_of(optimizer).agreed(
+            found_inf,
             grad_scale=device_state.scale,
-            ends=verdict.ends,
-            coded=(optimizer, verdict.codes, verdict.after_read),
+            epilogue=verdict.ends,
+            coded=Coded(optimizer, verdict.codes, verdict.after_read),
         )
-        return state["found_inf_per_device"]
+        return {found_inf.device: found_inf}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
@@ -288,8 +312,8 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         torch's semantics, return value and errors. Without an earlier :meth:`unscale_` or
         :meth:`clip_grad_norm_` the verdict runs here (one ``all_reduce`` of 1 or 2 float32; every
         rank must call). Fused optimizers: one read-only check pass, then ``grad_scale`` and
-        ``found_inf`` go to the kernel, no host read; others: the unscale pass and one host read of
-        the agreed flag (:mod:`distscaler.fused`), and on a skipped step one more read pass that
+        ``found_inf`` go to the kernel, no host read (:mod:`distscaler.fused`); others: the unscale
+        pass and one host read of the agreed flag, and on a skipped step one more read pass that
         codes the gradients for :attr:`last_overflow`. After an explicit :meth:`unscale_` (and no
         :meth:`clip_grad_norm_`) a fused step takes that read pass at every step.
 
@@ -302,25 +326,46 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
+        device_state = self._device_state("step")
+        record = self._record_of(optimizer)
+        if record.stage is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
-        if state["stage"] is OptState.UNSCALED and state["coded"] is None and self._attributing:
-            if uses_fused_scaling(optimizer):  # after an explicit unscale_(): no flag read follows
-                device = self._device_state("step").device
-                state["coded"] = (optimizer, self._verdict.codes(optimizer, device), False)
-        retval = run_step(
+        contract = step_contract(optimizer)  # the face decides
+        if contract is StepContract.DRIVES_THE_SCALER:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+                "directly.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})  # type: ignore[call-overload]
+            record.stage = OptState.STEPPED
+            return retval
+        fused = contract is StepContract.FUSED
+        agreed = record.found_inf
+        verdict = self._verdict.for_step(  # the verdict computes
             optimizer,
-            state,
-            args,
-            kwargs,
-            scaler=self,
-            check=lambda: self._check_inf_per_device(optimizer),
-            unscale=lambda: self.unscale_(optimizer),
-            on_skip=lambda: self._code_skipped(optimizer, state),
+            device_state,
+            fused=fused,
+            agreed=agreed,
+            codes=self._attributing and record.coded is None,
+            skip_nonfinite=self._config.skip_nonfinite,
         )
-        state["stage"] = OptState.STEPPED
+        found_inf = verdict.found_inf
+        if agreed is None:  # this step's own verdict; kept before the step, as torch keeps it
+            if fused:
+                record.agreed(found_inf, grad_scale=device_state.scale, epilogue=verdict.ends)
+            else:
+                record.agreed(found_inf, grad_scale=None, stage=OptState.UNSCALED)
+        if verdict.coded:
+            record.coded = Coded(optimizer, verdict.codes, verdict.after_read)
+        if fused:  # the fused hand-off applies the verdict
+            retval = fused_step(optimizer, record.grad_scale, found_inf, args, kwargs)
+        else:  # the gradients are unscaled: the host's flag decides
+            retval = None if verdict.skipped else optimizer.step(*args, **kwargs)
+        record.stage = OptState.STEPPED
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -348,25 +393,23 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
         else:
-            states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
-            if not states:
+            records = [r for r in self._records.values() if r.found_inf is not None]
+            if not records:
                 raise CallOrderError("No inf checks were recorded prior to update.")
-            found = [f for s in states for f in s["found_inf_per_device"].values()]
+            found = [r.found_inf for r in records if r.found_inf is not None]
             found_inf = found[0].to(device_state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
             lerps: list = []  # the overflow record's, run in the skip record's one op
             if self._attributing:
-                coded = [s["coded"] for s in states if s["coded"] is not None]
+                coded = [r.coded for r in records if r.coded is not None]
                 self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1, lerps)
-            self._apply(found_inf, states[0]["ends"] if len(found) == 1 else None, lerps)
-        # Cleared in place: torch 2.6's dynamo gives a defaultdict made in a compiled graph back
-        # as a plain dict (the next step raised KeyError).
-        self._per_optimizer_states.clear()
+            self._apply(found_inf, records[0].epilogue if len(found) == 1 else None, lerps)
+        # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
+        # plain dict.
+        self._records.clear()
 
-    def _apply(
-        self, found_inf: torch.Tensor, ends: list[torch.Tensor] | None, lerps: Sequence = ()
-    ) -> None:
+    def _apply(self, found_inf: torch.Tensor, ends: Epilogue | None, lerps: Sequence = ()) -> None:
         if self._state.update(found_inf, ends, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
 
@@ -393,7 +436,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         Between iterations (no verdict pending) the record's counts are folded into the host's.
         """
         _, world_size = self._verdict.resolve()
-        fold = not self._per_optimizer_states
+        fold = not self._records
         return self._state.read(*extra, fold=fold, world_size=world_size)
 
     def register_model(
@@ -484,7 +527,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:
-            if len(self._per_optimizer_states) != 0:
+            if self._records:
                 raise CallOrderError(
                     "A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."
@@ -492,8 +535,13 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
             _, values, totals = self._read()
             state.update(_state=self._state.portable(values, totals), _scale=None)
             state["_growth_tracker"] = None
-        state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
+        state["_records"] = {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
+        state.setdefault("_records", {})
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self._config.scaler_kwargs().items())
@@ -607,10 +655,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         self.materialize()
         state = self._device_state("update_scale")
         self._apply(state.one if overflow else state.zero, None)
-        self._per_optimizer_states.clear()
-
-
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScalerConfig))
+        self._records.clear()
 
 
 def _check_grad_layout(grad_layout: object) -> None:

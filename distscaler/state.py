@@ -28,7 +28,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -47,12 +47,27 @@ from .telemetry import SkipLog, SkipTotals
 if TYPE_CHECKING:
     from .config import ScalerConfig
 
-__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "HostValues", "ScalerState"]
+__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "Epilogue", "HostValues", "ScalerState"]
 
 #: Names of the record's lanes, in order.
 RECORD_LANES = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
 #: The host folds the record at least this often (in updates): float32 counts stay exact.
 FOLD_EVERY = 1 << 20
+
+
+class Epilogue(NamedTuple):
+    """What a verdict's epilogue makes for the next update, in its one ``_foreach_addcdiv``
+    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed policy's lanes,
+    each 0-dim float32 on the scale's device."""
+
+    #: The record's ``num_updates + 1``.
+    num_updates: torch.Tensor
+    #: The record's ``num_skipped + 1``.
+    num_skipped: torch.Tensor
+    #: The policy's lanes, named by it (:meth:`ScalePolicy.name_ends`); ``()`` without lanes.
+    policy: tuple[torch.Tensor, ...]
+    #: The packing they were made for (see :meth:`DeviceState.epilogue_valid`).
+    packed: Any
 
 
 @dataclass
@@ -104,6 +119,9 @@ class DeviceState:
         #: ``[flag, sum of squares]`` of the clip verdict at world size > 1 (all-reduced in place).
         self.verdict = torch.zeros(2, dtype=torch.float32, device=device)
         self._max_norm: tuple[float, torch.Tensor] | None = None
+        # The unpacked epilogue from the start (no op: existing tensors), so that a compiled phase
+        # sees the same cache at its first and later calls (dynamo guards on it: recompiles).
+        self.epilogue()
 
     # ------------------------------------------------------------------ constants
 
@@ -111,28 +129,29 @@ class DeviceState:
         """0-dim float32 tensor holding ``value``; remade (one fill) only when ``value`` changes.
 
         Under CUDA graph capture, warm up with the same ``max_norm`` first: a tensor made during
-        capture holds its value only once the graph is replayed.
+        capture holds its value only once the graph is replayed. Inside ``torch.compile`` it is a
+        constant of the graph, and the cache is left alone: dynamo would guard on the cache it saw
+        change at the first call, and compile the phase a second time at the next.
         """
+        if torch.compiler.is_compiling():
+            return torch.full((), value, dtype=torch.float32, device=self.device)
         if self._max_norm is None or self._max_norm[0] != value:
             self._max_norm = (value, torch.full((), value, dtype=torch.float32, device=self.device))
         return self._max_norm[1]
 
     # ------------------------------------------------------------------ the skip record
 
-    def record_(
-        self, found_inf: torch.Tensor, ends: list[torch.Tensor], extra: Sequence[Lerp] = ()
-    ) -> None:
+    def record_(self, found_inf: torch.Tensor, ends: Epilogue, extra: Sequence[Lerp] = ()) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
         and the scale it used; ``extra`` lerps (the overflow record's, the policy's) ride in the
         same ``_foreach_lerp_``, the one op of this call. Call before the policy changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
-            ends: ``[num_updates + 1, num_skipped + 1]`` as fresh 0-dim tensors (the epilogue's,
-                :meth:`epilogue`).
+            ends: the epilogue's (:meth:`epilogue`): ``num_updates + 1``, ``num_skipped + 1``.
             extra: ``(tensor, end, weight)`` triples, lerped in place with the record.
         """
-        nu1, ns1 = ends
+        nu1, ns1 = ends.num_updates, ends.num_skipped
         one = self.one
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(
@@ -160,13 +179,16 @@ class DeviceState:
         self._epilogue = (packed, (a, b, c))
         return a, b, c
 
-    def ends_valid(self, ends: list[torch.Tensor] | None) -> bool:
+    def name_ends(self, values: Sequence[torch.Tensor]) -> Epilogue:
+        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its lanes past the verdict's
+        own), named: the record's next counts and the packed policy's lanes."""
+        packed = self._operands_for
+        policy = packed[0].name_ends(list(values[2:])) if packed is not None else ()
+        return Epilogue(values[0], values[1], policy, packed)
+
+    def epilogue_valid(self, ends: Epilogue | None) -> bool:
         """Whether ``ends`` came from an :meth:`epilogue` of the lanes as they are packed now."""
-        return (
-            ends is not None
-            and self._operands_for is self.packed
-            and (self.packed is not None or len(ends) == 2)
-        )
+        return ends is not None and ends.packed is self.packed
 
     # ------------------------------------------------------------------ packed policy counters
 
@@ -294,7 +316,7 @@ class ScalerState:
     def update(
         self,
         found_inf: torch.Tensor,
-        ends: list[torch.Tensor] | None,
+        ends: Epilogue | None,
         config: ScalerConfig,
         extra: Sequence[Lerp] = (),
     ) -> bool:
@@ -312,18 +334,20 @@ class ScalerState:
         """
         state = self.device
         assert state is not None
+        rule = self._rule
         if config is not self._config:  # a config is frozen: its rule too
-            self._config, self._rule = config, config.rule()
-        policy, rule = get_policy(config.policy), self._rule
+            rule = config.rule()
+            if not torch.compiler.is_compiling():  # no cache written while traced (recompiles)
+                self._config, self._rule = config, rule
+        policy = get_policy(config.policy)
         assert rule is not None
         state.prepare(policy, rule)
-        if not state.ends_valid(ends):
-            ends = list(torch._foreach_addcdiv(*state.epilogue()))
-        assert ends is not None
-        counts = ends[:2]
+        if ends is None or not state.epilogue_valid(ends):
+            ends = state.name_ends(torch._foreach_addcdiv(*state.epilogue()))
+        epilogue = ends
 
         def record(lerps: list[Lerp]) -> None:
-            state.record_(found_inf, counts, [*extra, *lerps])
+            state.record_(found_inf, epilogue, [*extra, *lerps])
 
         policy.update_(
             UpdateContext(
@@ -331,7 +355,7 @@ class ScalerState:
                 growth_tracker=state.growth_tracker,
                 found=found_inf,
                 lanes=state.policy_lanes,
-                ends=ends[2:],
+                ends=ends.policy,
                 consts=state.consts,
                 one=state.one,
                 zero=state.zero,

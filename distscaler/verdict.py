@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ from .grad_kernels import (
     local_verdict,
 )
 from .layouts import GradGroups, LayoutResolver, collect_grads, plan_grads
-from .state import DeviceState
+from .state import DeviceState, Epilogue
 
 __all__ = [
     "VERDICT_NUMEL",
@@ -97,7 +97,7 @@ class ClipVerdict:
     norm: torch.Tensor
     found_inf: torch.Tensor
     grad_scale: torch.Tensor
-    ends: list[torch.Tensor] | None
+    ends: Epilogue | None
     codes: TensorCodes | None
     #: The flag was read on the host and the gradients coded only on a skip.
     after_read: bool = False
@@ -114,10 +114,14 @@ class CheckVerdict:
     """
 
     found_inf: torch.Tensor
-    ends: list[torch.Tensor] | None
+    ends: Epilogue | None
     codes: TensorCodes | None
     #: The flag was read on the host and the gradients coded only on a skip.
     after_read: bool = False
+    #: Whether ``codes`` were taken (False: left for later, as for a clean non-fused step).
+    coded: bool = True
+    #: The flag as read on the host (a step that is not fused), else None.
+    skipped: bool | None = None
 
 
 class VerdictGroup:
@@ -240,6 +244,17 @@ class VerdictGroup:
         (:meth:`_check_kernel`).
         """
         groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
+        return self._check_groups(groups, params, state, codes=codes)
+
+    def _check_groups(
+        self,
+        groups: GradGroups,
+        params: tuple[torch.Tensor, ...],
+        state: DeviceState,
+        *,
+        codes: bool,
+    ) -> CheckVerdict:
+        # check() over gradients already gathered.
         on_host = codes and host_read.host_read_is_free(state.device)
         if (not codes or on_host) and all(key.device == state.device for key in groups):
             return self._check_kernel(groups, params, state, codes=codes)
@@ -252,14 +267,66 @@ class VerdictGroup:
             # The smallest code is negative exactly when a gradient is inf/NaN: -min, clamped to
             # [0, 1], is the flag; the update's lanes (the record's next counts...) come in the
             # same op.
-            neg_min, *ends = torch._foreach_addcdiv(
+            neg_min, *lanes = torch._foreach_addcdiv(
                 [state.zero, *a], [coded.amin(), *b], [state.minus_one, *c]
             )
             found = neg_min.clamp(0.0, 1.0)
+            ends = state.name_ends(lanes)
         group, world_size = self.resolve()
         if world_size > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return CheckVerdict(found, ends, None if coded is None else TensorCodes(params, coded))
+
+    def for_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: DeviceState,
+        *,
+        fused: bool,
+        agreed: torch.Tensor | None,
+        codes: bool,
+        skip_nonfinite: bool,
+    ) -> CheckVerdict:
+        """The verdict ``GradScaler.step`` needs, whatever ran before it in this iteration.
+
+        Args:
+            fused: the optimizer takes ``grad_scale``/``found_inf`` (:mod:`distscaler.fused`).
+            agreed: the flag an earlier ``unscale_()``/``clip_grad_norm_()`` agreed on, or None.
+            codes: tensor codes are wanted (an overflow report will read them, and none were
+                taken yet in this iteration).
+            skip_nonfinite: False: a static scale steps through inf/NaN (the flag is 0.0).
+
+        Without ``agreed``, a fused optimizer gets :meth:`check` (no host read on a GPU) and any
+        other :meth:`unscale`. An optimizer that is not fused then has its flag read on the host
+        (the step's one read: ``skipped``) and, with ``codes``, its gradients coded when skipped (one
+        read pass); a fused one after an explicit ``unscale_()`` is coded at once (no read follows).
+        """
+        # The gradients once, for whichever pass runs (fp16 ones refused where they are unscaled).
+        gathered = None
+        if agreed is None or codes:
+            gathered = self.grads(optimizer, weighted=False, allow_fp16=fused or agreed is not None)
+        if fused:
+            if agreed is None:
+                assert gathered is not None
+                verdict = self._check_groups(*gathered, state, codes=codes)
+                if not skip_nonfinite:  # a static scale told to step through inf/NaN
+                    verdict = replace(verdict, found_inf=state.zero)
+                return verdict
+            taken = self._coded_now(*gathered, state.device) if gathered is not None else None
+            return CheckVerdict(agreed, None, taken, coded=codes)
+        found = agreed
+        if found is None:
+            assert gathered is not None
+            found = self._unscale_groups(gathered[0], state)
+            if not skip_nonfinite:
+                found = state.zero
+        skipped = bool(found.item())  # the step's one host read: the agreed flag
+        coding = codes and skipped
+        taken = None
+        if coding:
+            assert gathered is not None
+            taken = self._coded_now(*gathered, state.device)
+        return CheckVerdict(found, None, taken, after_read=True, coded=coding, skipped=skipped)
 
     def _check_kernel(
         self,
@@ -279,7 +346,8 @@ class VerdictGroup:
         """
         a, b, c = state.epilogue()
         zero, one = state.zero, state.one
-        found, *ends = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
+        found, *lanes = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
+        ends = state.name_ends(lanes)
         for grads in groups.values():
             amp_check_and_unscale_(grads, found, one)
         group, world_size = self.resolve()
@@ -300,15 +368,22 @@ class VerdictGroup:
         refused with torch's message, before anything changes.
         """
         groups, _ = self.grads(optimizer, weighted=False, allow_fp16=False)
+        return self._unscale_groups(groups, state)
+
+    def _unscale_groups(self, groups: GradGroups, state: DeviceState) -> torch.Tensor:
         return self._agree_flag(check_and_unscale_(groups, inv_scale=_inv_scale(state.scale)))
+
+    def _coded_now(
+        self, groups: GradGroups, params: tuple[torch.Tensor, ...], device: torch.device
+    ) -> TensorCodes | None:
+        codes = _codes(groups, device)
+        return None if codes is None else TensorCodes(params, codes)
 
     def codes(self, optimizer: torch.optim.Optimizer, device: torch.device) -> TensorCodes | None:
         """This rank's tensor codes of ``optimizer``'s gradients as they are now (one read pass:
         ``_foreach_norm`` with p = inf, ``stack``, ``nan_to_num``). For the paths whose verdict
         takes no per-tensor statistic (:meth:`unscale`); None without gradients."""
-        groups, params = self.grads(optimizer, weighted=False, allow_fp16=True)
-        codes = _codes(groups, device)
-        return None if codes is None else TensorCodes(params, codes)
+        return self._coded_now(*self.grads(optimizer, weighted=False, allow_fp16=True), device)
 
     def _agree_flag(self, verdict: torch.Tensor) -> torch.Tensor:
         group, world_size = self.resolve()
@@ -348,17 +423,17 @@ class VerdictGroup:
             zero = state.zero
             # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
             # the update's lanes (the record's next counts...), in one multi-tensor op.
-            norm, q, flag, *ends_ = torch._foreach_addcdiv(
+            norm, q, flag, *lanes = torch._foreach_addcdiv(
                 [zero, zero, zero, *a],
                 [total, total, total, *b],
                 [scale, state.max_norm(max_norm), state.inf, *c],
             )
-            ends: list[torch.Tensor] | None = ends_
+            ends: Epilogue | None = state.name_ends(lanes)
             if (
                 fused and skip_nonfinite and host_read.host_read_is_free(device)
             ):  # others read it anyway
                 return _clip_on_host(
-                    groups, params, per_tensor, state, (norm, q, flag), ends_, fused, codes
+                    groups, params, per_tensor, state, (norm, q, flag), ends, fused, codes
                 )
             found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
         else:
@@ -420,7 +495,7 @@ def _clip_on_host(
     per_tensor: torch.Tensor | None,
     state: DeviceState,
     epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ends: list[torch.Tensor],
+    ends: Epilogue | None,
     fused: bool,
     codes: bool,
 ) -> ClipVerdict:

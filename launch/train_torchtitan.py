@@ -9,7 +9,7 @@ checkout (its debug config reads ``./tests/assets/tokenizer`` and the ``c4_test`
 This script runs the same Trainer anywhere, CPU processes included: it applies the CPU shims where
 needed (``launch/common/torchtitan_cpu.py``: torchtitan 0.3.0 wants triton, a GPU and a torch
 nightly; each shim says why) and by default trains the debug model shrunk to 2 layers on bytes of
-the Python standard library sources (``--config llama3_debugmodel_fp16_bytes`` of that module).
+the Python standard library sources (``--module torchtitan_job --config llama3_debugmodel_fp16_bytes``).
 Two CPU processes (gloo; FSDP2 over both)::
 
     torchrun --nproc-per-node 2 launch/train_torchtitan.py --inject-inf 5 --training.steps 20
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--module" not in rest and not any(a.startswith("--module=") for a in rest):
         rest = [
             "--module",
-            "common.torchtitan_cpu",
+            "torchtitan_job",
             "--config",
             "llama3_debugmodel_fp16_bytes",
             *rest,

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan_job import cpu_config
 
 from common.tensors import local_tensor, params_digest
-from common.torchtitan_cpu import adapt_pipeline_schedule, apply_cpu_shims, cpu_config
+from common.torchtitan_cpu import adapt_pipeline_schedule, apply_cpu_shims
 
 STEPS = 4
 INJECT_STEP = 2  # 1-based, torchtitan's step numbering

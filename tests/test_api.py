@@ -435,6 +435,59 @@ def test_pickle_round_trip():
     assert torch.load(buffer, weights_only=True) == scaler.state_dict()
 
 
+@pytest.mark.parametrize("lazy_init_scale", [True, False], ids=["scaled", "fresh"])
+def test_torchs_pickle_test_passes(lazy_init_scale):
+    # torch's own test_pickle_gradscaler (test/test_torch.py), on the CPU, with distscaler's class:
+    # its settings survive pickling, and the per-optimizer state's default entry is torch's fresh
+    # one (it reads a dummy key to test the defaultdict's default_factory).
+    a = distscaler.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, growth_interval=2)
+    assert a.is_enabled()
+    if lazy_init_scale:
+        a.scale(torch.tensor([4.0], dtype=torch.float32))
+        assert a._scale.device.type == "cpu"
+    b = pickle.loads(pickle.dumps(a))
+    assert b.is_enabled() == a.is_enabled()
+    assert b.get_scale() == 3.0
+    assert b.get_growth_factor() == 4.0
+    assert b.get_backoff_factor() == 0.5
+    assert b.get_growth_interval() == 2
+    assert b._init_growth_tracker == 0
+    assert b._per_optimizer_states["fdsa"] == torch.amp.grad_scaler._refresh_per_optimizer_state()
+    if lazy_init_scale:
+        assert b.scale(torch.tensor([4.0], dtype=torch.float32)) == 12.0
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "for-loop"])
+def test_per_optimizer_states_read_as_torchs_through_an_iteration(opt_kind):
+    # Code written against torch reads _per_optimizer_states: torch's two keys, the same stages
+    # and flags as torch's scaler at each point of an iteration, nothing else.
+    fresh = torch.amp.grad_scaler._refresh_per_optimizer_state()
+    assert distscaler.GradScaler("cpu")._per_optimizer_states[0] == fresh
+    seen = {}
+    for cls in (distscaler.GradScaler, torch.amp.GradScaler):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = cls("cpu", init_scale=4.0)
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+
+        def read(state):  # as it is now (torch's dicts change in place)
+            flags = {d: float(f) for d, f in state["found_inf_per_device"].items()}
+            return {"stage": state["stage"], "found_inf_per_device": flags}
+
+        states = []
+        scaler.unscale_(opt)
+        states.append(read(scaler._per_optimizer_states[id(opt)]))
+        scaler.step(opt)
+        states.append(read(scaler._per_optimizer_states[id(opt)]))
+        scaler.update()
+        states.append(dict(scaler._per_optimizer_states))
+        seen[cls] = states
+    ours, theirs = seen.values()
+    assert ours == theirs
+    assert ours[0]["stage"] is distscaler.OptState.UNSCALED  # guard: a verdict was recorded
+
+
 def test_init_growth_tracker_follows_torchs_through_load_and_pickle():
     # torch's private field, read by code (and torch's own tests) that inspect torch's scaler.
     ours, theirs = distscaler.GradScaler("cpu", growth_interval=5), torch.amp.GradScaler("cpu")

@@ -110,7 +110,7 @@ def test_infinite_max_norm_measures_only_like_torch_clip(opt_kind):
     norm = scaler.clip_grad_norm_(opt, max_norm=math.inf)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
     assert float(norm) > 1.0  # guard: a finite max_norm of 1.0 would have clipped
-    state = scaler._per_optimizer_states[id(opt)]
+    record = scaler._records[id(opt)]
     if opt_kind == "for-loop":
         # Only unscaled: exactly the gradients torch's clip leaves.
         for p, q in zip(model.parameters(), ref_params):
@@ -119,7 +119,7 @@ def test_infinite_max_norm_measures_only_like_torch_clip(opt_kind):
         # Fused: the gradients are not touched and the kernel gets the scale itself.
         for p, g in zip(model.parameters(), scaled):
             assert torch.equal(p.grad, g)
-        assert float(state["grad_scale"]) == 512.0
+        assert float(record.grad_scale) == 512.0
     scaler.step(opt)
     scaler.update()
     assert not scaler.step_was_skipped and scaler.get_scale() == 512.0

@@ -86,7 +86,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     ) from e
 
 from ..config import ScalerConfig
-from ..fused import uses_fused_scaling
+from ..contract import uses_fused_scaling
 from ..layouts import GradLayout
 from ..scaler import GradScaler
 from ._scaler_arg import scaler_from_argument

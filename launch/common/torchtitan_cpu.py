@@ -1,10 +1,11 @@
-"""torchtitan 0.3.0 on CPU processes (gloo): the shims it needs there, a byte-level tokenizer and
-data loader, and a tiny llama3. For the tests and ``launch/train_torchtitan.py`` only; the library
+"""torchtitan 0.3.0 on CPU processes (gloo): the shims it needs there and a tiny llama3, whatever
+the job's data and config. For the tests and ``launch/train_torchtitan.py`` only (the job's byte
+data and config function are in ``launch/torchtitan_job.py``); the library
 (``distscaler.integrations.torchtitan``) patches nothing.
 
 torchtitan is written for GPUs and a torch nightly. On a machine without GPUs, with torch 2.13, it
 fails in seven places; :func:`apply_cpu_shims` (before anything imports torchtitan's trainer),
-:func:`cpu_config` (on the config) and :func:`adapt_pipeline_schedule` work around each:
+:func:`cpu_settings` (on the config) and :func:`adapt_pipeline_schedule` work around each:
 
 1. ``import torchtitan.trainer`` imports triton (``distributed/minimal_async_ep/kernels.py``, expert
    parallel kernels), which CPU builds of torch do not bring: a stand-in module for those kernels.
@@ -35,21 +36,11 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = [
-    "ByteDataLoader",
-    "ByteTokenizer",
-    "adapt_pipeline_schedule",
-    "apply_cpu_shims",
-    "cpu_config",
-    "llama3_debugmodel_fp16_bytes",
-    "tiny_llama3",
-]
+__all__ = ["adapt_pipeline_schedule", "apply_cpu_shims", "cpu_settings", "tiny_llama3"]
 
 _SHIMMED = False
 
@@ -170,99 +161,7 @@ def adapt_pipeline_schedule(trainer: Any) -> None:
     schedule.step = step
 
 
-# ----------------------------------------------------------------------------- tokenizer, data
-
-
-def _define() -> None:
-    """The tokenizer and data loader classes subclass torchtitan's, so they are defined once
-    torchtitan imports (after :func:`apply_cpu_shims`)."""
-    global ByteTokenizer, ByteDataLoader
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.tokenizer import BaseTokenizer
-
-    class _ByteTokenizer(BaseTokenizer):
-        """Bytes as tokens (vocabulary 256): nothing to download."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseTokenizer.Config):
-            pass
-
-        def __init__(self, config: Any = None, **kwargs: Any) -> None:
-            super().__init__()
-
-        def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
-            return list(text.encode())
-
-        def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str:
-            return bytes(ids).decode(errors="replace")
-
-        def get_vocab_size(self) -> int:
-            return 256
-
-    class _ByteDataLoader(BaseDataLoader):
-        """Windows of ``seq_len + 1`` bytes of a text corpus, batch after batch, each data-parallel
-        rank its own: ``({"input": (B, L) int64}, labels (B, L) int64)``. The corpus is
-        ``dataset_path`` (a file or folder) or, empty, this interpreter's standard library sources
-        (the reference job's data); ``dataset`` is ignored. Deterministic; its position is its
-        checkpoint state."""
-
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            max_bytes: int = 4_000_000
-            """Bytes of the corpus read (from its start)."""
-
-        def __init__(
-            self,
-            config: Any,
-            *,
-            dp_world_size: int,
-            dp_rank: int,
-            tokenizer: Any,
-            seq_len: int,
-            local_batch_size: int,
-            **kwargs: Any,
-        ) -> None:
-            self.data = _corpus(config.dataset_path, config.max_bytes)
-            self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
-            self.seq_len, self.batch = seq_len, local_batch_size
-            self.position = 0
-
-        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            span = self.seq_len + 1
-            per_batch = self.batch * span
-            while True:
-                start = (self.position * self.dp_world_size + self.dp_rank) * per_batch
-                start %= len(self.data) - per_batch
-                window = self.data[start : start + per_batch].long().view(self.batch, span)
-                self.position += 1
-                yield {"input": window[:, :-1].contiguous()}, window[:, 1:].contiguous()
-
-        def state_dict(self) -> dict[str, Any]:
-            return {f"position_dp{self.dp_rank}": self.position}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            self.position = int(state_dict.get(f"position_dp{self.dp_rank}", self.position))
-
-    ByteTokenizer = _ByteTokenizer
-    ByteDataLoader = _ByteDataLoader
-
-
-ByteTokenizer: Any = None
-ByteDataLoader: Any = None
-
-
-def _corpus(path: str | None, max_bytes: int) -> torch.Tensor:
-    from lm.data import data_files
-
-    blob = bytearray()
-    for f in data_files(path or None):
-        blob += f.read_bytes()
-        if len(blob) >= max_bytes:
-            break
-    return torch.frombuffer(blob[:max_bytes], dtype=torch.uint8)
-
-
-# ----------------------------------------------------------------------------- model, config
+# ----------------------------------------------------------------------------- model, settings
 
 
 def tiny_llama3(
@@ -329,18 +228,13 @@ def _sum_reductions(parallelize_fn: Any) -> Any:
     return parallelize
 
 
-def cpu_config(
-    config: Any, *, data: str | None = None, seq_len: int = 32, max_bytes: int = 4_000_000
-) -> Any:
-    """``config`` (a ``Trainer.Config``) set up for CPU processes: the byte tokenizer and data,
-    the tiny llama3 unless the config's model already is, the settings of the module docstring."""
-    if ByteTokenizer is None:
-        _define()
+def cpu_settings(config: Any, *, seq_len: int = 32) -> Any:
+    """``config`` (a ``Trainer.Config``) set up for CPU processes, whatever its data: the tiny
+    llama3 (shims 4 and 5), shim 7, no CUDA graphs, no compile, no validation, the loss over the
+    byte vocabulary in chunks no longer than ``seq_len``."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
     config.model_spec = tiny_llama3()
-    config.tokenizer = ByteTokenizer.Config()
-    config.dataloader = ByteDataLoader.Config(dataset_path=data, max_bytes=max_bytes)
     config.hf_assets_path = "."
     config.training.seq_len = seq_len
     config.training.disable_cuda_graphs = True
@@ -351,14 +245,3 @@ def cpu_config(
         config.loss.loss_fn = CrossEntropyLoss.Config(global_vocab_size=256)
         config.loss.num_chunks = min(config.loss.num_chunks, seq_len)
     return config
-
-
-def llama3_debugmodel_fp16_bytes() -> Any:
-    """A config function for torchtitan's command line (``--module common.torchtitan_cpu --config
-    llama3_debugmodel_fp16_bytes``): torchtitan's llama3 debug config in fp16 with distscaler
-    (``distscaler.integrations.torchtitan.fp16``), shrunk and on byte data by :func:`cpu_config`."""
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-    from distscaler.integrations.torchtitan import fp16
-
-    return cpu_config(fp16(llama3_debugmodel()))

@@ -1,0 +1,67 @@
+"""What one iteration decided for one optimizer: the scaler's typed per-step record.
+
+:class:`StepRecord` is written by ``GradScaler``'s verdict entry points (:meth:`unscale_`,
+:meth:`clip_grad_norm_`, the check :meth:`step` runs) and read by :meth:`step` (the hand-off) and
+:meth:`update` (the flag, the epilogue, the codes); :meth:`update` drops every record.
+
+torch's ``GradScaler`` keeps its own per-optimizer state in ``_per_optimizer_states``, a
+``defaultdict`` of ``{"stage", "found_inf_per_device"}`` dicts, which code written against torch
+reads (torch's own tests, an optimizer of the deprecated ``grad_scaler=`` contract through
+``_found_inf_per_device``). :func:`torch_states` gives that view of the records, so the records can
+hold what torch's dicts do not without changing what torch's readers see.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from .attribution import Coded
+from .state import Epilogue
+
+__all__ = ["StepRecord", "torch_states"]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One optimizer's record of this iteration (between two ``update()`` calls)."""
+
+    #: torch's call-order stage: READY, UNSCALED (a verdict ran) or STEPPED.
+    stage: OptState = OptState.READY
+    #: The agreed flag (0-dim float32, exactly 0.0 or 1.0), None before a verdict.
+    found_inf: torch.Tensor | None = None
+    #: What a fused step divides the gradients by (``scale / clip_coef``); None when they are
+    #: already unscaled (after :meth:`unscale_`, or a non-fused clip).
+    grad_scale: torch.Tensor | None = None
+    #: :meth:`clip_grad_norm_` ran.
+    clipped: bool = False
+    #: The verdict epilogue's lanes for the update (None: the update makes them).
+    epilogue: Epilogue | None = None
+    #: The gradients' codes for the overflow report; None: not taken yet.
+    coded: Coded | None = None
+
+    def agreed(self, found_inf: torch.Tensor, **fields: Any) -> StepRecord:
+        """Keep a verdict: its flag and any of the other fields (by name). Returns self."""
+        self.found_inf = found_inf
+        for name, value in fields.items():
+            setattr(self, name, value)
+        return self
+
+
+def torch_states(records: dict[int, StepRecord]) -> defaultdict[int, dict[str, Any]]:
+    """torch's ``_per_optimizer_states`` for ``records``: a ``defaultdict`` of torch's fresh
+    state (``torch.amp.grad_scaler._refresh_per_optimizer_state``), one entry per record with its
+    stage and ``found_inf_per_device`` (``{device: flag}``, empty before a verdict). A copy: torch's
+    readers read it, nothing writes through it."""
+    states: defaultdict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+    for key, record in records.items():
+        found = record.found_inf
+        states[key] = {
+            "stage": record.stage,
+            "found_inf_per_device": {} if found is None else {found.device: found},
+        }
+    return states
