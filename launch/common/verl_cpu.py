@@ -21,6 +21,10 @@ integration is about, so each gets a stand-in here, in the test and launch code 
   parameters ("The module has CPU parameters or buffers when `sync_module_states=True`, which
   requires them to be on GPU", ``_check_module_states_for_sync_module_states`` in torch's
   ``fsdp/_init_utils.py``): the check is lifted, the broadcast (on gloo) is kept.
+* ``save_checkpoint`` moves a model whose parameters are on ``"cpu"`` "back to the GPU" first
+  (``load_fsdp_model_to_gpu``, for offloaded parameters); on a CPU process that move is to where
+  the model already is, and FSDP2's ``module.to`` refuses it ("Couldn't swap FSDPEmbedding.weight"):
+  the engine module's name for it does nothing here.
 """
 
 from __future__ import annotations
@@ -155,3 +159,6 @@ def use_cpu_platform() -> None:
     from torch.distributed.fsdp import _init_utils
 
     _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    from verl.workers.engine.fsdp import transformer_impl
+
+    transformer_impl.load_fsdp_model_to_gpu = lambda module: None

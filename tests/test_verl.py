@@ -1,0 +1,164 @@
+"""verl integration (``distscaler.integrations.verl``) against stock verl 0.9.1, side by side.
+
+One spawn of 2 gloo ranks per FSDP version (tests/_verl_scenarios.py: the engine, the batch, what
+"stock" is; launch/common/verl_cpu.py: the CPU stand-ins, each with why). verl's actor engine,
+built by verl's registry, a tiny Qwen2 in fp16, verl's PPO loss, an inf in rank 1's gradient shard
+at step 1:
+
+* (a) both skip on both ranks, the shards unchanged by the skip; stock's ``optimizer_step`` runs 2
+  (FSDP1) or 3 (FSDP2) collectives, ours 1; the same norms as stock up to the skip;
+* (b) fused AdamW: stock crashes at the first step (torch issue 140514), ours runs and skips;
+* (c) the LR scheduler: stock advances on the skipped step, ours holds it; ``lr_on_skip="step"``
+  gives stock's schedule;
+* (d) checkpoint after step 2 and resume: ours resumes with the scale and parameters of the
+  uninterrupted run; stock restarts its scale from 65536;
+* the ``distscaler/*`` metrics, the overflow report after the skip.
+
+The verl tests need verl 0.9.1, which pins transformers < 5.11: CI installs it in a venv of its
+own (``.ci/run``'s verl stage, ``pip install -e ".[verl]"``); elsewhere they skip, except under
+``DISTSCALER_VERL_STAGE=1``, where a missing verl fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from _harness import spawn
+
+TESTED = "0.9.1"
+try:
+    import verl
+
+    FOUND: str | None = verl.__version__
+except ImportError:
+    FOUND = None
+
+needs_verl = pytest.mark.skipif(
+    FOUND != TESTED,
+    reason=f"verl {TESTED} (found {FOUND}): `pip install -e '.[verl]'` in a venv of its own "
+    "(docs/integrations/verl.md)",
+)
+
+TWO_RANKS = pytest.mark.xdist_group("verl2")
+STRATEGIES = ["fsdp", "fsdp2"]
+#: Collectives in stock verl's ``optimizer_step`` (``unscale_``'s flag, FSDP's norm; FSDP2's norm
+#: is two functional all_reduces: ``fsdp2_clip_grad_norm_`` over DTensors, then its total).
+STOCK_COLLECTIVES = {"fsdp": 2, "fsdp2": 3}
+
+
+@pytest.mark.skipif(not os.environ.get("DISTSCALER_VERL_STAGE"), reason="CI's verl stage only")
+def test_the_verl_stage_has_the_tested_verl():
+    assert FOUND == TESTED, f"CI's verl stage installs verl {TESTED}, found {FOUND}"
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def runs(request, tmp_path_factory):
+    import _verl_scenarios as S
+
+    tmp = tmp_path_factory.mktemp(f"verl-{request.param}")
+    scenarios = S.fsdp1 if request.param == "fsdp" else S.fsdp2
+    return request.param, spawn(scenarios, 2, tmp)
+
+
+@needs_verl
+@TWO_RANKS
+def test_the_registry_builds_ours_once_imported_and_stock_otherwise(runs):
+    _, results = runs
+    for r in results:
+        assert r["stock_engine"] == "verl.workers.engine.fsdp.transformer_impl"
+        assert r["ours_engine"] == "distscaler.integrations.verl"
+
+
+@needs_verl
+@TWO_RANKS
+def test_an_inf_on_one_rank_skips_on_both_in_one_collective(runs):
+    strategy, results = runs
+    for r in results:
+        for name in ("stock", "ours"):
+            steps = r[name]
+            assert math.isinf(steps[1]["grad_norm"]), name  # the injected inf was seen
+            assert not steps[1]["changed"], name  # skipped: the shard is untouched
+            assert all(s["changed"] for s in steps[2:]), name
+            assert [s["scale"] for s in steps] == [65536.0] + [32768.0] * 4, name
+        # The same step as stock up to the skip (the LR schedules part after it, see below).
+        for ours, stock in zip(r["ours"][:3], r["stock"][:3]):
+            assert ours["grad_norm"] == pytest.approx(stock["grad_norm"], rel=1e-5, abs=0)
+        assert {s["collectives"] for s in r["stock"]} == {STOCK_COLLECTIVES[strategy]}
+        assert {s["collectives"] for s in r["ours"]} == {1}
+        assert {kind for s in r["ours"] for kind in s["kinds"]} == {"c10d.allreduce_"}
+        # Host reads in optimizer_step, the optimizer's own left out, after the first step: the
+        # norm verl returns, and the flag (read on the host on a CPU, where it costs no sync).
+        assert all(s["host_reads"] == 2 for s in r["ours"][1:])
+        assert all(s["host_reads"] >= 3 for s in r["stock"])
+    # Every rank reports the same norms, scales, skips, LR and counts.
+    assert results[0]["ours"] == results[1]["ours"]
+    assert results[0]["stock"] == results[1]["stock"]
+
+
+@needs_verl
+@TWO_RANKS
+def test_metrics_carry_the_scale_the_skip_and_the_overflow_report(runs):
+    _, results = runs
+    for r in results:
+        metrics = [s["metrics"] for s in r["ours"]]
+        assert [m["distscaler/skipped"] for m in metrics] == [0.0, 1.0, 0.0, 0.0, 0.0]
+        assert [m["distscaler/scale"] for m in metrics] == [s["scale"] for s in r["ours"]]
+        # The report of the skipped step: the 2nd update, one tensor (one element of rank 1's).
+        assert metrics[1]["distscaler/overflow_step"] == 2.0
+        assert metrics[1]["distscaler/overflow_tensors"] == 1.0
+        assert all("distscaler/overflow_step" not in m for m in metrics[2:])
+        assert all(s["metrics"] == {} for s in r["stock"])
+
+
+@needs_verl
+@TWO_RANKS
+def test_fused_adamw_crashes_stock_and_runs_with_ours(runs):
+    _, results = runs
+    for r in results:
+        assert r["stock_fused_error"] == (
+            "RuntimeError: output with shape [] doesn't match the broadcast shape [1]"
+        )
+        assert r["ours_fused_is_fused"]
+        steps = r["ours_fused"]
+        assert math.isinf(steps[1]["grad_norm"]) and not steps[1]["changed"]
+        assert steps[2]["changed"] and [s["scale"] for s in steps] == [65536.0, 32768.0, 32768.0]
+        assert {s["collectives"] for s in steps} == {1}
+        # The same norms as the foreach run: the fused step gets grad_scale, not rewritten grads.
+        for fused, foreach in zip(steps, r["ours"]):
+            assert fused["grad_norm"] == pytest.approx(foreach["grad_norm"], rel=1e-5)
+
+
+@needs_verl
+@TWO_RANKS
+def test_the_lr_scheduler_is_held_on_a_skipped_step(runs):
+    _, results = runs
+    for r in results:
+        stock = [s["lr"] for s in r["stock"]]
+        ours = [s["lr"] for s in r["ours"]]
+        step_option = [s["lr"] for s in r["ours_lr_step"]]
+        # Warmup: the LR grows at every scheduler step that stock takes.
+        assert stock == sorted(set(stock)) and len(stock) == 5
+        assert ours == [stock[0], stock[0], stock[1], stock[2], stock[3]]  # held at the skip
+        assert step_option == stock[:3]  # lr_on_skip="step": verl's stock schedule
+
+
+@needs_verl
+@TWO_RANKS
+def test_resume_keeps_the_scale_and_matches_the_uninterrupted_run(runs):
+    _, results = runs
+    for r in results:
+        assert r["ours_resumed_scale"] == 32768.0
+        # Norms, scales, LR, metrics, collectives (host reads aside: a fresh scaler's first step
+        # reads once more).
+        assert _without_reads(r["ours_resumed"]) == _without_reads(r["ours"][3:])
+        assert r["ours_resumed_final"] == r["ours_final"]  # the shards, bit for bit
+        # Stock: the scale is not in verl's checkpoint, the resumed run starts from 65536.
+        assert r["stock_resumed_scale"] == 65536.0
+        assert [s["scale"] for s in r["stock_resumed"]] == [65536.0, 65536.0]
+        assert [s["scale"] for s in r["stock"][3:]] == [32768.0, 32768.0]
+
+
+def _without_reads(steps):
+    return [{k: v for k, v in s.items() if k != "host_reads"} for s in steps]
