@@ -2,7 +2,7 @@
 
 Nothing here asserts: every rank runs the same collectives whatever it sees.
 
-The engine is verl's own (``EngineRegistry.new(model_type="language_model", backend=...)``) on a
+The engine is verl's own (launch/verl_job.py: ``EngineRegistry.new(model_type="language_model"...)``) on a
 tiny Qwen2 (2 layers, hidden 64, vocab 256, saved locally, sdpa attention, padded batches), fp16
 (``mixed_precision.param_dtype: fp16``), verl's PPO loss on a synthetic batch with GRPO-style
 advantages, 2 CPU ranks. "stock" is what verl's registry builds without distscaler, its
@@ -21,155 +21,50 @@ import hashlib
 import math
 import os
 import tempfile
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from verl_job import (
+    PROMPT,
+    RESPONSE,
+    VOCAB,
+    build_engine,
+    grpo_advantages,
+    ppo_loss,
+    rl_batch,
+    shared_model_dir,
+)
 
 from common.probes import CollectiveLog, HostReadSpy
-from common.verl_cpu import use_cpu_platform
+from common.verl_cpu import rebuild_stock_scaler_for_cpu, use_cpu_platform
 
-VOCAB, BATCH, SEQ, RESPONSE = 256, 4, 16, 8
+BATCH = 4
 LR = 1e-3
 #: A warmup long enough that the LR changes at every scheduler step of a scenario.
 WARMUP = 8
 INF_RANK = 1
 
 
-def save_tiny_qwen2(path: str) -> str:
-    """A 2-layer Qwen2 (hidden 64, vocab 256), saved with ``save_pretrained`` into ``path``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
-def shared_model_dir() -> str:
-    """Rank 0 saves the tiny model in a fresh directory; every rank gets its path."""
-    box = [save_tiny_qwen2(tempfile.mkdtemp(prefix="verl-qwen2-")) if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def build_engine(
-    model_path: str,
-    strategy: str,
-    *,
-    ours: bool,
-    fused: bool = False,
-    checkpoint_dir: str | None = None,
-) -> Any:
-    """verl's actor engine as its registry builds it, initialized, in train mode's placement."""
-    import distscaler.integrations.verl as ds_verl
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine import EngineRegistry
-
-    if ours:
-        ds_verl.install()
-    else:
-        ds_verl.uninstall()
-    model_config = HFModelConfig(
-        path=model_path,
-        load_tokenizer=False,
-        use_remove_padding=False,
-        override_config={"attn_implementation": "sdpa"},  # no flash-attn on a CPU
-    )
-    engine_config = FSDPEngineConfig(
-        forward_only=False,
-        strategy=strategy,
-        mixed_precision={"param_dtype": "fp16"},
-        use_torch_compile=False,
-        micro_batch_size_per_gpu=2,
-        use_dynamic_bsz=False,
-    )
-    optimizer_config = FSDPOptimizerConfig(
-        lr=LR,
-        lr_warmup_steps=WARMUP,
-        clip_grad=1.0,
-        override_optimizer_config={"fused": True} if fused else None,
-    )
-    engine = EngineRegistry.new(
-        model_type="language_model",
-        backend=strategy,
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=CheckpointConfig(),
-    )
-    engine.initialize()
+def build(model: str, strategy: str, *, ours: bool, fused: bool = False) -> Any:
+    """verl's actor engine, fp16; stock: its scaler rebuilt for the CPU (module doc)."""
+    engine = build_engine(model, strategy, ours=ours, fused=fused, lr=LR, warmup=WARMUP)
     if not ours:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        # verl's own settings, on the device the engine runs on (see the module doc).
-        engine.scaler = ShardedGradScaler("cpu", growth_interval=400)
+        rebuild_stock_scaler_for_cpu(engine)
     return engine
 
 
 def batch(step: int, rank: int) -> Any:
-    """A synthetic RL batch in verl's format: prompts + responses, old/ref log-probs, and GRPO-style
-    advantages (rewards normalized within groups of responses to the same prompt)."""
-    from verl import DataProto
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.model import compute_position_id_with_mask
-
+    """A synthetic RL batch: random prompts and responses (right-padded), random rewards turned
+    into GRPO advantages, old log-probs near uniform's."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
-    lengths = torch.randint(SEQ - RESPONSE + 2, SEQ + 1, (BATCH,), generator=g)
-    attention_mask[torch.arange(SEQ) >= lengths[:, None]] = 0  # right padding of the responses
-    rewards = torch.rand(BATCH, generator=g).view(-1, 2)  # 2 responses per prompt
-    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6))
-    response_mask = attention_mask[:, SEQ - RESPONSE :]
-    data = DataProto.from_single_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": compute_position_id_with_mask(attention_mask),
-            "prompts": input_ids[:, : SEQ - RESPONSE],
-            "responses": input_ids[:, SEQ - RESPONSE :],
-            "response_mask": response_mask,
-            "old_log_probs": -5.0 - torch.rand(BATCH, RESPONSE, generator=g),
-            "ref_log_prob": -5.0 - torch.rand(BATCH, RESPONSE, generator=g),
-            "advantages": advantages.reshape(-1, 1).expand(BATCH, RESPONSE) * response_mask,
-        },
-        meta_info={"temperature": 1.0},
-    )
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    td = left_right_2_no_padding(data.to_tensordict())
-    tu.assign_non_tensor(
-        td,
-        global_batch_size=BATCH * dist.get_world_size(),
-        use_remove_padding=False,
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        max_token_len_per_gpu=1024,
-        use_fused_kernels=False,
-    )
-    return td
-
-
-def ppo_loss() -> Any:
-    from verl.workers.config import ActorConfig
-    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
-
-    config = ActorConfig(
-        strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=BATCH
-    )
-    return partial(verl_ppo_loss, config=config)
+    prompts = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
+    responses = torch.randint(0, VOCAB, (BATCH, RESPONSE), generator=g)
+    lengths = torch.randint(2, RESPONSE + 1, (BATCH,), generator=g)
+    mask = (torch.arange(RESPONSE) < lengths[:, None]).long()
+    advantages = grpo_advantages(torch.rand(BATCH, generator=g))
+    old_log_probs = -5.0 - torch.rand(BATCH, RESPONSE, generator=g)
+    return rl_batch(prompts, responses, mask, advantages, old_log_probs)
 
 
 def local_shards(engine: Any) -> list[torch.Tensor]:
@@ -205,7 +100,7 @@ def train(engine: Any, steps: range, *, inf_steps: tuple[int, ...] = ()) -> list
     """verl's worker step (``train_batch``, then ``lr_scheduler_step``), per step: what it
     reported, the scale after, whether the shards changed, the scaler phase's counts."""
     rank = dist.get_rank()
-    loss = ppo_loss()
+    loss = ppo_loss(BATCH)
     original = engine.optimizer_step
     counts: dict[str, int] = {}
 
@@ -270,7 +165,7 @@ def everything(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
 
     # (a) an inf on rank 1 at step 1; (d) a checkpoint after step 2, then 2 more steps.
     for name, ours in (("stock", False), ("ours", True)):
-        engine = build_engine(model, strategy, ours=ours)
+        engine = build(model, strategy, ours=ours)
         out[f"{name}_engine"] = type(engine).__module__
         path = os.path.join(ckpt_root[0], name)
         first = train(engine, range(3), inf_steps=(1,))
@@ -279,7 +174,7 @@ def everything(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
         out[name] = first + rest
         out[f"{name}_final"] = digest(local_shards(engine))
         _release(engine)
-        resumed = build_engine(model, strategy, ours=ours)
+        resumed = build(model, strategy, ours=ours)
         resumed.load_checkpoint(path)
         out[f"{name}_resumed_scale"] = scale_of(resumed)
         out[f"{name}_resumed"] = train(resumed, range(3, 5))
@@ -287,14 +182,14 @@ def everything(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
         _release(resumed)
 
     # (b) fused AdamW: stock crashes at the first step (torch issue 140514), ours runs.
-    engine = build_engine(model, strategy, ours=False, fused=True)
+    engine = build(model, strategy, ours=False, fused=True)
     try:
         train(engine, range(1))
         out["stock_fused_error"] = None
     except Exception as e:  # noqa: BLE001 - what the stock path raises is the result
         out["stock_fused_error"] = f"{type(e).__name__}: {e}"
     _release(engine)
-    engine = build_engine(model, strategy, ours=True, fused=True)
+    engine = build(model, strategy, ours=True, fused=True)
     out["ours_fused_is_fused"] = bool(engine.optimizer.defaults.get("fused"))
     out["ours_fused"] = train(engine, range(3), inf_steps=(1,))
     _release(engine)
@@ -302,7 +197,7 @@ def everything(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
     # lr_on_skip="step": verl's stock schedule, kept on request.
     ds_verl.configure(lr_on_skip="step")
     try:
-        engine = build_engine(model, strategy, ours=True)
+        engine = build(model, strategy, ours=True)
         out["ours_lr_step"] = train(engine, range(3), inf_steps=(1,))
         _release(engine)
     finally:

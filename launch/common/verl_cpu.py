@@ -25,6 +25,7 @@ integration is about, so each gets a stand-in here, in the test and launch code 
   (``load_fsdp_model_to_gpu``, for offloaded parameters); on a CPU process that move is to where
   the model already is, and FSDP2's ``module.to`` refuses it ("Couldn't swap FSDPEmbedding.weight"):
   the engine module's name for it does nothing here.
+* :func:`rebuild_stock_scaler_for_cpu`: the stock engine's scaler, for comparisons (its doc).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlatformCPU", "use_cpu_platform"]
+__all__ = ["PlatformCPU", "rebuild_stock_scaler_for_cpu", "use_cpu_platform"]
 
 
 class _CpuDeviceModule(ModuleType):
@@ -153,7 +154,9 @@ def use_cpu_platform() -> None:
     from verl.plugin.platform import platform_manager
 
     if PlatformCPU is None:
-        PlatformCPU = platform_manager.PlatformRegistry.register(platform="cpu")(_make_platform_cls())
+        PlatformCPU = platform_manager.PlatformRegistry.register(platform="cpu")(
+            _make_platform_cls()
+        )
     platform_manager.set_platform(PlatformCPU())
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     from torch.distributed.fsdp import _init_utils
@@ -162,3 +165,14 @@ def use_cpu_platform() -> None:
     from verl.workers.engine.fsdp import transformer_impl
 
     transformer_impl.load_fsdp_model_to_gpu = lambda module: None
+
+
+def rebuild_stock_scaler_for_cpu(engine: Any) -> None:
+    """verl builds ``ShardedGradScaler(growth_interval=400)`` for torch's default device
+    ``"cuda"``, which torch disables on a CPU process (with a warning: fp16 with no loss scale and
+    no inf check). Rebuilt with the same settings for ``"cpu"``, it runs what it runs on a GPU: the
+    stock side of a side-by-side comparison. Only for verl's stock engine in fp16."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if isinstance(engine.scaler, ShardedGradScaler):
+        engine.scaler = ShardedGradScaler("cpu", growth_interval=400)
