@@ -25,6 +25,7 @@ import math
 import os
 
 import pytest
+from _common import torchrun_summary
 from _harness import spawn
 
 TESTED = "0.9.1"
@@ -162,3 +163,20 @@ def test_resume_keeps_the_scale_and_matches_the_uninterrupted_run(runs):
 
 def _without_reads(steps):
     return [{k: v for k, v in s.items() if k != "host_reads"} for s in steps]
+
+
+@needs_verl
+@pytest.mark.slow
+@pytest.mark.xdist_group("verl-job")
+def test_train_verl_grpo_job_with_an_inf_on_one_rank(tmp_path):
+    args = ("--steps", "8", "--inject-inf", "3")
+    ours = torchrun_summary("train_verl.py", *args, out=tmp_path / "ours")
+    stock = torchrun_summary("train_verl.py", *args, "--stock", out=tmp_path / "stock")
+    assert ours["engine"] == "distscaler.integrations.verl.FSDPEngineWithLMHead"
+    assert stock["engine"] == "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+    for summary in (ours, stock):
+        assert summary["ranks_agree"] and summary["skipped_steps"] == [3]
+        assert summary["scales"] == [65536.0] * 2 + [32768.0] * 6
+        assert all(math.isfinite(n) for i, n in enumerate(summary["grad_norms"]) if i != 2)
+    # Up to the skip the two runs are the same run.
+    assert ours["mean_reward"][:3] == stock["mean_reward"][:3]

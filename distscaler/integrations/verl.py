@@ -361,9 +361,16 @@ def _replacements() -> dict[type, type]:
             (mcore_impl.MegatronEngineWithValueHead, DistScalerMegatronEngine),
         ]
     for stock, mixin in pairs:
-        ours = type(stock.__name__, (mixin, stock), {"__module__": __name__, "__doc__": (
-            f"verl's ``{stock.__name__}`` with distscaler's scaler in fp16 (module docstring)."
-        )})
+        ours = type(
+            stock.__name__,
+            (mixin, stock),
+            {
+                "__module__": __name__,
+                "__doc__": (
+                    f"verl's ``{stock.__name__}`` with distscaler's scaler in fp16 (module docstring)."
+                ),
+            },
+        )
         _REPLACEMENTS[stock] = ours
     return _REPLACEMENTS
 

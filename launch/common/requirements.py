@@ -29,6 +29,7 @@ EXTRAS["accelerate"] = {**EXTRAS["train"], "accelerate": "accelerate"}
 EXTRAS["transformers"] = {**EXTRAS["accelerate"], "transformers": "transformers"}
 EXTRAS["torchtitan"] = {**EXTRAS["train"], "torchtitan": "torchtitan"}
 EXTRAS["megatron"] = {**EXTRAS["train"], "megatron.core": "megatron-core"}
+EXTRAS["verl"] = {**EXTRAS["train"], "verl": "verl", "transformers": "transformers"}
 
 
 def missing(extra: str) -> list[str]:
