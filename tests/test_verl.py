@@ -180,3 +180,75 @@ def test_train_verl_grpo_job_with_an_inf_on_one_rank(tmp_path):
         assert all(math.isfinite(n) for i, n in enumerate(summary["grad_norms"]) if i != 2)
     # Up to the skip the two runs are the same run.
     assert ours["mean_reward"][:3] == stock["mean_reward"][:3]
+
+
+# ----------------------------------------------------------------------------- in this process
+
+
+@pytest.fixture
+def ds_verl(monkeypatch):
+    import distscaler.integrations.verl as module
+
+    monkeypatch.setattr(module, "_options", None)
+    monkeypatch.delenv("DISTSCALER_VERL_SCALER", raising=False)
+    monkeypatch.delenv("DISTSCALER_VERL_LR_ON_SKIP", raising=False)
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")  # verl registers its FSDP engines for cuda/npu
+    yield module
+    module.install()
+
+
+@needs_verl
+def test_install_and_uninstall_swap_every_fsdp_entry_of_the_registry(ds_verl):
+    from verl.workers.engine import fsdp as stock
+    from verl.workers.engine.base import EngineRegistry
+
+    assert ds_verl.install() == 0  # the import installed it already: idempotent
+    for model_type, backend in [
+        ("language_model", "fsdp"),
+        ("language_model", "fsdp2"),
+        ("value_model", "fsdp"),
+        ("value_model", "fsdp2"),
+    ]:
+        assert ds_verl.installed(model_type, backend)
+        cls = EngineRegistry.get_engine_cls(model_type, backend)
+        assert issubclass(cls, ds_verl.DistScalerFSDPEngine) and cls.__module__ == ds_verl.__name__
+    ours = EngineRegistry.get_engine_cls("value_model", "fsdp2")
+    assert issubclass(ours, stock.transformer_impl.FSDPEngineWithValueHead)
+    restored = ds_verl.uninstall()
+    assert restored >= 8  # 2 model types x 2 backends x (cuda, npu)
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is stock.FSDPEngineWithLMHead
+    assert not ds_verl.installed("language_model", "fsdp2")
+    # The turbo engine is verl's in both states: it builds no scaler (docs: not covered).
+    assert ds_verl.install() == restored
+
+
+@needs_verl
+def test_configure_validates_before_it_changes_anything(ds_verl):
+    with pytest.raises(
+        ValueError, match=r"lr_on_skip must be one of \('hold', 'step'\), got: 'skip'"
+    ):
+        ds_verl.configure(lr_on_skip="skip")
+    with pytest.raises(TypeError, match="scaler must be None, a distscaler.GradScaler"):
+        ds_verl.configure(scaler=42)
+    assert ds_verl._options is None  # nothing kept
+    options = ds_verl.configure(scaler={"fp16": {"enabled": True, "initial_scale_power": 12}})
+    assert options.lr_on_skip == "hold" and ds_verl.options() is options
+    assert ds_verl._new_scaler("cpu").get_scale() == 2.0**12  # DeepSpeed's semantics
+
+
+@needs_verl
+def test_the_environment_sets_the_options(ds_verl, monkeypatch, tmp_path):
+    import json
+
+    assert ds_verl.options() == ds_verl.VerlScalerOptions()
+    scaler = ds_verl._new_scaler("cpu")  # verl's own settings by default
+    assert scaler.get_scale() == 65536.0 and scaler.get_growth_interval() == 400
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 10}}))
+    monkeypatch.setenv("DISTSCALER_VERL_SCALER", str(config))
+    monkeypatch.setenv("DISTSCALER_VERL_LR_ON_SKIP", "step")
+    assert ds_verl.options().lr_on_skip == "step"
+    assert ds_verl._new_scaler("cpu").get_scale() == 2.0**10
+    monkeypatch.setenv("DISTSCALER_VERL_LR_ON_SKIP", "never")
+    with pytest.raises(ValueError, match="DISTSCALER_VERL_LR_ON_SKIP must be one of"):
+        ds_verl.options()
