@@ -345,21 +345,17 @@ _REPLACEMENTS: dict[type, type] = {}
 def _replacements() -> dict[type, type]:
     if _REPLACEMENTS:
         return _REPLACEMENTS
-    from verl.workers.engine.fsdp import transformer_impl as fsdp_impl
+    from verl.workers import engine as engines
 
     pairs: list[tuple[type, type]] = [
-        (fsdp_impl.FSDPEngineWithLMHead, DistScalerFSDPEngine),
-        (fsdp_impl.FSDPEngineWithValueHead, DistScalerFSDPEngine),
+        (engines.FSDPEngineWithLMHead, DistScalerFSDPEngine),
+        (engines.fsdp.transformer_impl.FSDPEngineWithValueHead, DistScalerFSDPEngine),
     ]
-    try:
-        from verl.workers.engine.megatron import transformer_impl as mcore_impl
-    except ImportError:  # no megatron-core: verl has no Megatron engine either
-        pass
-    else:
-        pairs += [
-            (mcore_impl.MegatronEngineWithLMHead, DistScalerMegatronEngine),
-            (mcore_impl.MegatronEngineWithValueHead, DistScalerMegatronEngine),
-        ]
+    # verl's Megatron engines exist when megatron-core imports (verl warns otherwise).
+    for name in ("MegatronEngineWithLMHead", "MegatronEngineWithValueHead"):
+        stock = getattr(engines, name, None)
+        if stock is not None:
+            pairs.append((stock, DistScalerMegatronEngine))
     for stock, mixin in pairs:
         ours = type(
             stock.__name__,
