@@ -17,9 +17,10 @@ are coded only on a skipped step. On CUDA (and while ``make_fx`` or ``torch.comp
 step) the verdict reads nothing: a fused step there never syncs.
 
 Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
-``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` that also
-makes the update's lanes (the skip record's next counts, a packed policy's operands:
-:meth:`DeviceState.epilogue <distscaler.state.DeviceState.epilogue>`):
+``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` (in place,
+into the stacked buffer, in a GPU's clip) that also makes the update's lanes (the skip record's
+next counts, a packed policy's operands: :meth:`DeviceState.epilogue
+<distscaler.state.DeviceState.epilogue>`):
 
 ============================  ==================================================================
 :meth:`~VerdictGroup.check`   CPU: the ``_foreach_addcdiv`` (the flag's fresh zero), torch's
@@ -35,8 +36,12 @@ makes the update's lanes (the skip record's next counts, a packed policy's opera
                               ``_foreach_addcdiv`` for the norm, the ``scale / max_norm``-scaled
                               norm and the overflow flag; CPU (fused): the flag's host read and
                               ``fmax`` for ``grad_scale`` (``nan_to_num`` for the codes instead on
-                              a skip): 6. GPU: ``nan_to_num`` for the exact flag, ``fmax`` and
-                              ``nan_to_num`` for the codes: 7 (6 without an overflow report).
+                              a skip): 6. GPU: the ``stack`` also makes the slots of the global
+                              norm (written by ``linalg_vector_norm``'s ``out=``) and of the
+                              epilogue, one ``nan_to_num`` codes the per-tensor norms and the
+                              global norm together, the ``_foreach_addcdiv_`` writes into the
+                              slots, one ``clamp`` gives the exact flag and ``grad_scale``: 6,
+                              with or without an overflow report (:meth:`~VerdictGroup.clip`).
 ============================  ==================================================================
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
@@ -65,6 +70,7 @@ from .grad_kernels import (
     _local_verdict,
     _p_norm,
     _scaled_two_norm,
+    _stacked_two_norm,
     all_reduce_verdict,
     check_and_unscale_,
     local_verdict,
@@ -417,6 +423,9 @@ class VerdictGroup:
         group, world_size = self.resolve()
         device = state.device
         scale = state.scale
+        on_host = fused and skip_nonfinite and host_read.host_read_is_free(device)
+        if norm_type == 2.0 and skip_nonfinite and not on_host:  # the flag stays on the device
+            return self._clip_on_device(groups, params, state, max_norm, fused=fused, codes=codes)
         if norm_type == 2.0:
             total, per_tensor = _scaled_two_norm(groups, device, world_size, group, state.verdict)
             a, b, c = state.epilogue()
@@ -429,13 +438,11 @@ class VerdictGroup:
                 [scale, state.max_norm(max_norm), state.inf, *c],
             )
             ends: Epilogue | None = state.name_ends(lanes)
-            if (
-                fused and skip_nonfinite and host_read.host_read_is_free(device)
-            ):  # others read it anyway
+            if on_host:  # others read it anyway
                 return _clip_on_host(
                     groups, params, per_tensor, state, (norm, q, flag), ends, fused, codes
                 )
-            found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
+            found = state.zero  # a static scale told to step through inf/NaN
         else:
             local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
             if world_size > 1:
@@ -449,6 +456,60 @@ class VerdictGroup:
         if not fused:
             _div_groups_(groups, grad_scale)
         return ClipVerdict(norm, found, grad_scale, ends, _coded(params, per_tensor, codes))
+
+    def _clip_on_device(
+        self,
+        groups: GradGroups,
+        params: tuple[torch.Tensor, ...],
+        state: DeviceState,
+        max_norm: float,
+        *,
+        fused: bool,
+        codes: bool,
+    ) -> ClipVerdict:
+        """:meth:`clip` with the 2-norm where the verdict does not read the flag on the host (a
+        fused step on a GPU; any step that is not fused), and inf/NaN skip the step: everything
+        after the global norm in three device ops.
+
+        The per-tensor norms are stacked into one buffer with the global norm's slot and the lanes
+        the epilogue writes in place (:func:`~distscaler.grad_kernels._stacked_two_norm`):
+
+        ``[per-tensor norms (num_grads) | T | -c, q | 0, scale | 1, inf | norm | epilogue]``
+
+        where ``T`` is the global norm of the scaled gradients. Then one ``nan_to_num`` codes the
+        per-tensor norms and ``T`` together (``c``: ``T`` when finite, else negative), one
+        ``_foreach_addcdiv_`` writes ``-c``, ``q = c / max_norm``, ``norm = T / scale`` and the
+        update's lanes into their slots, and one ``clamp`` of ``(-c, q)`` between ``(0, scale)``
+        and ``(1, inf)`` gives the flag (exactly 0.0 when ``T`` is finite, 1.0 when it is not) and
+        ``grad_scale = max(q, scale)``: the values ``fmax(T / max_norm, scale)`` gives, bit for bit
+        (both ``scale`` on an overflow).
+        """
+        group, world_size = self.resolve()
+        zero, one, scale = state.zero, state.one, state.scale
+        a, b, c = state.epilogue()
+        tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
+        total, per_tensor, buffer = _stacked_two_norm(
+            groups, state.device, world_size, group, state.verdict, tail
+        )
+        assert buffer is not None
+        num_grads = 0 if per_tensor is None else per_tensor.numel()
+        coded = tensor_codes(buffer[: num_grads + 1])  # the codes, then T's
+        lanes = buffer[num_grads + 1 :]  # the tail's slots: (-c, q | 0, scale | 1, inf | norm | a)
+        coded_total = coded[num_grads]
+        # -c = 0 - c / 1 (+0.0, never -0.0, when T is 0), q, norm and the update's lanes, in place.
+        torch._foreach_addcdiv_(
+            [lanes[0], lanes[1], *lanes[6:]],
+            [coded_total, coded_total, total, *b],
+            [state.minus_one, state.max_norm(max_norm), scale, *c],
+        )
+        found, grad_scale = torch.clamp(lanes[0:2], min=lanes[2:4], max=lanes[4:6]).unbind()
+        if not fused:
+            _div_groups_(groups, grad_scale)
+        ends = state.name_ends(list(lanes[7:].unbind()))
+        taken = None
+        if codes and per_tensor is not None:
+            taken = TensorCodes(params, coded[:num_grads])
+        return ClipVerdict(lanes[6], found, grad_scale, ends, taken)
 
     def clip_unscaled(
         self,
