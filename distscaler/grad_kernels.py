@@ -11,6 +11,7 @@ gradient never looks like an overflow), torch's check-and-unscale kernel (the on
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,27 @@ def _scaled_two_norm(
     (one ``addmv_``), one ``all_reduce`` of ``verdict``, and one ``sqrt``. A rank without gradients
     joins with zeros.
     """
+    total, per_tensor, _ = _stacked_two_norm(groups, device, world_size, group, verdict, ())
+    return total, per_tensor
+
+
+def _stacked_two_norm(
+    groups: GradGroups,
+    device: torch.device,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    verdict: torch.Tensor,
+    tail: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_scaled_two_norm`, with the same ops, and with ``tail`` (0-dim float32 tensors on
+    ``device``) the buffer the per-tensor norms were stacked into (else None).
+
+    The one ``stack`` also copies a slot for the global norm and ``tail`` after the per-tensor
+    norms, and the norm is written into its slot (the ``out=`` of ``linalg_vector_norm`` or
+    ``sqrt``): the buffer is float32 ``(num_grads + 1 + len(tail),)``, ``[per-tensor norms |
+    global norm | tail]``, so that later ops treat the norms and the global norm, or lanes of the
+    tail, as one tensor.
+    """
     norms: list[torch.Tensor] = []  # per-tensor 2-norms
     weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
     for key, grads in groups.items():
@@ -104,11 +126,23 @@ def _scaled_two_norm(
             part = [n.to(device, torch.float32, non_blocking=True) for n in part]
         weights.append((len(norms), len(norms) + len(part), key.weight))
         norms += part
-    per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
+    num_grads = len(norms)
+    buffer = None
+    total = None
+    if tail:
+        buffer = torch.stack([*norms, tail[0], *tail])  # the norm's slot: a copy of tail[0]
+        per_tensor = buffer[:num_grads] if norms else None
+        total = buffer[num_grads]
+    else:
+        per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
     if world_size == 1:
         if per_tensor is None:
-            return torch.zeros((), dtype=torch.float32, device=device), None
-        return torch.linalg.vector_norm(per_tensor), per_tensor
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            return (zero if total is None else total.zero_()), None, buffer
+        if total is None:
+            return torch.linalg.vector_norm(per_tensor), per_tensor, None
+        torch.linalg.vector_norm(per_tensor, out=total)
+        return total, per_tensor, buffer
     out = verdict[1:2]
     if per_tensor is not None:
         stacked, weight = per_tensor, weights[0][2]
@@ -119,7 +153,10 @@ def _scaled_two_norm(
     else:
         out.zero_()
     dist.all_reduce(verdict, op=dist.ReduceOp.SUM, group=group)
-    return verdict[1].sqrt(), per_tensor
+    if total is None:
+        return verdict[1].sqrt(), per_tensor, None
+    torch.sqrt(verdict[1], out=total)
+    return total, per_tensor, buffer
 
 
 def local_verdict(groups: GradGroups, *, inv_scale: torch.Tensor, norm_type: float) -> torch.Tensor:

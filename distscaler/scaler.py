@@ -1,10 +1,15 @@
 """``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares.
 
-The torch-compatible face: constructor, per-optimizer call-order state, the verdict's entry points;
-the settings' getters and setters come from :class:`~distscaler.config.ScalerSettings`, DeepSpeed's
-loss-scaler attributes from :mod:`~distscaler.deepspeed_api`. The work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`,
-:mod:`~distscaler.verdict`, :mod:`~distscaler.fused`, :mod:`~distscaler.policies`,
-:mod:`~distscaler.persistence` and :mod:`~distscaler.telemetry`.
+The torch-compatible face: constructor, per-optimizer call-order state and the step path's phases
+(``unscale_``, ``clip_grad_norm_``, ``step``, ``update``). Its mixins: the host's reads and the
+checkpoints (``get_scale``, ``step_was_skipped``, ``state_dict``, pickling) from
+:mod:`distscaler._state_api`, ``register_model``/``register_params`` from
+:mod:`distscaler._layouts_api`, the settings' getters and setters from
+:class:`~distscaler.config.ScalerSettings`, DeepSpeed's loss-scaler attributes from
+:mod:`~distscaler.deepspeed_api`, the overflow report from :mod:`~distscaler.attribution_api`. The
+work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`, :mod:`~distscaler.verdict`,
+:mod:`~distscaler.fused`, :mod:`~distscaler.policies`, :mod:`~distscaler.persistence` and
+:mod:`~distscaler.telemetry`.
 
 Each phase is one straight path: the face checks the call order and decides what runs (the
 optimizer's step contract, :mod:`~distscaler.contract`), the verdict computes
@@ -16,7 +21,6 @@ deprecated ``grad_scaler=`` optimizers, whose contract is to drive the scaler.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +30,8 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
+from ._layouts_api import LayoutRegistrationAPI, check_grad_layout
+from ._state_api import ScalerStateAPI
 from .attribution import Coded, OverflowTracker
 from .attribution_api import OverflowReportingAPI
 from .config import ScalerConfig, ScalerSettings
@@ -33,18 +39,23 @@ from .contract import StepContract, step_contract, uses_fused_scaling
 from .deepspeed_api import DeepSpeedScalerAPI
 from .errors import CallOrderError
 from .fused import fused_step
-from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
-from .persistence import export_state, parse_state
+from .layouts import GradLayout, LayoutResolver
 from .policies import PolicyName, get_policy
 from .state import DeviceState, Epilogue, HostValues, ScalerState
 from .step_record import StepRecord, torch_states
-from .telemetry import SkipTotals
 from .verdict import VerdictGroup
 
 __all__ = ["GradScaler", "OptState"]
 
 
-class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch.amp.GradScaler):
+class GradScaler(
+    ScalerSettings,
+    ScalerStateAPI,
+    LayoutRegistrationAPI,
+    DeepSpeedScalerAPI,
+    OverflowReportingAPI,
+    torch.amp.GradScaler,
+):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
@@ -116,7 +127,7 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
-        _check_grad_layout(grad_layout)
+        check_grad_layout(grad_layout)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
@@ -430,119 +441,6 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         if self._enabled:
             self._lazy_init_scale_growth_tracker(device or self._device)
 
-    def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
-        """Read ``extra`` 0-dim tensors and the state in one host transfer; log new skips.
-
-        Between iterations (no verdict pending) the record's counts are folded into the host's.
-        """
-        _, world_size = self._verdict.resolve()
-        fold = not self._records
-        return self._state.read(*extra, fold=fold, world_size=world_size)
-
-    def register_model(
-        self, model: torch.nn.Module, *, grad_layout: GradLayout | None = None
-    ) -> GradScaler:
-        """Learn how ``model``'s gradients are laid out across the ranks, for :meth:`clip_grad_norm_`.
-
-        Call once after wrapping, on every rank (no collective, no host read), for DDP, FSDP1 and
-        plain modules such as a pipeline stage (``grad_layout`` for parameters no DDP/FSDP1 wrapper
-        covers). DTensor gradients need nothing. A later call wins (:mod:`distscaler.layouts`).
-
-        Raises:
-            TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: ``grad_layout`` is not one of the layouts.
-        """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got: {type(model).__name__}")
-        _check_grad_layout(grad_layout)
-        self._verdict.layouts.register_model(model, grad_layout)
-        self._overflows.register_model(model)
-        return self
-
-    def register_params(self, params: Sequence[torch.Tensor], *, replicas: float) -> GradScaler:
-        """Declare that each gradient of ``params`` is held identically by ``replicas`` ranks.
-
-        For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's
-        main parameters, :mod:`distscaler.integrations.megatron`): in :meth:`clip_grad_norm_`'s
-        norm each rank's ``sum |g|**2`` of them is weighted ``1 / replicas``, so that one SUM over
-        ``process_group`` counts each value once. ``replicas=math.inf`` leaves them out of the norm
-        (a copy that another rank counts, such as Megatron's tensor-parallel duplicates); the
-        overflow flag still sees every gradient. Call on every rank (no collective, no host read);
-        a later call wins.
-
-        Raises:
-            TypeError: ``params`` holds something other than tensors.
-            ValueError: ``replicas`` is not a number in ``[1, inf]``.
-        """
-        params = list(params)
-        bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
-        if bad:
-            raise TypeError(f"params must be tensors, got: {', '.join(sorted(set(bad)))}")
-        if (
-            isinstance(replicas, bool)
-            or not isinstance(replicas, (int, float))
-            or not replicas >= 1
-        ):
-            raise ValueError(f"replicas must be a number in [1, inf], got: {replicas!r}")
-        self._verdict.layouts.register_params(params, float(replicas), f"replicas={replicas}")
-        return self
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state as plain Python numbers (one host read); empty when disabled.
-
-        torch's five keys, so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus the
-        bounds, the run's counts, the policy and its counters (see :mod:`distscaler.persistence`),
-        so that a run resumed mid-hysteresis continues exactly. Safe under
-        ``torch.load(weights_only=True)``.
-        """
-        if not self._enabled:
-            return {}
-        _, values, totals = self._read()
-        return export_state(self._config, values, totals)
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        """Load a scaler state saved by this class, by another stack, and continue its trajectory.
-
-        torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
-        object or the ZeRO state holding it (:mod:`distscaler.interop`). Settings a format carries
-        replace the constructor's, as torch does; a replaced bound or hysteresis, or another
-        policy, warns (:mod:`distscaler.persistence`). Every value is checked first, all problems
-        in one error, and on error nothing changes. No-op when disabled.
-
-        Raises:
-            RuntimeError: ``state_dict`` is empty (saved from a disabled scaler; torch's wording).
-            ValueError: a key is missing or a value has the wrong type or range.
-            TypeError: ``state_dict`` is neither a mapping nor a DeepSpeed loss scaler.
-        """
-        if not self._enabled:
-            return
-        loaded = parse_state(state_dict, self._config)
-        for message in loaded.warnings:
-            warnings.warn(message, stacklevel=2)
-        self._config = loaded.config
-        self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if self._records:
-                raise CallOrderError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update()."
-                )
-            _, values, totals = self._read()
-            state.update(_state=self._state.portable(values, totals), _scale=None)
-            state["_growth_tracker"] = None
-        state["_records"] = {}
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
-        state.setdefault("_records", {})
-        self.__dict__.update(state)
-
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self._config.scaler_kwargs().items())
         return f"{type(self).__name__}(device={self._device!r}, {settings})"
@@ -574,55 +472,6 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
                 "use dataclasses.replace(config, ...) to change a config"
             )
         return cls(device, process_group=process_group, **settings, **kwargs)
-
-    # ------------------------------------------------------------------ reads
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Incurs one host read (sync)."""
-        if not self._enabled:
-            return 1.0
-        return self._read()[1].scale
-
-    def _get_growth_tracker(self) -> int:
-        return self._read()[1].growth_tracker if self._enabled else 0
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        # torch's private field, read by code that inspects torch's scaler: the tracker the device
-        # state starts from (0; the loaded one after load_state_dict; the pickled one after
-        # unpickling), as torch sets it. No host read.
-        return self._state.initial.growth_tracker
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        # Before the first scale() it is where the device state starts, as in torch.
-        self._state.initial = dataclasses.replace(self._state.initial, growth_tracker=int(value))
-
-    @property
-    def found_inf(self) -> torch.Tensor | None:
-        """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
-        else 0.0; no host read; never written again). None before one and when disabled."""
-        return self._state.last_found_inf if self._enabled else None
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the optimizer step(s) of the last iteration were skipped, the same on every rank.
-
-        One host read (the explicit sync). False before the first update and when disabled.
-        """
-        flag = self._state.last_found_inf
-        if not self._enabled or flag is None:
-            return False
-        return bool(self._read(flag)[0][0])
-
-    @property
-    def skip_totals(self) -> SkipTotals:
-        """Updates, skipped updates, the last skip's number and scale, so far (one host read).
-
-        For a step replayed from a CUDA graph it is the periodic report's read: call it outside the
-        graph, at least every 2**24 steps (the device counts are float32).
-        """
-        return self._read()[2] if self._enabled else SkipTotals()
 
     # ------------------------------------------------------------------ settings
 
@@ -656,8 +505,3 @@ class GradScaler(ScalerSettings, DeepSpeedScalerAPI, OverflowReportingAPI, torch
         state = self._device_state("update_scale")
         self._apply(state.one if overflow else state.zero, None)
         self._records.clear()
-
-
-def _check_grad_layout(grad_layout: object) -> None:
-    if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
-        raise ValueError(f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}")

@@ -17,9 +17,10 @@ are coded only on a skipped step. On CUDA (and while ``make_fx`` or ``torch.comp
 step) the verdict reads nothing: a fused step there never syncs.
 
 Device ops per verdict (world size 1, one (device, dtype) group; world size > 1 adds the one
-``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` that also
-makes the update's lanes (the skip record's next counts, a packed policy's operands:
-:meth:`DeviceState.epilogue <distscaler.state.DeviceState.epilogue>`):
+``all_reduce``, and with clipping one ``sqrt``). Each ends in one ``_foreach_addcdiv`` (in place,
+into the stacked buffer, in a GPU's clip) that also makes the update's lanes (the skip record's
+next counts, a packed policy's operands: :meth:`DeviceState.epilogue
+<distscaler.state.DeviceState.epilogue>`):
 
 ============================  ==================================================================
 :meth:`~VerdictGroup.check`   CPU: the ``_foreach_addcdiv`` (the flag's fresh zero), torch's
@@ -35,18 +36,20 @@ makes the update's lanes (the skip record's next counts, a packed policy's opera
                               ``_foreach_addcdiv`` for the norm, the ``scale / max_norm``-scaled
                               norm and the overflow flag; CPU (fused): the flag's host read and
                               ``fmax`` for ``grad_scale`` (``nan_to_num`` for the codes instead on
-                              a skip): 6. GPU: ``nan_to_num`` for the exact flag, ``fmax`` and
-                              ``nan_to_num`` for the codes: 7 (6 without an overflow report).
+                              a skip): 6. GPU: the ``stack`` also makes the slots of the global
+                              norm (written by ``linalg_vector_norm``'s ``out=``) and of the
+                              epilogue, one ``nan_to_num`` codes the per-tensor norms and the
+                              global norm together, the ``_foreach_addcdiv_`` writes into the
+                              slots, one ``clamp`` gives the exact flag and ``grad_scale``: 6,
+                              with or without an overflow report (:meth:`~VerdictGroup.clip`).
 ============================  ==================================================================
 
-The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
-to avoid dividing by zero; here the coefficient ``min(1, max_norm / norm)`` is applied as
-``grad_scale = max(scale, scaled_norm / max_norm)``, which never divides by the norm.
+The clip verdict's computation is :mod:`distscaler._clip`'s (its ``ClipVerdict`` is re-exported
+here); the 2-norm takes no 1e-6 guard (see there).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,17 +58,13 @@ import torch
 import torch.distributed as dist
 
 from . import host_read
+from ._clip import ClipVerdict, clip_unscaled, clip_verdict
 from ._torch_compat import amp_check_and_unscale_
-from .attribution import TensorCodes, tensor_codes
+from .attribution import TensorCodes
 from .grad_kernels import (
     VERDICT_NUMEL,
     _codes,
-    _div_groups_,
     _inv_scale,
-    _local_verdict,
-    _p_norm,
-    _scaled_two_norm,
-    all_reduce_verdict,
     check_and_unscale_,
     local_verdict,
 )
@@ -80,27 +79,6 @@ __all__ = [
     "check_and_unscale_",
     "local_verdict",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class ClipVerdict:
-    """What :meth:`VerdictGroup.clip` agreed on, all 0-dim float32 on the scale's device.
-
-    Attributes:
-        norm: global norm of the unscaled gradients, identical on every rank (returned to the user).
-        found_inf: exactly 1.0 if any rank saw inf/NaN (the norm is then non-finite), else 0.0.
-        grad_scale: what a fused optimizer divides the gradients by: ``scale / clip_coef``.
-        ends: the skip record's next counts, made in the epilogue (see ``DeviceState.record_``).
-        codes: this rank's tensor codes (:mod:`distscaler.attribution`), None without gradients.
-    """
-
-    norm: torch.Tensor
-    found_inf: torch.Tensor
-    grad_scale: torch.Tensor
-    ends: Epilogue | None
-    codes: TensorCodes | None
-    #: The flag was read on the host and the gradients coded only on a skip.
-    after_read: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,53 +380,24 @@ class VerdictGroup:
         skip_nonfinite: bool,
         codes: bool = True,
     ) -> ClipVerdict:
-        """Global norm of the unscaled gradients, overflow flag and ``grad_scale``, agreed.
-
-        One read of every gradient byte, at most one ``all_reduce`` of 2 float32, and (fused) the
-        gradients are not rewritten: the optimizer divides them by ``grad_scale``. Non-fused
-        optimizers get their gradients divided by ``grad_scale`` in place (one multi-tensor op).
-        With ``codes``, one ``nan_to_num`` codes the per-tensor norms for the overflow report. A
-        fused step on the CPU reads the flag instead (no sync there, :mod:`~distscaler.host_read`)
-        and codes the norms only on a skip.
-        """
+        """Global norm of the unscaled gradients, overflow flag and ``grad_scale``, agreed
+        (:func:`distscaler._clip.clip_verdict`, over the gradients weighted by their layout)."""
         groups, params = self.grads(
             optimizer, weighted=True, allow_fp16=fused, coalesce_sparse=True
         )
         group, world_size = self.resolve()
-        device = state.device
-        scale = state.scale
-        if norm_type == 2.0:
-            total, per_tensor = _scaled_two_norm(groups, device, world_size, group, state.verdict)
-            a, b, c = state.epilogue()
-            zero = state.zero
-            # norm = T / scale, Q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
-            # the update's lanes (the record's next counts...), in one multi-tensor op.
-            norm, q, flag, *lanes = torch._foreach_addcdiv(
-                [zero, zero, zero, *a],
-                [total, total, total, *b],
-                [scale, state.max_norm(max_norm), state.inf, *c],
-            )
-            ends: Epilogue | None = state.name_ends(lanes)
-            if (
-                fused and skip_nonfinite and host_read.host_read_is_free(device)
-            ):  # others read it anyway
-                return _clip_on_host(
-                    groups, params, per_tensor, state, (norm, q, flag), ends, fused, codes
-                )
-            found = torch.nan_to_num(flag, nan=1.0) if skip_nonfinite else state.zero
-        else:
-            local, per_tensor = _local_verdict(groups, _inv_scale(scale), norm_type)
-            if world_size > 1:
-                all_reduce_verdict(local, group, norm_type=norm_type)
-            norm = _p_norm(local, norm_type)
-            nonfinite = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
-            found = nonfinite.to(torch.float32) if skip_nonfinite else state.zero
-            q = norm * scale / max_norm
-            ends = None
-        grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
-        if not fused:
-            _div_groups_(groups, grad_scale)
-        return ClipVerdict(norm, found, grad_scale, ends, _coded(params, per_tensor, codes))
+        return clip_verdict(
+            groups,
+            params,
+            state,
+            max_norm,
+            norm_type,
+            world_size=world_size,
+            group=group,
+            fused=fused,
+            skip_nonfinite=skip_nonfinite,
+            codes=codes,
+        )
 
     def clip_unscaled(
         self,
@@ -459,66 +408,17 @@ class VerdictGroup:
         *,
         codes: bool = True,
     ) -> tuple[torch.Tensor, TensorCodes | None]:
-        """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
-
-        Adds a collective unless every local gradient is replicated over the whole group (then the
-        local norm is already the global one). Returns the global norm (0-dim float32) and, with
-        ``codes``, this rank's tensor codes (None without gradients).
-        """
+        """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler):
+        :func:`distscaler._clip.clip_unscaled`."""
         groups, params = self.grads(optimizer, weighted=True, allow_fp16=True, coalesce_sparse=True)
         group, world_size = self.resolve()
-        replicated = bool(groups) and all(key.weight == 1.0 / world_size for key in groups)
-        if device is None:
-            device = next(iter(groups)).device if groups else torch.device("cpu")
-        one = torch.ones((), dtype=torch.float32, device=device)
-        local, per_tensor = _local_verdict(
-            {key._replace(weight=1.0): grads for key, grads in groups.items()}
-            if replicated
-            else groups,
-            one,
+        return clip_unscaled(
+            groups,
+            params,
+            max_norm,
             norm_type,
+            device,
+            world_size=world_size,
+            group=group,
+            codes=codes,
         )
-        if world_size > 1 and not replicated:
-            all_reduce_verdict(local, group, norm_type=norm_type)
-        norm = _p_norm(local, norm_type)
-        if max_norm < math.inf:  # inf measures only: the coefficient would be 1
-            _div_groups_(groups, torch.fmax(norm / max_norm, one))
-        return norm, _coded(params, per_tensor, codes)
-
-
-# ---------------------------------------------------------------------- epilogue helpers
-
-
-def _clip_on_host(
-    groups: GradGroups,
-    params: tuple[torch.Tensor, ...],
-    per_tensor: torch.Tensor | None,
-    state: DeviceState,
-    epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ends: Epilogue | None,
-    fused: bool,
-    codes: bool,
-) -> ClipVerdict:
-    """The end of :meth:`VerdictGroup.clip` where a host read is free (:mod:`~distscaler.host_read`):
-    ``flag`` (0.0, or NaN for a non-finite norm) is read, the agreed flag is the constant 1.0 or
-    0.0, and the per-tensor norms are coded only on a skip; a clean step takes ``fmax`` for
-    ``grad_scale``, a skipped one nothing (its ``grad_scale`` is the scale)."""
-    norm, q, flag = epilogue
-    skipped = not math.isfinite(flag.item())
-    found = state.one if skipped else state.zero
-    grad_scale = state.scale if skipped else torch.fmax(q, state.scale)
-    if not fused:
-        _div_groups_(groups, grad_scale)
-    coded = _coded(params, per_tensor, codes and skipped)
-    if codes and coded is None:
-        coded = TensorCodes(params, None)  # clean: nothing to record
-    return ClipVerdict(norm, found, grad_scale, ends, coded, after_read=codes)
-
-
-def _coded(
-    params: tuple[torch.Tensor, ...], per_tensor: torch.Tensor | None, wanted: bool
-) -> TensorCodes | None:
-    # The codes of a verdict's per-tensor norms, when an overflow report will read them.
-    if not wanted or per_tensor is None:
-        return None
-    return TensorCodes(params, tensor_codes(per_tensor))

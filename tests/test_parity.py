@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
-from _common import FAULTS, make_optimizer, optimizer_tensors
+from _common import FAULTS, gpu_verdict, make_optimizer, optimizer_tensors
 from _models import make_model, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,6 +74,48 @@ def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_kind):
     assert ref_scales[3] < ref_scales[2] and ref_scales[9] < ref_scales[8]
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_kind", ["fused", "sgd-fused"])
+def test_the_gpu_clip_verdict_matches_the_cpus_bit_for_bit(opt_kind):
+    """The clip verdict a GPU runs (the flag and grad_scale from one clamp, nothing read on the
+    host) against the CPU's (the flag read on the host, grad_scale by fmax): the same norms, scales,
+    parameters and optimizer state, bit for bit, through clipped and unclipped clean steps and
+    inf, -inf and NaN gradients."""
+    faults = {2: ("inf", 1), 5: ("nan", 3), 6: ("-inf", 0), 9: ("nan", 2)}
+    runs = []
+    for gpu in (False, True):
+        model = make_model()
+        opt = make_optimizer(opt_kind, model.parameters())
+        scaler = distscaler.GradScaler("cpu", init_scale=2.0**14, growth_interval=3)
+        params = list(model.parameters())
+        gen = torch.Generator().manual_seed(7)
+        norms, scales = [], []
+        with gpu_verdict() if gpu else contextlib.nullcontext():
+            for step in range(12):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(16, 8, generator=gen)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                if step in faults:
+                    kind, index = faults[step]
+                    params[index].grad.view(-1)[0] = FAULTS[kind]
+                norm = scaler.clip_grad_norm_(opt, max_norm=1e-3 if step % 2 else 1e3)
+                norms.append(norm.clone())
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+        runs.append((norms, scales, model, opt, scaler.skip_totals.num_skipped))
+    (cpu_norms, cpu_scales, cpu_model, cpu_opt, cpu_skips) = runs[0]
+    (norms, scales, model, opt, skips) = runs[1]
+    assert cpu_skips == skips == len(faults)  # guard: every fault was seen by both
+    assert scales == cpu_scales
+    for a, b in zip(norms, cpu_norms):
+        assert torch.equal(a, b) or (a.isnan() and b.isnan())
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        assert torch.equal(p, q)
+    for s, t in zip(optimizer_tensors(opt), optimizer_tensors(cpu_opt)):
+        assert torch.equal(s, t)
 
 
 def test_clip_grad_norm_returns_norm_of_unscaled_gradients():

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distscaler import verdict as verdict_mod
+from distscaler import grad_kernels
 from distscaler.layouts import collect_grads
 from distscaler.verdict import check_and_unscale_, local_verdict
 
@@ -93,7 +93,7 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target = tensors[where % len(tensors)]
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
-    norm, per_tensor = verdict_mod._scaled_two_norm(
+    norm, per_tensor = grad_kernels._scaled_two_norm(
         groups, torch.device("cpu"), 1, None, torch.zeros(2)
     )
     assert per_tensor.shape == (len(tensors),)
