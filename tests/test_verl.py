@@ -252,3 +252,28 @@ def test_the_environment_sets_the_options(ds_verl, monkeypatch, tmp_path):
     monkeypatch.setenv("DISTSCALER_VERL_LR_ON_SKIP", "never")
     with pytest.raises(ValueError, match="DISTSCALER_VERL_LR_ON_SKIP must be one of"):
         ds_verl.options()
+
+
+@needs_verl
+def test_the_megatron_engine_asks_for_megatrons_standard_fp16_optimizer(ds_verl):
+    from types import SimpleNamespace
+
+    # verl turns the precision-aware optimizer on in fp16 unless its override says otherwise.
+    for override in (None, {}, {"use_precision_aware_optimizer": True}):
+        with pytest.raises(NotImplementedError, match="use_precision_aware_optimizer=False"):
+            ds_verl._check_standard_fp16_optimizer(
+                SimpleNamespace(override_optimizer_config=override)
+            )
+    ds_verl._check_standard_fp16_optimizer(
+        SimpleNamespace(override_optimizer_config={"use_precision_aware_optimizer": False})
+    )
+
+
+@pytest.mark.skipif(not os.environ.get("DISTSCALER_VERL_STAGE"), reason="CI's verl stage only")
+def test_the_verl_stage_can_build_verls_megatron_engine():
+    import test_verl_megatron as M
+
+    assert (M.VERL, M.MCORE, M.MBRIDGE) == (TESTED, "0.19.2", True), (
+        "CI's verl stage installs megatron-core 0.19.2 and mbridge beside verl: "
+        "tests/test_verl_megatron.py must not skip there"
+    )

@@ -50,7 +50,11 @@ The Megatron engine (``backend="megatron"``, fp16): its optimizer goes through
 :func:`distscaler.integrations.megatron.install` (one scale for the dense and expert
 sub-optimizers, one collective), a skipped step returns a non-finite ``grad_norm`` (stock verl
 raises ``NotImplementedError("Megatron optimizer step failed...")`` on any skipped fp16 step) and
-the LR scheduler is held as above. Needs megatron-core 0.19.2.
+the LR scheduler is held as above. Needs megatron-core 0.19.2 and Megatron's standard fp16
+optimizer: verl turns the precision-aware optimizer on in fp16, so the config also needs
+``actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=False``
+(building the engine without it raises ``NotImplementedError`` saying so, before anything is
+built).
 
 Settings: :func:`configure` in the process that builds the engine (``scaler=``: a ``GradScaler``,
 ``ScalerConfig`` or DeepSpeed fp16 config; default ``ScalerConfig(growth_interval=400)``, verl's
@@ -294,6 +298,28 @@ class DistScalerFSDPEngine:
 # ----------------------------------------------------------------------------- Megatron engines
 
 
+#: The verl setting that turns Megatron's precision-aware optimizer off (verl turns it on in fp16).
+PRECISION_AWARE_OFF = (
+    "actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=False"
+)
+
+
+def _check_standard_fp16_optimizer(optimizer_config: Any) -> None:
+    """verl's ``init_megatron_optim_config`` turns Megatron's precision-aware optimizer on in fp16
+    unless ``override_optimizer_config`` says otherwise; its gradients live in ``decoupled_grad``,
+    which :func:`distscaler.integrations.megatron.install` refuses. Say so before anything is built.
+    """
+    override = getattr(optimizer_config, "override_optimizer_config", None) or {}
+    if override.get("use_precision_aware_optimizer", True) is not False:
+        raise NotImplementedError(
+            "distscaler's Megatron engine needs Megatron's standard fp16 optimizer (fp32 main "
+            "gradients); verl turns the precision-aware optimizer on in fp16 by default "
+            "(verl/utils/megatron/optimizer.py: init_megatron_optim_config), which "
+            "distscaler.integrations.megatron does not support. Add to the verl config: "
+            f"{PRECISION_AWARE_OFF} (critic.optim... for a critic)"
+        )
+
+
 class DistScalerMegatronEngine:
     """What distscaler's Megatron engines add to verl's (a mixin placed before verl's class)."""
 
@@ -301,11 +327,16 @@ class DistScalerMegatronEngine:
     lr_scheduler: Any
     param_dtype: Any
 
+    optimizer_config: Any
+
     def _build_optimizer(self) -> Any:
+        fp16 = self.param_dtype == torch.float16
+        if fp16:
+            _check_standard_fp16_optimizer(self.optimizer_config)
         optimizer = super()._build_optimizer()  # type: ignore[misc]
         self._distscaler_ledger = _StepLedger()
         self._distscaler_scaler: GradScaler | None = None
-        if self.param_dtype == torch.float16:
+        if fp16:
             from . import megatron as ds_megatron
 
             self._distscaler_scaler = ds_megatron.install(optimizer, scaler=options().scaler)
