@@ -10,6 +10,9 @@ scaler's per-optimizer caches are warm), then the steady host time per call (med
 * ``distscaler``: ``clip_grad_norm_`` + ``step`` + ``update``, ``torch.compile`` default
   (graph breaks allowed);
 * ``distscaler-fullgraph``: the same with ``fullgraph=True`` (the whole phase one graph);
+* ``distscaler-eager-step``: the same, default mode, with ``step`` wrapped in
+  ``torch.compiler.disable``: the optimizer step runs eagerly between the graphs, as torch's
+  recipe's does, instead of being traced into them (``distscaler.traced_step``);
 * ``torch``: ``torch.amp.GradScaler``'s recipe, ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``
   + ``step`` + ``update``, ``torch.compile`` default (its step cannot be traced whole).
 
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 
 import distscaler  # noqa: E402
 
-CONTENDERS = ("distscaler", "distscaler-fullgraph", "torch")
+CONTENDERS = ("distscaler", "distscaler-fullgraph", "distscaler-eager-step", "torch")
 INIT_SCALE = 2.0**16
 
 
@@ -73,9 +76,11 @@ def _phase(name: str, params: list[torch.nn.Parameter]) -> Callable[[], None]:
     ours = distscaler.GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
     ours.materialize("cpu")
 
+    step = torch.compiler.disable(ours.step) if name == "distscaler-eager-step" else ours.step
+
     def run_ours() -> None:
         ours.clip_grad_norm_(optimizer, 1.0)
-        ours.step(optimizer)
+        step(optimizer)
         ours.update()
 
     return run_ours
