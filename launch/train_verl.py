@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         VOCAB,
         build_engine,
         grpo_advantages,
+        poison_local_grad,
         ppo_loss,
         rl_batch,
         shared_model_dir,
@@ -119,11 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def optimizer_step() -> float:
         if state["step"] in args.inject_inf and rank == 1 % world_size:
-            for p in engine.module.parameters():
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                if grad is not None and grad.numel():
-                    grad.view(-1)[0] = math.inf
-                    break
+            poison_local_grad(engine.module.parameters())
         return stepping()
 
     engine.optimizer_step = optimizer_step

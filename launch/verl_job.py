@@ -6,7 +6,9 @@ verl 0.9.1; on CPU processes, call :func:`common.verl_cpu.use_cpu_platform` firs
 
 from __future__ import annotations
 
+import math
 import tempfile
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -20,7 +22,7 @@ GROUP = 2
 
 def save_tiny_qwen2(path: str) -> str:
     """A 2-layer Qwen2 (hidden 64, vocab 256, untied embeddings), ``save_pretrained`` to ``path``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     config = Qwen2Config(
         vocab_size=VOCAB,
@@ -32,14 +34,22 @@ def save_tiny_qwen2(path: str) -> str:
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
+    return save_model(config, path)
+
+
+def save_model(config: Any, path: str) -> str:
+    """A causal LM with freshly initialized weights (seed 0) for a transformers ``config``,
+    ``save_pretrained`` to ``path``; returns ``path``."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
 
 
-def shared_model_dir() -> str:
-    """Rank 0 saves the tiny model in a fresh directory; every rank gets its path."""
-    box = [save_tiny_qwen2(tempfile.mkdtemp(prefix="verl-qwen2-")) if dist.get_rank() == 0 else ""]
+def shared_model_dir(save: Callable[[str], str] = save_tiny_qwen2) -> str:
+    """Rank 0 saves a tiny model (``save(path)``) in a fresh directory; every rank gets its path."""
+    box = [save(tempfile.mkdtemp(prefix="verl-model-")) if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -153,15 +163,40 @@ def rl_batch(
     return td
 
 
-def ppo_loss(batch_size: int, micro_batch: int = 2) -> Any:
+def ppo_loss(batch_size: int, micro_batch: int = 2, strategy: str = "fsdp") -> Any:
     """verl's PPO policy loss (``verl.workers.utils.losses.ppo_loss``), one mini-batch per step."""
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
 
     config = ActorConfig(
-        strategy="fsdp",
+        strategy=strategy,
         rollout_n=GROUP,
         ppo_micro_batch_size_per_gpu=micro_batch,
         ppo_mini_batch_size=batch_size,
     )
     return partial(verl_ppo_loss, config=config)
+
+
+def synthetic_batch(step: int, rank: int, batch_size: int) -> Any:
+    """A synthetic RL batch, the same for a (step, rank) on every run: random prompts and
+    responses (right-padded), random rewards turned into GRPO advantages, old log-probs near
+    uniform's (:func:`rl_batch`'s format)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    prompts = torch.randint(0, VOCAB, (batch_size, PROMPT), generator=g)
+    responses = torch.randint(0, VOCAB, (batch_size, RESPONSE), generator=g)
+    lengths = torch.randint(2, RESPONSE + 1, (batch_size,), generator=g)
+    mask = (torch.arange(RESPONSE) < lengths[:, None]).long()
+    advantages = grpo_advantages(torch.rand(batch_size, generator=g))
+    old_log_probs = -5.0 - torch.rand(batch_size, RESPONSE, generator=g)
+    return rl_batch(prompts, responses, mask, advantages, old_log_probs)
+
+
+def poison_local_grad(params: Iterable[torch.Tensor]) -> None:
+    """inf into one element of this rank's first non-empty gradient (its local shard: FSDP1's flat
+    shard, FSDP2's DTensor ``to_local()``): an overflow only this rank sees."""
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if grad.numel():
+                grad.view(-1)[0] = math.inf
+                return

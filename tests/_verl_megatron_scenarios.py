@@ -183,32 +183,15 @@ INF_RANK = 1
 
 
 def batch(step: int, rank: int) -> Any:
-    from verl_job import PROMPT, RESPONSE, VOCAB, grpo_advantages, rl_batch
+    from verl_job import synthetic_batch
 
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    prompts = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
-    responses = torch.randint(0, VOCAB, (BATCH, RESPONSE), generator=g)
-    lengths = torch.randint(2, RESPONSE + 1, (BATCH,), generator=g)
-    mask = (torch.arange(RESPONSE) < lengths[:, None]).long()
-    advantages = grpo_advantages(torch.rand(BATCH, generator=g))
-    old_log_probs = -5.0 - torch.rand(BATCH, RESPONSE, generator=g)
-    return rl_batch(prompts, responses, mask, advantages, old_log_probs)
+    return synthetic_batch(step, rank, BATCH)
 
 
 def ppo_loss() -> Any:
-    from functools import partial
+    from verl_job import ppo_loss as verl_job_ppo_loss
 
-    from verl.workers.config import ActorConfig
-    from verl.workers.utils.losses import ppo_loss as verl_ppo_loss
-    from verl_job import GROUP
-
-    config = ActorConfig(
-        strategy="megatron",
-        rollout_n=GROUP,
-        ppo_micro_batch_size_per_gpu=2,
-        ppo_mini_batch_size=BATCH,
-    )
-    return partial(verl_ppo_loss, config=config)
+    return verl_job_ppo_loss(BATCH, strategy="megatron")
 
 
 def subs(engine: Any) -> list[Any]:
@@ -272,8 +255,8 @@ def train(engine: Any, steps: range, inf_steps: tuple[int, ...] = ()) -> list[di
 
 def save_tiny_qwen3_moe(path: str) -> str:
     """A 2-layer Qwen3-MoE (hidden 64, vocab 256, 4 experts, top-2, every layer MoE)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-    from verl_job import VOCAB
+    from transformers import Qwen3MoeConfig
+    from verl_job import VOCAB, save_model
 
     config = Qwen3MoeConfig(
         vocab_size=VOCAB,
@@ -289,17 +272,7 @@ def save_tiny_qwen3_moe(path: str) -> str:
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
-def _shared(save: Any) -> str:
-    import tempfile
-
-    box = [save(tempfile.mkdtemp(prefix="verl-mcore-")) if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return save_model(config, path)
 
 
 def everything(rank: int, world_size: int, kind: str = "dense") -> dict[str, Any]:
@@ -307,9 +280,9 @@ def everything(rank: int, world_size: int, kind: str = "dense") -> dict[str, Any
     use_cpu_platform()
     mbridge_on_megatron_019()
     local_layer_specs()
-    from verl_job import save_tiny_qwen2
+    from verl_job import save_tiny_qwen2, shared_model_dir
 
-    model = _shared(save_tiny_qwen2 if kind == "dense" else save_tiny_qwen3_moe)
+    model = shared_model_dir(save_tiny_qwen2 if kind == "dense" else save_tiny_qwen3_moe)
     out: dict[str, Any] = {}
     with cpu_megatron():
         for name, ours in (("stock", False), ("ours", True)):

@@ -18,7 +18,6 @@ An inf is written into one element of rank 1's gradient shard, after the backwar
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import tempfile
 from typing import Any
@@ -26,14 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from verl_job import (
-    PROMPT,
-    RESPONSE,
-    VOCAB,
     build_engine,
-    grpo_advantages,
+    poison_local_grad,
     ppo_loss,
-    rl_batch,
     shared_model_dir,
+    synthetic_batch,
 )
 
 from common.probes import CollectiveLog, HostReadSpy
@@ -55,16 +51,7 @@ def build(model: str, strategy: str, *, ours: bool, fused: bool = False) -> Any:
 
 
 def batch(step: int, rank: int) -> Any:
-    """A synthetic RL batch: random prompts and responses (right-padded), random rewards turned
-    into GRPO advantages, old log-probs near uniform's."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    prompts = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=g)
-    responses = torch.randint(0, VOCAB, (BATCH, RESPONSE), generator=g)
-    lengths = torch.randint(2, RESPONSE + 1, (BATCH,), generator=g)
-    mask = (torch.arange(RESPONSE) < lengths[:, None]).long()
-    advantages = grpo_advantages(torch.rand(BATCH, generator=g))
-    old_log_probs = -5.0 - torch.rand(BATCH, RESPONSE, generator=g)
-    return rl_batch(prompts, responses, mask, advantages, old_log_probs)
+    return synthetic_batch(step, rank, BATCH)
 
 
 def local_shards(engine: Any) -> list[torch.Tensor]:
@@ -82,16 +69,6 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def _poison_rank_shard(engine: Any) -> None:
-    """inf into one element of this rank's gradient shard (FSDP1 flat shard, FSDP2 DTensor)."""
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            if grad.numel():
-                grad.view(-1)[0] = math.inf
-                return
-
-
 def scale_of(engine: Any) -> float:
     return float(engine.scaler.get_scale())
 
@@ -106,7 +83,7 @@ def train(engine: Any, steps: range, *, inf_steps: tuple[int, ...] = ()) -> list
 
     def optimizer_step() -> float:
         if step in inf_steps and rank == INF_RANK:
-            _poison_rank_shard(engine)
+            poison_local_grad(engine.module.parameters())
         optimizer = engine.optimizer
         own_step = optimizer.__dict__.get("step")  # the LR scheduler's wrapper, if any
         spy = HostReadSpy()

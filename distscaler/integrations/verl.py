@@ -209,10 +209,39 @@ def _checkpoint_file(local_path: str) -> str:
     return os.path.join(local_path, f"distscaler_world_size_{world}_rank_{rank}.pt")
 
 
-# ----------------------------------------------------------------------------- FSDP engines
+# ----------------------------------------------------------------------------- the engines
 
 
-class DistScalerFSDPEngine:
+class _DistScalerEngine:
+    """What every distscaler engine adds to verl's whatever its backend: the step's metrics and
+    the LR held on skipped steps. A subclass says where its scaler is and what the current LR is."""
+
+    _distscaler_ledger: _StepLedger
+
+    def _distscaler(self) -> GradScaler | None:
+        """The engine's distscaler scaler; None in bf16/fp32 (verl's behaviour, unchanged)."""
+        raise NotImplementedError
+
+    def _current_lr(self) -> Any:
+        """What verl's ``lr_scheduler_step`` returns, without stepping the scheduler."""
+        raise NotImplementedError
+
+    def train_batch(self, data: Any, loss_function: Any) -> Any:
+        outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
+        scaler = self._distscaler()
+        if scaler is not None:
+            metrics = _scaler_metrics(scaler, self._distscaler_ledger.last_skipped)
+            if self.is_mp_src_rank_with_outputs():  # type: ignore[attr-defined]
+                outputs["metrics"].update(metrics)
+        return outputs
+
+    def lr_scheduler_step(self) -> Any:
+        if self._distscaler() is not None and self._distscaler_ledger.hold_lr():
+            return self._current_lr()  # held
+        return super().lr_scheduler_step()  # type: ignore[misc]
+
+
+class DistScalerFSDPEngine(_DistScalerEngine):
     """What distscaler's FSDP engines add to verl's (a mixin placed before verl's class)."""
 
     scaler: Any
@@ -257,19 +286,8 @@ class DistScalerFSDPEngine:
         self._distscaler_ledger.record(skipped=not math.isfinite(grad_norm))
         return grad_norm
 
-    def train_batch(self, data: Any, loss_function: Any) -> Any:
-        outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
-        scaler = self._distscaler()
-        if scaler is not None:
-            metrics = _scaler_metrics(scaler, self._distscaler_ledger.last_skipped)
-            if self.is_mp_src_rank_with_outputs():  # type: ignore[attr-defined]
-                outputs["metrics"].update(metrics)
-        return outputs
-
-    def lr_scheduler_step(self) -> Any:
-        if self._distscaler() is not None and self._distscaler_ledger.hold_lr():
-            return self.lr_scheduler.get_last_lr()[0]  # held: what verl returns, unchanged
-        return super().lr_scheduler_step()  # type: ignore[misc]
+    def _current_lr(self) -> Any:
+        return self.lr_scheduler.get_last_lr()[0]  # verl's FSDP engine returns the first group's
 
     def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, *args, **kwargs)  # type: ignore[misc]
@@ -320,14 +338,12 @@ def _check_standard_fp16_optimizer(optimizer_config: Any) -> None:
         )
 
 
-class DistScalerMegatronEngine:
+class DistScalerMegatronEngine(_DistScalerEngine):
     """What distscaler's Megatron engines add to verl's (a mixin placed before verl's class)."""
 
     optimizer: Any
-    lr_scheduler: Any
-    param_dtype: Any
-
     optimizer_config: Any
+    param_dtype: Any
 
     def _build_optimizer(self) -> Any:
         fp16 = self.param_dtype == torch.float16
@@ -342,29 +358,20 @@ class DistScalerMegatronEngine:
             self._distscaler_scaler = ds_megatron.install(optimizer, scaler=options().scaler)
         return optimizer
 
+    def _distscaler(self) -> GradScaler | None:
+        return getattr(self, "_distscaler_scaler", None)
+
+    def _current_lr(self) -> Any:
+        from verl.utils.megatron.optimizer import get_megatron_last_lr
+
+        return get_megatron_last_lr(self.optimizer)
+
     def optimizer_step(self) -> float:
-        if getattr(self, "_distscaler_scaler", None) is None:
+        if self._distscaler() is None:
             return super().optimizer_step()  # type: ignore[misc, no-any-return]
         update_successful, grad_norm, _ = self.optimizer.step()
         self._distscaler_ledger.record(skipped=not update_successful)
         return float(grad_norm) if update_successful else math.nan
-
-    def train_batch(self, data: Any, loss_function: Any) -> Any:
-        outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
-        scaler = getattr(self, "_distscaler_scaler", None)
-        if scaler is not None:
-            metrics = _scaler_metrics(scaler, self._distscaler_ledger.last_skipped)
-            if self.is_mp_src_rank_with_outputs():  # type: ignore[attr-defined]
-                outputs["metrics"].update(metrics)
-        return outputs
-
-    def lr_scheduler_step(self) -> Any:
-        if getattr(self, "_distscaler_scaler", None) is not None:
-            if self._distscaler_ledger.hold_lr():
-                from verl.utils.megatron.optimizer import get_megatron_last_lr
-
-                return get_megatron_last_lr(self.optimizer)
-        return super().lr_scheduler_step()  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -433,7 +440,7 @@ def installed(model_type: str = "language_model", backend: str = "fsdp2") -> boo
     from verl.workers.engine.base import EngineRegistry
 
     cls = EngineRegistry.get_engine_cls(model_type, backend)
-    return issubclass(cls, (DistScalerFSDPEngine, DistScalerMegatronEngine))
+    return issubclass(cls, _DistScalerEngine)
 
 
 install()
