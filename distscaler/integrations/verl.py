@@ -132,6 +132,10 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
         scaler: see :class:`VerlScalerOptions`. A ``GradScaler`` instance serves one engine.
         lr_on_skip: ``"hold"`` or ``"step"``.
 
+    Cost: validation only (a ``ScalerConfig`` or DeepSpeed config is built once on the CPU and
+    dropped): no collective, no host sync. Per process: call it in every worker that builds an
+    engine, before it builds it.
+
     Raises:
         ValueError: ``lr_on_skip`` is not one of them; a DeepSpeed config that does not parse.
         TypeError: ``scaler`` is none of the accepted kinds.
@@ -146,7 +150,11 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
 
 def options() -> VerlScalerOptions:
     """The options in force: :func:`configure`'s, else the environment's
-    (``DISTSCALER_VERL_SCALER``, ``DISTSCALER_VERL_LR_ON_SKIP``), else the defaults."""
+    (``DISTSCALER_VERL_SCALER``, ``DISTSCALER_VERL_LR_ON_SKIP``), else the defaults.
+
+    Raises:
+        ValueError: ``DISTSCALER_VERL_LR_ON_SKIP`` is not ``hold`` or ``step``.
+    """
     if _options is not None:
         return _options
     lr_on_skip = os.environ.get("DISTSCALER_VERL_LR_ON_SKIP", "hold")
@@ -425,18 +433,32 @@ def _swap(mapping: dict[type, type]) -> int:
 def install() -> int:
     """Put distscaler's engines in verl's ``EngineRegistry`` in place of the stock FSDP (and
     Megatron) engines, wherever those are registered; idempotent. Runs on import. Returns the
-    number of registry entries replaced by this call."""
+    number of registry entries replaced by this call.
+
+    Cost: a walk over verl's registry in this process (no collective, no device work); engines
+    built before the call stay what they are. Relies on verl 0.9.1's ``EngineRegistry._engines``.
+
+    Raises:
+        ImportError: verl is not installed.
+    """
     return _swap(_replacements())
 
 
 def uninstall() -> int:
-    """Put verl's stock engines back; returns the number of entries restored."""
+    """Put verl's stock engines back (this process's registry; engines already built stay ours);
+    returns the number of entries restored. No collective, no device work."""
     return _swap({ours: stock for stock, ours in _replacements().items()})
 
 
 def installed(model_type: str = "language_model", backend: str = "fsdp2") -> bool:
     """Whether the engine verl's registry would build for ``model_type``/``backend`` on this
-    process's device is distscaler's."""
+    process's device is distscaler's (verl's lookup: ``get_device_name()``, or
+    ``VERL_ENGINE_DEVICE``).
+
+    Raises:
+        AssertionError: verl's own, for an unknown ``model_type`` or ``backend``.
+        ValueError: verl's, when no engine is registered for this device.
+    """
     from verl.workers.engine.base import EngineRegistry
 
     cls = EngineRegistry.get_engine_cls(model_type, backend)
