@@ -15,10 +15,12 @@ While dynamo traces (``torch.compiler.is_compiling()``), :func:`traced_step` run
 1. the global and the optimizer's step pre-hooks (torch's ``profile_hook_step``);
 2. per parameter group, the optimizer's own ``_init_group`` (dynamo runs it eagerly, so state is
    made exactly as torch makes it), then per (device, dtype) group what ``_fused_adam`` does: the
-   step counts + 1, torch's fused kernel, the step counts - ``found_inf``. The kernel runs through
-   its out-of-place overload ``aten::_fused_adam``/``_fused_adamw`` (the same kernel: the same bits
-   as the eager step) and its results are copied back into the parameters, the gradients (the
-   kernel writes them unscaled) and the moments;
+   step counts + 1, torch's fused kernel, the step counts - ``found_inf``. The kernel runs in
+   place through ``torch.ops.distscaler.fused_adam_step_``, a custom op around torch's own
+   ``torch._fused_adam(w)_`` (the same kernel: the same bits as the eager step) that declares
+   what it mutates: the graph holds one node per call whatever the number of tensors, and
+   inductor calls it in place on the parameters, gradients and moments, with no copy back. Calls
+   take at most :data:`CHUNK` tensors (see there why);
 3. the step post-hooks, and the mark an LR scheduler reads (``optimizer._opt_called``).
 
 Anything else returns :data:`NOT_TRACED` before touching anything, and the caller runs
@@ -27,9 +29,10 @@ overridden ``step``, an instance ``step`` patched by anything but an LR schedule
 Adagrad (``aten::_fused_sgd_`` has no fake kernel: it cannot be traced), tensor betas,
 ``differentiable=True``, step arguments. Eager calls never come here.
 
-Cost, compiled: the fused kernel once per (device, dtype) group, and one copy of the parameters,
-gradients and moments back from the kernel's outputs (inductor fuses the copies into one kernel per
-group on the CPU); no host read, no collective.
+Cost, compiled: the fused kernel in calls of at most :data:`CHUNK` tensors per (device, dtype)
+group, and the step counts' + 1 and - ``found_inf`` (inductor fuses them with the phase's other
+small writes); no host read, no collective. Compile time grows linearly with the tensors (torch
+2.13, CPU: ``launch/compile_cost.py``, figures in docs/benchmarks.md).
 
 Sources: ``torch/optim/optimizer.py`` (``_use_grad_for_differentiable``, ``profile_hook_step``),
 ``torch/optim/adam.py`` and, before torch 2.7, ``torch/optim/adamw.py`` (``step``,
@@ -146,6 +149,95 @@ def traced_step(
     return None
 
 
+#: Tensors per call of the step op. Each call is one node of the traced graph; inductor's pass that
+#: turns the op's functional form back into the in-place call (``decompose_auto_functionalized``)
+#: costs time quadratic in one call's tensors (torch 2.13, CPU: 7.9 s for one call over 144
+#: parameters' lists, 2.1 s as five calls of at most 32). A CUDA ``multi_tensor_apply`` launch of
+#: Adam's kernel takes at most 36 tensors (30 with amsgrad), so a call of 32 adds at most one
+#: launch to those the whole group would take.
+CHUNK: Final = 32
+
+_OP_NAME: Final = "distscaler::fused_adam_step_"
+
+
+def _define_step_op() -> None:
+    """Define ``torch.ops.distscaler.fused_adam_step_`` (once per process): torch's fused
+    Adam/AdamW kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``) over one call's tensors,
+    as one opaque in-place op. The caller adds 1 to the step counts before and subtracts
+    ``found_inf`` after, as torch's ``_fused_adam`` does.
+
+    Traced, it is one node whatever the number of tensors: dynamo and AOTAutograd see its schema
+    (the lists it mutates) and inductor calls it in place on the parameters, gradients and moments
+    (no copy back). The out-of-place overload this replaces (``aten::_fused_adamw``) made inductor
+    copy every output back: 66 s to compile the phase at 144 tensors instead of 17 s (torch 2.13,
+    CPU). Eagerly it is the kernel call itself.
+    """
+    if hasattr(torch.ops.distscaler, "fused_adam_step_"):
+        return
+
+    @torch.library.custom_op(
+        _OP_NAME,
+        mutates_args=(
+            "params",
+            "grads",
+            "exp_avgs",
+            "exp_avg_sqs",
+            "max_exp_avg_sqs",
+        ),
+        schema=(
+            "(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+            "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor[] state_steps, "
+            "float lr, Tensor? lr_tensor, bool decoupled, float beta1, float beta2, "
+            "float weight_decay, float eps, bool amsgrad, bool maximize, Tensor? grad_scale, "
+            "Tensor found_inf) -> ()"
+        ),
+    )
+    def fused_adam_step_(  # noqa: PLR0913 (the kernel's own arguments)
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        max_exp_avg_sqs: list[torch.Tensor],
+        state_steps: list[torch.Tensor],
+        lr: float,
+        lr_tensor: torch.Tensor | None,
+        decoupled: bool,
+        beta1: float,
+        beta2: float,
+        weight_decay: float,
+        eps: float,
+        amsgrad: bool,
+        maximize: bool,
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor,
+    ) -> None:
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            lr=lr if lr_tensor is None else lr_tensor,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+
+    @fused_adam_step_.register_fake
+    def _(*args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_define_step_op()
+
+
 def _step_group(
     optimizer: Any,
     group: dict[str, Any],
@@ -169,41 +261,41 @@ def _step_group(
     if not params:
         return
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
-    packet = torch.ops.aten._fused_adamw if decoupled else torch.ops.aten._fused_adam
     lr = group["lr"]
-    # A tensor lr (torch's advice for compiled steps under an LR scheduler: no recompile when it
-    # changes) goes to the kernel as a tensor, on the parameters' device unless on the CPU.
-    kernel = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
     beta1, beta2 = group["betas"]
-    # _fused_adam's grouping by (device, dtype): one kernel launch per group.
+    # _fused_adam's grouping by (device, dtype): one kernel per group, in calls of CHUNK tensors.
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         by_kind.setdefault((p.device, p.dtype), []).append(i)
     for (device, _), index in by_kind.items():
-        # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (empty without amsgrad)
-        lists = [
-            [t[i] for i in index] if t else []
-            for t in (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-        ]
-        dev_steps = [steps[i] for i in index]
         dev_found_inf = found_inf.to(device, non_blocking=True)
+        dev_grad_scale = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+        # A tensor lr (torch's advice for compiled steps under an LR scheduler: no recompile when
+        # it changes) goes to the kernel as a tensor, on the parameters' device unless on the CPU.
+        lr_tensor = None
+        if isinstance(lr, torch.Tensor):
+            lr_tensor = lr if lr.device.type == "cpu" else lr.to(device, non_blocking=True)
+        dev_steps = [steps[i] for i in index]
         torch._foreach_add_(dev_steps, 1)
-        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-            lr = lr.to(device, non_blocking=True)
-        outs = kernel(
-            *lists,
-            dev_steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            amsgrad=amsgrad,
-            maximize=group["maximize"],
-            grad_scale=None if grad_scale is None else grad_scale.to(device, non_blocking=True),
-            found_inf=dev_found_inf,
-        )
-        for dst, src in zip(lists, outs):
-            if dst:
-                torch._foreach_copy_(dst, src)
+        for start in range(0, len(index), CHUNK):
+            part = index[start : start + CHUNK]
+            torch.ops.distscaler.fused_adam_step_(
+                [params[i] for i in part],
+                [grads[i] for i in part],
+                [exp_avgs[i] for i in part],
+                [exp_avg_sqs[i] for i in part],
+                [max_exp_avg_sqs[i] for i in part] if amsgrad else [],
+                [steps[i] for i in part],
+                0.0 if lr_tensor is not None else float(lr),
+                lr_tensor,
+                decoupled,
+                beta1,
+                beta2,
+                group["weight_decay"],
+                group["eps"],
+                amsgrad,
+                group["maximize"],
+                dev_grad_scale,
+                dev_found_inf,
+            )
         torch._foreach_sub_(dev_steps, [dev_found_inf] * len(dev_steps))

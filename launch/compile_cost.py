@@ -50,21 +50,21 @@ CONTENDERS = ("distscaler", "distscaler-fullgraph", "distscaler-eager-step", "to
 INIT_SCALE = 2.0**16
 
 
-def _params(num_tensors: int, numel: int) -> list[torch.nn.Parameter]:
+def _params(num_tensors: int, numel: int, device: str) -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     params = []
     for _ in range(num_tensors):
-        p = torch.nn.Parameter(torch.empty(numel).normal_(0.0, 0.02))
+        p = torch.nn.Parameter(torch.empty(numel, device=device).normal_(0.0, 0.02))
         p.grad = torch.empty_like(p).normal_(0.0, 1e-4 * INIT_SCALE)
         params.append(p)
     return params
 
 
-def _phase(name: str, params: list[torch.nn.Parameter]) -> Callable[[], None]:
+def _phase(name: str, params: list[torch.nn.Parameter], device: str) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
     if name == "torch":
-        scaler: Any = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-        scaler.scale(torch.ones(()))
+        scaler: Any = torch.amp.GradScaler(device, init_scale=INIT_SCALE)
+        scaler.scale(torch.ones((), device=device))
 
         def run() -> None:
             scaler.unscale_(optimizer)
@@ -73,8 +73,8 @@ def _phase(name: str, params: list[torch.nn.Parameter]) -> Callable[[], None]:
             scaler.update()
 
         return run
-    ours = distscaler.GradScaler("cpu", init_scale=INIT_SCALE, skip_log_interval=0)
-    ours.materialize("cpu")
+    ours = distscaler.GradScaler(device, init_scale=INIT_SCALE, skip_log_interval=0)
+    ours.materialize(device)
 
     step = torch.compiler.disable(ours.step) if name == "distscaler-eager-step" else ours.step
 
@@ -86,16 +86,29 @@ def _phase(name: str, params: list[torch.nn.Parameter]) -> Callable[[], None]:
     return run_ours
 
 
-def measure(name: str, num_tensors: int, numel: int, rounds: int) -> dict[str, Any]:
-    """One contender's compile and steady costs at ``num_tensors`` tensors."""
-    params = _params(num_tensors, numel)
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    name: str, num_tensors: int, numel: int, rounds: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """One contender's compile and steady costs at ``num_tensors`` tensors on ``device``."""
+    params = _params(num_tensors, numel, device)
     torch._dynamo.reset()
-    fn = torch.compile(_phase(name, params), fullgraph=name.endswith("fullgraph"))
-    record: dict[str, Any] = {"contender": name, "tensors": num_tensors, "numel": numel}
+    fn = torch.compile(_phase(name, params, device), fullgraph=name.endswith("fullgraph"))
+    record: dict[str, Any] = {
+        "contender": name,
+        "tensors": num_tensors,
+        "numel": numel,
+        "device": device,
+    }
     try:
         for key in ("first_call_s", "second_call_s"):
             start = time.perf_counter()
             fn()
+            _sync(device)
             record[key] = round(time.perf_counter() - start, 3)
     except Exception as exc:  # reported in the table: this contender cannot compile so
         record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
@@ -104,6 +117,7 @@ def measure(name: str, num_tensors: int, numel: int, rounds: int) -> dict[str, A
     for _ in range(rounds):
         start = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - start)
     record["steady_ms"] = round(statistics.median(times) * 1e3, 3)
     return record
@@ -131,12 +145,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--numel", type=int, default=256, help="elements per tensor")
     parser.add_argument("--rounds", type=int, default=20, help="steady calls timed")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     records = []
     for num_tensors in args.tensors:
         for name in args.contenders:
-            record = measure(name, num_tensors, args.numel, args.rounds)
+            record = measure(name, num_tensors, args.numel, args.rounds, args.device)
             print(json.dumps(record), flush=True)
             records.append(record)
     print(

@@ -390,7 +390,12 @@ def _kernels(codes: list[str]) -> int:
                 break
             if line.startswith(("assert", "#")):
                 continue
-            if line.startswith("cpp_fused_") or "= torch.ops." in line or "extern_kernels." in line:
+            # A bare torch.ops.* line: an op that returns nothing (distscaler's fused step).
+            if (
+                line.startswith(("cpp_fused_", "torch.ops."))
+                or "= torch.ops." in line
+                or "extern_kernels." in line
+            ):
                 count += 1
     return count
 
