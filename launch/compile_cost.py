@@ -2,7 +2,9 @@
 
 For each tensor count, on the same gradients (1-D fp32 tensors of ``--numel`` elements, loss-scaled
 by 2**16) and a fused AdamW, each contender's phase (clip at 1.0, the optimizer step, the scale
-update) is compiled cold (dynamo reset, inductor's on-disk caches off) and called: the first call's
+update) is compiled cold (dynamo reset, inductor's on-disk caches off; a small function is compiled
+once before any contender, so the process's one-time costs, importing inductor and its first C++
+compile, are not charged to whichever contender comes first) and called: the first call's
 seconds (trace + inductor compile + one run), the second call's (dynamo may recompile once the
 scaler's per-optimizer caches are warm), then the steady host time per call (median of
 ``--rounds``; on a CPU the host time is the phase's time). Contenders:
@@ -91,6 +93,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def warm_up(device: str) -> None:
+    """Compile and run a small foreach function once, so that what a process pays once (importing
+    inductor, the first C++/Triton compile) is not charged to the first contender measured."""
+    tensors = [torch.ones(4, device=device) for _ in range(3)]
+    torch._dynamo.reset()
+    torch.compile(lambda ts: torch._foreach_add(ts, 1.0), fullgraph=True)(tensors)
+    _sync(device)
+
+
 def measure(
     name: str, num_tensors: int, numel: int, rounds: int, device: str = "cpu"
 ) -> dict[str, Any]:
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    warm_up(args.device)
     records = []
     for num_tensors in args.tensors:
         for name in args.contenders:
