@@ -149,12 +149,12 @@ def traced_step(
     return None
 
 
-#: Tensors per call of the step op. Each call is one node of the traced graph; inductor's pass that
-#: turns the op's functional form back into the in-place call (``decompose_auto_functionalized``)
-#: costs time quadratic in one call's tensors (torch 2.13, CPU, a prototype: 7.9 s for one call
-#: over 144 parameters' lists, 2.1 s as five calls of at most 32). A CUDA ``multi_tensor_apply`` launch of
-#: Adam's kernel takes at most 36 tensors (30 with amsgrad), so a call of 32 adds at most one
-#: launch to those the whole group would take.
+#: Tensors per call of the step op. Each call is one node of the traced graph; inductor's pass
+#: that turns the op's functional form back into the in-place call
+#: (``decompose_auto_functionalized``) costs time quadratic in one call's tensors (torch 2.13, CPU,
+#: a prototype: 7.9 s for one call over 144 parameters' lists, 2.1 s as five calls of at most 32).
+#: A CUDA ``multi_tensor_apply`` launch of Adam's kernel takes at most 36 tensors (30 with
+#: amsgrad), so a call of 32 adds at most one launch to those the whole group would take.
 CHUNK: Final = 32
 
 _OP_NAME: Final = "distscaler::fused_adam_step_"
@@ -192,7 +192,7 @@ def _define_step_op() -> None:
             "Tensor found_inf) -> ()"
         ),
     )
-    def fused_adam_step_(  # noqa: PLR0913 (the kernel's own arguments)
+    def fused_adam_step_(
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         exp_avgs: list[torch.Tensor],

@@ -45,7 +45,7 @@ COMPAT: dict[str, str] = {
     "test_layouts.py": "every layout (DDP, FSDP1, FSDP2, HSDP, FSDP2 x TP, PP) on gloo ranks",
     "test_attribution.py": "the overflow report, per layout and across ranks",
     "test_compile.py": "torch.compile of the scaler phase, compiled equals eager",
-    "test_traced_step.py": "the fused step a compiled phase traces, against torch's, eagerly",
+    "test_traced_step.py": "the fused step a compiled phase traces, against torch's, eager and compiled",
     "test_layout_costs.py": "the job's model laid out in every layout under torchrun",
     "test_train.py::test_inf_on_one_rank_skips_step_on_every_rank": "the reference job, end to end",
     "test_teardown.py": "gloo's teardown, which hangs before torch 2.8 unless done in order",

@@ -162,3 +162,46 @@ def test_a_pre_hook_that_returns_new_arguments_is_refused():
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: ((1,), {}))
     with pytest.raises(RuntimeError, match="pre-hook returned new step arguments"):
         _traced(optimizer, None, torch.tensor(0.0), (), {})
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=["cpu", "cuda"]
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_more_tensors_than_one_call_takes_equal_torchs_fused_step(device, compiled):
+    # 40 tensors: two calls of the step op (CHUNK and the rest); compiled with fullgraph=True, the
+    # graph holds one op node per call and inductor runs them in place.
+    from torch._inductor.utils import run_and_get_code
+
+    num = T.CHUNK + 8
+    runs = []
+    for mirrored in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(5 + i % 3, generator=gen).to(device)) for i in range(num)
+        ]
+        optimizer = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
+        scale = torch.tensor(64.0, device=device)
+        step_fn = torch.compile(lambda o, s, f: T.traced_step(o, s, f, (), {}), fullgraph=True)
+        codes: list[str] = []
+        for step, found in enumerate([0.0, 1.0, 0.0]):  # a clean step, a skip, a clean step
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 64.0 * (step + 1) * (i + 1) / num)
+            found_inf = torch.tensor(found, device=device)
+            if not mirrored:
+                _torch_step(optimizer, scale, found_inf)
+            elif compiled:
+                with mock.patch.object(T, "TRACES_WHOLE_PHASE", True):
+                    if step == 0:  # inductor's code of the first compile
+                        _, codes = run_and_get_code(step_fn, optimizer, scale, found_inf)
+                    else:
+                        step_fn(optimizer, scale, found_inf)
+            else:
+                assert _traced(optimizer, scale, found_inf, (), {}) is None
+        runs.append(_everything(optimizer))
+        assert [float(optimizer.state[p]["step"]) for p in params] == [2.0] * num
+    if compiled:  # one graph, two calls of the op in it, run in place
+        assert len(codes) == 1 and codes[0].count("torch.ops.distscaler.fused_adam_step_") == 2
+    assert len(runs[0]) == len(runs[1]) == 5 * num  # parameter, gradient, step, two moments
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
