@@ -157,6 +157,10 @@ def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
 
 
+#: The per-tensor flags of :mod:`distscaler.inf_check` are these codes.
+flag_tensors = tensor_codes
+
+
 class _Record:
     """One optimizer's record: the codes of the last skipped step, in the order of ``params``."""
 

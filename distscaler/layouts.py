@@ -511,3 +511,50 @@ def plan_grads(
     )
     plans[weigh] = plan
     return plan
+
+
+def local_grads(
+    optimizer: torch.optim.Optimizer,
+    plans: weakref.WeakKeyDictionary,
+    *,
+    resolver: LayoutResolver | None,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    allow_fp16: bool,
+    coalesce_sparse: bool = False,
+) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
+    """This step's local gradients of ``optimizer``, grouped (with replication weights if a
+    ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is
+    planned once per optimizer and parameter set (:func:`plan_grads`, cached in ``plans``);
+    sparse gradients take :func:`collect_grads` at every step.
+
+    Raises:
+        ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
+        UnknownLayoutError: a ``resolver``, more than one rank, and some layout is unknown.
+    """
+    plan = planned = None
+    for rebuild in (False, True):
+        plan = plan_grads(
+            optimizer, plans, resolver=resolver, world_size=world_size, group=group, rebuild=rebuild
+        )
+        if plan is None:
+            break
+        planned = plan.grads()
+        if planned is not None:
+            break
+    if plan is None or planned is None:  # sparse gradients: the per-gradient path
+        params: list[torch.Tensor] = []
+        groups = collect_grads(
+            optimizer,
+            allow_fp16=allow_fp16,
+            coalesce_sparse=coalesce_sparse,
+            resolver=resolver,
+            world_size=world_size,
+            group=group,
+            params_out=params,
+        )
+        return groups, tuple(params)
+    if not allow_fp16 and plan.has_fp16():
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    return planned
+

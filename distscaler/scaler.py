@@ -1,27 +1,34 @@
-"""``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose verdict every rank shares.
+"""``distscaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose skip decision every rank
+shares.
 
-The torch-compatible face: constructor, per-optimizer call-order state and the step path's phases
-(``unscale_``, ``clip_grad_norm_``, ``step``, ``update``). Its mixins: the host's reads and the
-checkpoints (``get_scale``, ``step_was_skipped``, ``state_dict``, pickling) from
-:mod:`distscaler._state_api`, ``register_model``/``register_params`` from
-:mod:`distscaler._layouts_api`, the settings' getters and setters from
-:class:`~distscaler.config.ScalerSettings`, DeepSpeed's loss-scaler attributes from
-:mod:`~distscaler.deepspeed_api`, the overflow report from :mod:`~distscaler.attribution_api`. The
-work is in :mod:`~distscaler.config`, :mod:`~distscaler.state`, :mod:`~distscaler.verdict`,
-:mod:`~distscaler.fused`, :mod:`~distscaler.policies`, :mod:`~distscaler.persistence` and
-:mod:`~distscaler.telemetry`.
+One class, as torch's ``grad_scaler.py`` is, whose public methods are short forwards to the parts
+it holds, each an object with its own module:
 
-Each phase is one straight path: the face checks the call order and decides what runs (the
-optimizer's step contract, :mod:`~distscaler.contract`), the verdict computes
-(:mod:`~distscaler.verdict`), the fused hand-off (:mod:`~distscaler.fused`) or the face's own host
-step applies it, and the face keeps the outcome in the optimizer's
-:class:`~distscaler.step_record.StepRecord`. Nothing calls back into the face but torch's
-deprecated ``grad_scaler=`` optimizers, whose contract is to drive the scaler.
+==========================  ===================================================================
+``_state``                  the scale, the growth tracker and the policy's counters, on the
+                            device, and the update that moves them (:mod:`distscaler.state`,
+                            :mod:`distscaler.policies`)
+``_layouts``                how gradients lie across the ranks, for norms
+                            (:mod:`distscaler.layouts`)
+``_overflows``              the per-tensor flags of the last skipped step and the overflow
+                            report (:mod:`distscaler.attribution`)
+``_group``                  the ranks that must agree (:mod:`distscaler.process_group`)
+``_records``                this iteration's :class:`~distscaler.step_record.StepRecord` per
+                            optimizer
+==========================  ===================================================================
+
+A step for one optimizer is one straight path: the scaler checks torch's call order and decides
+what the step does (a :class:`~distscaler.plan.StepPlan`), the layouts gather the gradients,
+:func:`distscaler.inf_check.run` carries the plan out (one pass, the step's one collective) and
+returns a :class:`~distscaler.inf_check.StepResult`, the record keeps it, and the fused hand-off
+(:mod:`distscaler.fused`) or the scaler itself steps the optimizer on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,32 +37,38 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from ._layouts_api import LayoutRegistrationAPI, check_grad_layout
-from ._state_api import ScalerStateAPI
-from .attribution import Coded, OverflowTracker
-from .attribution_api import OverflowReportingAPI
-from .config import ScalerConfig, ScalerSettings
-from .contract import StepContract, step_contract, uses_fused_scaling
-from .deepspeed_api import DeepSpeedScalerAPI
+from .attribution import OverflowReport, OverflowTracker
+from .config import ScalerConfig
+from .contract import StepContract, step_contract
 from .errors import CallOrderError
 from .fused import fused_step
-from .layouts import GradLayout, LayoutResolver
+from .inf_check import StepResult, run
+from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver, local_grads
+from .persistence import export_state, parse_state
+from .plan import (
+    GradPass,
+    StepPlan,
+    host_read_is_free,
+    plan_check,
+    plan_clip,
+    plan_step,
+    plan_unscale,
+)
 from .policies import PolicyName, get_policy
+from .process_group import ScalerGroup
 from .state import DeviceState, Epilogue, HostValues, ScalerState
 from .step_record import StepRecord, torch_states
-from .verdict import VerdictGroup
+from .telemetry import SkipTotals
 
 __all__ = ["GradScaler", "OptState"]
 
 
-class GradScaler(
-    ScalerSettings,
-    ScalerStateAPI,
-    LayoutRegistrationAPI,
-    DeepSpeedScalerAPI,
-    OverflowReportingAPI,
-    torch.amp.GradScaler,
-):
+def _check_grad_layout(grad_layout: object) -> None:
+    if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
+        raise ValueError(f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}")
+
+
+class GradScaler(torch.amp.GradScaler):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
@@ -127,7 +140,7 @@ class GradScaler(
         )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
-        check_grad_layout(grad_layout)
+        _check_grad_layout(grad_layout)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
@@ -139,65 +152,27 @@ class GradScaler(
         self._config = config
         policy_state = get_policy(config.policy).initial_state(config.rule())
         self._state = ScalerState(HostValues(config.init_scale, 0, policy_state))
+        self._layouts = LayoutResolver(grad_layout)
+        self._overflows = OverflowTracker()
+        self._group = ScalerGroup(process_group)
+        #: Whether found_inf may be read on the host without a sync (the CPU): a property of the
+        #: device, decided here (:func:`distscaler.plan.host_read_is_free`). Tests set it to False
+        #: to run a GPU's path on the CPU.
+        self._host_reads = host_read_is_free(device)
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         #: This iteration's record per optimizer (``id(optimizer)``), dropped by :meth:`update`.
         self._records: dict[int, StepRecord] = {}
-        self._verdict = VerdictGroup(process_group, LayoutResolver(grad_layout))
-        self._overflows = OverflowTracker()
+        #: Gradient groupings planned once per optimizer (:func:`distscaler.layouts.plan_grads`).
+        self._grad_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    # ------------------------------------------------------------------ helpers
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = (
-            "This may indicate your script did not use scaler.scale(loss or outputs) earlier in "
-            "the iteration."
-        )
-        if self._scale is None:
-            raise CallOrderError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise CallOrderError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
-
-    def _device_state(self, funcname: str) -> DeviceState:
-        self._check_scale_growth_tracker(funcname)
-        assert self._state.device is not None
-        return self._state.device
-
-    def _record_of(self, optimizer: torch.optim.Optimizer) -> StepRecord:
-        record = self._records.get(id(optimizer))
-        if record is None:
-            record = self._records[id(optimizer)] = StepRecord()
-        return record
-
-    def _agreed(self, found_inf: torch.Tensor) -> torch.Tensor:
-        # The flag a record keeps: a static scale told to step through inf/NaN keeps 0.0.
-        if self._config.skip_nonfinite:
-            return found_inf
-        assert self._state.device is not None
-        return self._state.device.zero
-
-    @property
-    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
-        # torch's private per-optimizer state, for code that reads it (torch's tests, optimizers
-        # of the deprecated grad_scaler= contract): a defaultdict of torch's fresh state, one entry
-        # per optimizer of this iteration (stage, found_inf_per_device). A view of the records.
-        return torch_states(self._records)
-
-    @_per_optimizer_states.setter
-    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
-        # torch resets it with a fresh defaultdict (its update()): that drops the records.
-        if value:
-            raise ValueError("_per_optimizer_states can only be reset to an empty mapping")
-        self._records.clear()
-
-    # ------------------------------------------------------------------ the public API
+    # ------------------------------------------------------------------ the step path
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and agree on ``found_inf``.
 
-        Same semantics and errors as :meth:`torch.amp.GradScaler.unscale_`, plus the verdict: one
+        Same semantics and errors as :meth:`torch.amp.GradScaler.unscale_`, plus the agreement: one
         read+write pass (torch's check-and-unscale kernel, one launch per device/dtype group), then
         one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call). No host read.
         Prefer :meth:`clip_grad_norm_` to ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
@@ -209,42 +184,44 @@ class GradScaler(
         """
         if not self._enabled:
             return
-        device_state = self._device_state("unscale_")
-        record = self._record_of(optimizer)
+        state = self._device_state("unscale_")
+        record = self._records.setdefault(id(optimizer), StepRecord())
         if record.stage is OptState.UNSCALED:
             raise CallOrderError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
         if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
-        found_inf = self._verdict.unscale(optimizer, device_state)
-        record.agreed(self._agreed(found_inf), grad_scale=None, stage=OptState.UNSCALED)
+        plan = plan_unscale(skip_nonfinite=self._config.skip_nonfinite)
+        result = self._run(plan, optimizer, state)
+        record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip the optimizer's gradients to a global norm, folded into the overflow verdict.
+        """Clip the optimizer's gradients to a global norm, computed with the inf check.
 
         The norm is that of the *unscaled* gradients over every rank of ``process_group``, each
         gradient value counted once whatever the layout (DTensor placements, :meth:`register_model`,
         ``grad_layout``; see :mod:`distscaler.layouts`), as ``torch.nn.utils.clip_grad_norm_`` would
         compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
-        ``min(1, max_norm / norm)`` (torch's coefficient without its 1e-6 guard, which this form
-        does not need: see :mod:`distscaler.verdict`). ``max_norm=math.inf`` measures only, as
-        torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1): the same pass and
-        collective, the norm returned, the gradients only unscaled (fused optimizers get
-        ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
+        ``clip_coef = min(1, max_norm / total_norm)`` (torch's coefficient without its 1e-6 guard,
+        which this form does not need: see :mod:`distscaler.inf_check`). ``max_norm=math.inf``
+        measures only, as torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1):
+        the same pass and collective, the norm returned, the gradients only unscaled (fused
+        optimizers get ``grad_scale = scale``); Transformers' Trainer measures this way with
+        ``max_grad_norm=0``.
 
         Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group
-        has several ranks (every rank must call; it *is* the step's verdict), a few device ops
-        (:mod:`distscaler.verdict`), no host read. Fused optimizers get ``grad_scale = scale /
+        has several ranks (every rank must call; it *is* the step's collective), a few device ops
+        (:mod:`distscaler.inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
         :meth:`unscale_` the norm is taken from the unscaled gradients (a second all_reduce unless
         all are replicated). A disabled scaler only clips.
 
         Args:
-            max_norm (float): > 0, or ``math.inf`` to measure only. norm_type (float): p of the
-                p-norm, > 0 or inf.
+            max_norm (float): greater than 0, or ``math.inf`` to measure only.
+            norm_type (float): p of the p-norm, greater than 0, or ``math.inf``. Default: 2.0.
 
         Returns:
             0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
@@ -258,47 +235,34 @@ class GradScaler(
                 :meth:`step`.
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
+        skip_nonfinite, flags = self._config.skip_nonfinite, self._attributing
         if not self._enabled:
-            return self._verdict.clip_unscaled(optimizer, max_norm, norm_type, None, codes=False)[0]
-        device_state = self._device_state("clip_grad_norm_")
-        record = self._record_of(optimizer)
+            plan = plan_clip(StepContract.HOST, unscaled=True, host_reads=False,
+                             per_tensor_flags=False, skip_nonfinite=skip_nonfinite,
+                             max_norm=max_norm, norm_type=norm_type)  # fmt: skip
+            result = self._run(plan, optimizer, None)
+            assert result.total_norm is not None
+            return result.total_norm
+        state = self._device_state("clip_grad_norm_")
+        record = self._records.setdefault(id(optimizer), StepRecord())
         if record.stage is OptState.STEPPED:
             raise CallOrderError("clip_grad_norm_() is being called after step().")
         if record.clipped:
             raise CallOrderError(
                 "clip_grad_norm_() has already been called on this optimizer since the last update()."
             )
-        if record.stage is OptState.UNSCALED:
-            norm, codes = self._verdict.clip_unscaled(
-                optimizer, max_norm, norm_type, device_state.device, codes=self._attributing
-            )
-            assert record.found_inf is not None
-            nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
-            record.agreed(
-                self._agreed(torch.fmax(record.found_inf, nonfinite)),
-                clipped=True,
-                coded=Coded(optimizer, codes, False),
-            )
-            return norm
-        fused = uses_fused_scaling(optimizer)
-        verdict = self._verdict.clip(
-            optimizer,
-            device_state,
-            max_norm,
-            norm_type,
-            fused=fused,
-            skip_nonfinite=self._config.skip_nonfinite,
-            codes=self._attributing,
-        )
-        record.agreed(
-            self._agreed(verdict.found_inf),
-            grad_scale=verdict.grad_scale if fused else None,
-            epilogue=verdict.ends,
-            stage=OptState.UNSCALED,
-            clipped=True,
-            coded=Coded(optimizer, verdict.codes, verdict.after_read),
-        )
-        return verdict.norm
+        unscaled = record.stage is OptState.UNSCALED
+        plan = plan_clip(step_contract(optimizer), unscaled=unscaled, host_reads=self._host_reads,
+                         per_tensor_flags=flags, skip_nonfinite=skip_nonfinite,
+                         max_norm=max_norm, norm_type=norm_type)  # fmt: skip
+        result = self._run(plan, optimizer, state, found_inf=record.found_inf)
+        if unscaled:
+            record.keep(optimizer, result, grad_scale=False, counters=False, clipped=True)
+        else:
+            record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
+                        clipped=True)  # fmt: skip
+        assert result.total_norm is not None
+        return result.total_norm
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Agree on ``found_inf`` without changing the gradients (one check pass + the collective).
@@ -306,27 +270,24 @@ class GradScaler(
         torch's hook, which optimizers of torch's deprecated ``grad_scaler=`` contract call from
         their step (they drive the scaler); returns torch's ``{device: found_inf}``.
         """
-        device_state = self._device_state("_check_inf_per_device")
-        verdict = self._verdict.check(optimizer, device_state, codes=self._attributing)
-        found_inf = self._agreed(verdict.found_inf)
-        self._record_of(optimizer).agreed(
-            found_inf,
-            grad_scale=device_state.scale,
-            epilogue=verdict.ends,
-            coded=Coded(optimizer, verdict.codes, verdict.after_read),
-        )
-        return {found_inf.device: found_inf}
+        state = self._device_state("_check_inf_per_device")
+        plan = plan_check(host_reads=self._host_reads, per_tensor_flags=self._attributing,
+                          skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
+        result = self._run(plan, optimizer, state)
+        self._records.setdefault(id(optimizer), StepRecord()).keep(optimizer, result)
+        assert result.found_inf is not None
+        return {result.found_inf.device: result.found_inf}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
 
         torch's semantics, return value and errors. Without an earlier :meth:`unscale_` or
-        :meth:`clip_grad_norm_` the verdict runs here (one ``all_reduce`` of 1 or 2 float32; every
-        rank must call). Fused optimizers: one read-only check pass, then ``grad_scale`` and
+        :meth:`clip_grad_norm_` the inf check runs here (one ``all_reduce`` of 1 or 2 float32;
+        every rank must call). Fused optimizers: one read-only check pass, then ``grad_scale`` and
         ``found_inf`` go to the kernel, no host read (:mod:`distscaler.fused`); others: the unscale
-        pass and one host read of the agreed flag, and on a skipped step one more read pass that
-        codes the gradients for :attr:`last_overflow`. After an explicit :meth:`unscale_` (and no
-        :meth:`clip_grad_norm_`) a fused step takes that read pass at every step.
+        pass and one host read of the agreed ``found_inf``, and on a skipped step one more read
+        pass for the per-tensor flags of :attr:`last_overflow`. After an explicit :meth:`unscale_`
+        (and no :meth:`clip_grad_norm_`) a fused step takes that read pass at every step.
 
         Raises:
             CallOrderError: ``step()`` already called since the last :meth:`update`, or
@@ -337,11 +298,11 @@ class GradScaler(
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        device_state = self._device_state("step")
-        record = self._record_of(optimizer)
+        state = self._device_state("step")
+        record = self._records.setdefault(id(optimizer), StepRecord())
         if record.stage is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
-        contract = step_contract(optimizer)  # the face decides
+        contract = step_contract(optimizer)
         if contract is StepContract.DRIVES_THE_SCALER:
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -354,28 +315,25 @@ class GradScaler(
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})  # type: ignore[call-overload]
             record.stage = OptState.STEPPED
             return retval
-        fused = contract is StepContract.FUSED
-        agreed = record.found_inf
-        verdict = self._verdict.for_step(  # the verdict computes
-            optimizer,
-            device_state,
-            fused=fused,
-            agreed=agreed,
-            codes=self._attributing and record.coded is None,
+        plan = plan_step(
+            contract,
+            checked=record.found_inf is not None,
+            host_reads=self._host_reads,
+            per_tensor_flags=self._attributing and record.coded is None,
             skip_nonfinite=self._config.skip_nonfinite,
         )
-        found_inf = verdict.found_inf
-        if agreed is None:  # this step's own verdict; kept before the step, as torch keeps it
-            if fused:
-                record.agreed(found_inf, grad_scale=device_state.scale, epilogue=verdict.ends)
-            else:
-                record.agreed(found_inf, grad_scale=None, stage=OptState.UNSCALED)
-        if verdict.coded:
-            record.coded = Coded(optimizer, verdict.codes, verdict.after_read)
-        if fused:  # the fused hand-off applies the verdict
-            retval = fused_step(optimizer, record.grad_scale, found_inf, args, kwargs)
-        else:  # the gradients are unscaled: the host's flag decides
-            retval = None if verdict.skipped else optimizer.step(*args, **kwargs)
+        result = self._run(plan, optimizer, state, found_inf=record.found_inf)
+        if plan.grad_pass is GradPass.NONE:
+            record.keep_flags(optimizer, result)
+        elif plan.fused:  # kept before the step, as torch keeps its found_inf
+            record.keep(optimizer, result)
+        else:
+            record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
+        if plan.fused:
+            assert result.found_inf is not None
+            retval = fused_step(optimizer, record.grad_scale, result.found_inf, args, kwargs)
+        else:  # the gradients are unscaled: the host's reading of found_inf decides
+            retval = None if result.skipped else optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
 
@@ -400,7 +358,7 @@ class GradScaler(
         """
         if not self._enabled:
             return
-        device_state = self._device_state("update")
+        state = self._device_state("update")
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
         else:
@@ -408,21 +366,101 @@ class GradScaler(
             if not records:
                 raise CallOrderError("No inf checks were recorded prior to update.")
             found = [r.found_inf for r in records if r.found_inf is not None]
-            found_inf = found[0].to(device_state.device, non_blocking=True)
+            found_inf = found[0].to(state.device, non_blocking=True)
             for other in found[1:]:
-                found_inf = torch.fmax(found_inf, other.to(device_state.device, non_blocking=True))
+                found_inf = torch.fmax(found_inf, other.to(state.device, non_blocking=True))
             lerps: list = []  # the overflow record's, run in the skip record's one op
             if self._attributing:
-                coded = [r.coded for r in records if r.coded is not None]
-                self._overflows.record_(found_inf, coded, self._state.num_host_updates + 1, lerps)
+                flagged = [r.coded for r in records if r.coded is not None]
+                self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, records[0].epilogue if len(found) == 1 else None, lerps)
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
 
+    # ------------------------------------------------------------------ the parts, used
+
+    def _run(
+        self,
+        plan: StepPlan,
+        optimizer: torch.optim.Optimizer,
+        state: DeviceState | None,
+        *,
+        found_inf: torch.Tensor | None = None,
+    ) -> StepResult:
+        # Gather the gradients the plan reads and carry it out (distscaler.inf_check).
+        group, world_size = self._group.resolve()
+        grads, params = {}, ()
+        if plan.reads_gradients:
+            grads, params = local_grads(
+                optimizer,
+                self._grad_plans,
+                resolver=self._layouts if plan.weighted else None,
+                world_size=world_size,
+                group=group,
+                allow_fp16=plan.allow_fp16,
+                coalesce_sparse=plan.weighted,
+            )
+        return run(plan, grads, params, state, group=group, world_size=world_size,
+                   found_inf=found_inf)  # fmt: skip
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fix = (
+            "This may indicate your script did not use scaler.scale(loss or outputs) earlier in "
+            "the iteration."
+        )
+        if self._scale is None:
+            raise CallOrderError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise CallOrderError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _device_state(self, funcname: str) -> DeviceState:
+        self._check_scale_growth_tracker(funcname)
+        assert self._state.device is not None
+        return self._state.device
+
+    @property
+    def _attributing(self) -> bool:
+        # Per-tensor flags are kept only while a periodic report will read them.
+        return self._config.skip_log_interval > 0
+
     def _apply(self, found_inf: torch.Tensor, ends: Epilogue | None, lerps: Sequence = ()) -> None:
         if self._state.update(found_inf, ends, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
+
+    def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
+        # ``extra`` 0-dim tensors and the state in one host transfer; new skips logged. Between
+        # iterations (no check pending) the device's counts fold into the host's. Never asks the
+        # process group (safe on another thread: torchft's quorum calls state_dict there).
+        fold = not self._records
+        return self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
+
+    def _report(self, totals: SkipTotals) -> None:
+        # The periodic report's attribution (every rank at the same update), or report_overflow's.
+        if totals.last_skipped and self._attributing:
+            group, world_size = self._group.resolve()
+            self._overflows.report(
+                totals.last_skipped,
+                totals.last_skipped_scale,
+                group=group,
+                world_size=world_size,
+                device=self._device_state("update").device,
+            )
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        # torch's private per-optimizer state, for code that reads it (torch's tests, optimizers
+        # of the deprecated grad_scaler= contract): a defaultdict of torch's fresh state, one entry
+        # per optimizer of this iteration (stage, found_inf_per_device). A view of the records.
+        return torch_states(self._records)
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
+        # torch resets it with a fresh defaultdict (its update()): that drops the records.
+        if value:
+            raise ValueError("_per_optimizer_states can only be reset to an empty mapping")
+        self._records.clear()
 
     # ------------------------------------------------------------------ device state
 
@@ -473,10 +511,239 @@ class GradScaler(
             )
         return cls(device, process_group=process_group, **settings, **kwargs)
 
+    # ------------------------------------------------------------------ layouts
+
+    def register_model(
+        self, model: torch.nn.Module, *, grad_layout: GradLayout | None = None
+    ) -> GradScaler:
+        """Learn how ``model``'s gradients are laid out across the ranks, for :meth:`clip_grad_norm_`.
+
+        Call once after wrapping, on every rank (no collective, no host read), for DDP, FSDP1 and
+        plain modules such as a pipeline stage (``grad_layout`` for parameters no DDP/FSDP1 wrapper
+        covers). DTensor gradients need nothing. A later call wins (:mod:`distscaler.layouts`).
+        Also names the parameters in the overflow report (:attr:`last_overflow`).
+
+        Returns:
+            this scaler.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: ``grad_layout`` is not one of the layouts.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got: {type(model).__name__}")
+        _check_grad_layout(grad_layout)
+        self._layouts.register_model(model, grad_layout)
+        self._overflows.register_model(model)
+        return self
+
+    def register_params(self, params: Sequence[torch.Tensor], *, replicas: float) -> GradScaler:
+        """Declare that each gradient of ``params`` is held identically by ``replicas`` ranks.
+
+        For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's
+        main parameters, :mod:`distscaler.integrations.megatron`): in :meth:`clip_grad_norm_`'s
+        norm each rank's ``sum |g|**2`` of them is weighted ``1 / replicas``, so that one SUM over
+        ``process_group`` counts each value once. ``replicas=math.inf`` leaves them out of the norm
+        (a copy that another rank counts, such as Megatron's tensor-parallel duplicates); the
+        inf check still sees every gradient. Call on every rank (no collective, no host read);
+        a later call wins.
+
+        Returns:
+            this scaler.
+
+        Raises:
+            TypeError: ``params`` holds something other than tensors.
+            ValueError: ``replicas`` is not a number in ``[1, inf]``.
+        """
+        params = list(params)
+        bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if bad:
+            raise TypeError(f"params must be tensors, got: {', '.join(sorted(set(bad)))}")
+        if (
+            isinstance(replicas, bool)
+            or not isinstance(replicas, (int, float))
+            or not replicas >= 1
+        ):
+            raise ValueError(f"replicas must be a number in [1, inf], got: {replicas!r}")
+        self._layouts.register_params(params, float(replicas), f"replicas={replicas}")
+        return self
+
+    # ------------------------------------------------------------------ host reads
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Incurs one host read (sync)."""
+        if not self._enabled:
+            return 1.0
+        return self._read()[1].scale
+
+    def _get_growth_tracker(self) -> int:
+        return self._read()[1].growth_tracker if self._enabled else 0
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
+        else 0.0; no host read; never written again). None before one and when disabled."""
+        return self._state.last_found_inf if self._enabled else None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the optimizer step(s) of the last iteration were skipped, the same on every rank.
+
+        One host read (the explicit sync). False before the first update and when disabled.
+        """
+        flag = self._state.last_found_inf
+        if not self._enabled or flag is None:
+            return False
+        return bool(self._read(flag)[0][0])
+
+    @property
+    def skip_totals(self) -> SkipTotals:
+        """Updates, skipped updates, the last skip's number and scale, so far (one host read).
+
+        For a step replayed from a CUDA graph it is the periodic report's read: call it outside the
+        graph, at least every 2**24 steps (the device counts are float32).
+        """
+        return self._read()[2] if self._enabled else SkipTotals()
+
+    # ------------------------------------------------------------------ the overflow report
+
+    @property
+    def last_overflow(self) -> OverflowReport | None:
+        """Which ranks and parameters held inf/NaN at the most recent skipped step reported, or None.
+
+        Filled by the periodic skip report (every ``skip_log_interval`` updates, at the same update
+        on every rank; with ``skip_log_interval=1`` it is current after every :meth:`update`), so
+        it is identical on every rank of ``process_group``; never with ``skip_log_interval=0``.
+        Reading it costs nothing (see :mod:`distscaler.attribution` for what it costs to fill).
+        """
+        return self._overflows.last_overflow
+
+    def report_overflow(self) -> OverflowReport | None:
+        """Attribute the most recent skipped step now, instead of at the next periodic report,
+        and return :attr:`last_overflow`.
+
+        For a loop that already reads the agreed skip flag (:attr:`step_was_skipped`) and wants the
+        report of that very step. Every rank of ``process_group`` must call it at the same
+        iteration, after :meth:`update`. Cost: one host read; when a skipped step is not yet
+        attributed, one more and, at world size > 1, one ``all_gather`` of a fixed size
+        (:mod:`distscaler.attribution`). None when disabled, with ``skip_log_interval=0``, or
+        before any skipped step.
+
+        Raises:
+            CallOrderError: called after an inf check and before :meth:`update`.
+        """
+        if not self._enabled:
+            return None
+        if self._records:
+            raise CallOrderError("report_overflow() must be called after update().")
+        self._report(self._read()[2])
+        return self.last_overflow
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state as plain Python numbers (one host read); empty when disabled.
+
+        torch's five keys, so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus the
+        bounds, the run's counts, the policy and its counters (see :mod:`distscaler.persistence`),
+        so that a run resumed mid-hysteresis continues exactly. Safe under
+        ``torch.load(weights_only=True)``. Never touches the process group.
+        """
+        if not self._enabled:
+            return {}
+        _, values, totals = self._read()
+        return export_state(self._config, values, totals)
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Load a scaler state saved by this class, by another stack, and continue its trajectory.
+
+        torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
+        object or the ZeRO state holding it (:mod:`distscaler.interop`). Settings a format carries
+        replace the constructor's, as torch does; a replaced bound or hysteresis, or another
+        policy, warns (:mod:`distscaler.persistence`). Every value is checked first, all problems
+        in one error, and on error nothing changes. No-op when disabled.
+
+        Raises:
+            RuntimeError: ``state_dict`` is empty (saved from a disabled scaler; torch's wording).
+            ValueError: a key is missing or a value has the wrong type or range.
+            TypeError: ``state_dict`` is neither a mapping nor a DeepSpeed loss scaler.
+        """
+        if not self._enabled:
+            return
+        loaded = parse_state(state_dict, self._config)
+        for message in loaded.warnings:
+            warnings.warn(message, stacklevel=2)
+        self._config = loaded.config
+        self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._records:
+                raise CallOrderError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            _, values, totals = self._read()
+            state.update(_state=self._state.portable(values, totals), _scale=None)
+            state["_growth_tracker"] = None
+        state["_records"] = {}
+        state["_grad_plans"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
+        state.setdefault("_records", {})
+        if "_verdict" in state:  # pickled before the parts were held apart
+            old = state.pop("_verdict")
+            state.setdefault("_layouts", old.layouts)
+            state.setdefault("_group", ScalerGroup(None))
+        state["_grad_plans"] = weakref.WeakKeyDictionary()
+        state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ settings
 
-    # get_/set_growth_factor, get_/set_backoff_factor, get_/set_growth_interval, get_min_scale,
-    # get_max_scale and config: from ScalerSettings, over self._config.
+    @property
+    def config(self) -> ScalerConfig:
+        """The scaler's settings (a frozen :class:`ScalerConfig`)."""
+        return self._config
+
+    def _set_config(self, **changes: Any) -> None:
+        self._config = dataclasses.replace(self._config, **changes)  # validated there
+
+    def get_growth_factor(self) -> float:
+        """The scale growth factor."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). ValueError naming the value otherwise; nothing changes."""
+        self._set_config(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The scale backoff factor."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). ValueError naming the value otherwise."""
+        self._set_config(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval, in optimizer steps."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (in [1, 2**31 - 1] steps). ValueError naming the value
+        otherwise."""
+        self._set_config(growth_interval=new_interval)
+
+    def get_min_scale(self) -> float | None:
+        """The lower bound of the scale, or None."""
+        return self._config.min_scale
+
+    def get_max_scale(self) -> float | None:
+        """The upper bound of the scale, or None."""
+        return self._config.max_scale
 
     @property
     def device_type(self) -> str:
@@ -486,22 +753,119 @@ class GradScaler(
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The process group given at construction (None: the default group when initialized)."""
-        return self._verdict.process_group
+        return self._group.process_group
 
-    # ------------------------------------------------------------------ DeepSpeed-style access
-    # cur_scale, loss_scale, cur_iter, last_overflow_iter, cur_hysteresis, update_scale: from
-    # DeepSpeedScalerAPI, over these three hooks.
+    # torch's private fields, which other libraries read (Accelerate's tests read _init_scale):
+    # the same meaning as torch's, over the config and the state.
 
-    def _policy_keys(self) -> tuple[str, tuple[str, ...]]:
-        return self._config.policy, get_policy(self._config.policy).state_keys
+    @property
+    def _init_scale(self) -> float:
+        # torch: the constructor's init_scale, replaced by load_state_dict's "scale".
+        return self._state.initial.scale
 
-    def _policy_values(self) -> dict[str, int]:
-        return (self._read()[1] if self._enabled else self._state.initial).policy
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._state.initial = dataclasses.replace(self._state.initial, scale=float(value))
 
-    def _update_from_overflow(self, overflow: bool) -> None:
+    @property
+    def _growth_factor(self) -> float:
+        return self._config.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self._set_config(growth_factor=value)
+
+    @property
+    def _backoff_factor(self) -> float:
+        return self._config.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self._set_config(backoff_factor=value)
+
+    @property
+    def _growth_interval(self) -> int:
+        return self._config.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self._set_config(growth_interval=value)
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        # torch: the tracker the device state starts from (0; the loaded one after
+        # load_state_dict; the pickled one after unpickling). No host read.
+        return self._state.initial.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        # Before the first scale() it is where the device state starts, as in torch.
+        self._state.initial = dataclasses.replace(self._state.initial, growth_tracker=int(value))
+
+    # ------------------------------------------------------------------ DeepSpeed's names
+    # Code written against DeepSpeed's DynamicLossScaler (deepspeed/runtime/fp16/loss_scaler.py)
+    # reads these; with policy="deepspeed" the values follow DeepSpeed's rules.
+
+    @property
+    def cur_scale(self) -> float:
+        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``): :meth:`get_scale`."""
+        return self.get_scale()
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``): :meth:`get_scale`."""
+        return self.get_scale()
+
+    @property
+    def cur_iter(self) -> int:
+        """Updates so far (DeepSpeed's; ``policy="deepspeed"``, else AttributeError). A host read."""
+        return self._policy_counter("cur_iter")
+
+    @property
+    def last_overflow_iter(self) -> int:
+        """``cur_iter`` of the last overflow, -1 before any (as ``cur_iter``). A host read."""
+        return self._policy_counter("last_overflow_iter")
+
+    @property
+    def cur_hysteresis(self) -> int:
+        """Overflows left before the next backoff (DeepSpeed's ``cur_hysteresis``; Megatron's
+        ``hysteresis_tracker`` for ``policy="megatron"``). One host read.
+
+        Raises:
+            AttributeError: the policy has no hysteresis (``"torch"``, ``"static"``).
+        """
+        key = getattr(get_policy(self._config.policy), "hysteresis_counter", None)
+        if key is None:
+            key = "cur_hysteresis"
+            if "hysteresis_tracker" in get_policy(self._config.policy).state_keys:
+                key = "hysteresis_tracker"
+        return self._policy_counter(key)
+
+    def update_scale(self, overflow: Any) -> None:
+        """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
+
+        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``: an :meth:`update` whose agreed
+        ``found_inf`` was ``overflow`` (``overflow`` must already be agreed: no collective). No-op
+        when disabled.
+
+        Raises:
+            TypeError: ``overflow`` is not a bool.
+            LossScaleAtMinimumError: see ``raise_error_at_min_scale``.
+        """
+        overflow = V.check_bool("overflow", overflow)
         if not self._enabled:
             return
         self.materialize()
         state = self._device_state("update_scale")
         self._apply(state.one if overflow else state.zero, None)
         self._records.clear()
+
+    def _policy_counter(self, key: str) -> int:
+        policy = self._config.policy
+        if key not in get_policy(policy).state_keys:
+            raise AttributeError(
+                f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
+                f"has policy={policy!r}"
+            )
+        values = (self._read()[1] if self._enabled else self._state.initial).policy
+        return values[key]

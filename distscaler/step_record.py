@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .attribution import Coded
+from .attribution import Coded, TensorCodes
 from .state import Epilogue
+
+if TYPE_CHECKING:
+    from .inf_check import StepResult
 
 __all__ = ["StepRecord", "torch_states"]
 
@@ -44,12 +47,40 @@ class StepRecord:
     #: The gradients' codes for the overflow report; None: not taken yet.
     coded: Coded | None = None
 
-    def agreed(self, found_inf: torch.Tensor, **fields: Any) -> StepRecord:
-        """Keep a verdict: its flag and any of the other fields (by name). Returns self."""
-        self.found_inf = found_inf
-        for name, value in fields.items():
-            setattr(self, name, value)
-        return self
+    def keep(
+        self,
+        optimizer: torch.optim.Optimizer,
+        result: StepResult,
+        *,
+        stage: OptState | None = None,
+        grad_scale: bool = True,
+        counters: bool = True,
+        clipped: bool = False,
+    ) -> None:
+        """Keep what an inf check found (:class:`~distscaler.inf_check.StepResult`): its
+        ``found_inf``; its ``grad_scale`` (None where ``grad_scale`` is False: the gradients are
+        already unscaled) and the update's counters it made (unless ``counters`` is False); its
+        per-tensor flags for the overflow report where it took them; and the new ``stage``."""
+        assert result.found_inf is not None
+        self.found_inf = result.found_inf
+        self.grad_scale = result.grad_scale if grad_scale else None
+        if counters:
+            self.epilogue = result.next_counters
+        if stage is not None:
+            self.stage = stage
+        if clipped:
+            self.clipped = True
+        self.keep_flags(optimizer, result)
+
+    def keep_flags(self, optimizer: torch.optim.Optimizer, result: StepResult) -> None:
+        """Keep the per-tensor flags ``result`` took, if it took them (an iteration whose check
+        already agreed reads the gradients again only for these)."""
+        if result.flags_taken:
+            flags = result.per_tensor_flags
+            taken = None
+            if flags is not None or result.clean_read:
+                taken = TensorCodes(result.params, flags)
+            self.coded = Coded(optimizer, taken, result.flags_after_read)
 
 
 def torch_states(records: dict[int, StepRecord]) -> defaultdict[int, dict[str, Any]]:

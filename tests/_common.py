@@ -24,7 +24,8 @@ __all__ = [
     "OPTIMIZERS",
     "TARGETS",
     "digest",
-    "gpu_verdict",
+    "gpu_path",
+    "gpu_path_of",
     "make_optimizer",
     "mlp",
     "model_digest",
@@ -42,18 +43,23 @@ FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 TARGETS = ("first", "last", "all")
 
 
-@contextlib.contextmanager
-def gpu_verdict() -> Iterator[None]:
-    """The verdict a GPU runs, on the CPU: the flag never read on the host (the CPU's own verdict
-    reads it, free there: ``distscaler.host_read``). For tests that prove a fused step's no-read
-    promise on gloo."""
-    import distscaler.host_read as host_read
+def gpu_path(scaler: Any) -> Any:
+    """``scaler`` (a ``distscaler.GradScaler``) set to run the step a GPU runs, on the CPU:
+    ``found_inf`` never read on the host (the CPU's own path reads it, free there:
+    ``distscaler.plan.host_read_is_free``). For tests that prove a fused step's no-read promise on
+    gloo. Returns ``scaler``."""
+    scaler._host_reads = False
+    return scaler
 
-    saved, host_read.HOST_READ_FREE = host_read.HOST_READ_FREE, frozenset()
+
+@contextlib.contextmanager
+def gpu_path_of(scaler: Any) -> Iterator[None]:
+    """:func:`gpu_path` for the duration of a ``with`` block (the CPU's path again after it)."""
+    saved, scaler._host_reads = scaler._host_reads, False
     try:
         yield
     finally:
-        host_read.HOST_READ_FREE = saved
+        scaler._host_reads = saved
 
 
 def target_ranks(target: str, world_size: int) -> set[int]:

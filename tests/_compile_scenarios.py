@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import gpu_verdict, make_optimizer
+from _common import gpu_path_of, make_optimizer
 from _torch_gaps import run_case
 
 from distscaler import GradScaler
@@ -361,7 +361,7 @@ def compiled_kernels() -> dict[str, Any]:
             _scaler_phase(scaler, optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         _backward(model, scaler, 2, 0, 1)
-        with gpu_verdict(), DispatchCounter() as gpu_ops:  # what an eager GPU step launches
+        with gpu_path_of(scaler), DispatchCounter() as gpu_ops:  # what an eager GPU step launches
             _scaler_phase(scaler, optimizer, clip)
         optimizer.zero_grad(set_to_none=True)
         _backward(model, scaler, 3, 0, 1)

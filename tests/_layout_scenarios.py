@@ -38,7 +38,7 @@ from _common import (
     OPTIMIZERS,
     TARGETS,
     digest,
-    gpu_verdict,
+    gpu_path,
     make_optimizer,
     mlp,
     optim_digest,
@@ -452,13 +452,13 @@ def reference_norm(pieces: dict[str, torch.Tensor], scale: float) -> tuple[float
 
 
 def run_ours(layout: str, rank: int, world_size: int, opt_kind: str, schedule: list) -> dict:
-    with gpu_verdict():  # the verdict a GPU runs: host reads are counted below
-        return _run_ours(layout, rank, world_size, opt_kind, schedule)
+    return _run_ours(layout, rank, world_size, opt_kind, schedule)
 
 
 def _run_ours(layout: str, rank: int, world_size: int, opt_kind: str, schedule: list) -> dict:
     built = LAYOUTS[layout][1](rank, world_size, opt_kind)
-    scaler = GradScaler(DEVICE, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    # The path a GPU runs: host reads are counted below.
+    scaler = gpu_path(GradScaler(DEVICE, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL))
     for module, grad_layout in built.register:
         scaler.register_model(module, grad_layout=grad_layout)
     scaler.materialize(DEVICE)  # first pipeline stages never call scale()

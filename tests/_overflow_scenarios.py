@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import gpu_verdict
+from _common import gpu_path
 from _layout_scenarios import DEVICE, INIT_SCALE, LAYOUTS, MAX_NORM
 from _torch_gaps import run_case as guarded
 from _torch_gaps import torch_gaps
@@ -92,15 +92,18 @@ def _inject(
 
 def run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:
     if layout.endswith("-cpuread"):
-        return _run_case(layout.removesuffix("-cpuread"), opt_kind, clip, rank, world_size)
-    with gpu_verdict():
-        return _run_case(layout, opt_kind, clip, rank, world_size)
+        return _run_case(layout.removesuffix("-cpuread"), opt_kind, clip, rank, world_size, False)
+    return _run_case(layout, opt_kind, clip, rank, world_size, True)
 
 
-def _run_case(layout: str, opt_kind: str, clip: bool, rank: int, world_size: int) -> dict:
+def _run_case(
+    layout: str, opt_kind: str, clip: bool, rank: int, world_size: int, gpu: bool
+) -> dict:
     built = LAYOUTS[layout][1](rank, world_size, opt_kind)
     assert built.model is not None
     scaler = GradScaler(DEVICE, init_scale=INIT_SCALE, skip_log_interval=INTERVAL)
+    if gpu:
+        gpu_path(scaler)
     for module, grad_layout in built.register:
         scaler.register_model(module, grad_layout=grad_layout)
     scaler.register_model(built.model)  # names (FSDP2's layout needs nothing)

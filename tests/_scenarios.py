@@ -17,7 +17,7 @@ from _common import (
     FAULTS,
     OPTIMIZERS,
     TARGETS,
-    gpu_verdict,
+    gpu_path,
     make_optimizer,
     mlp,
     model_digest,
@@ -182,12 +182,11 @@ def clip_norms(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any
 
 def step_costs(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]:
     """Collectives (CommDebugMode) and host reads inside (clip_grad_norm_ +) step + update, with
-    the verdict a GPU runs (``gpu_verdict``).
+    the path a GPU runs (``gpu_path``).
 
     Rank 0 writes a NaN on step 2, so clean and overflowing steps are both measured.
     """
-    with gpu_verdict():
-        return _step_costs(rank, world_size, device)
+    return _step_costs(rank, world_size, device)
 
 
 def _step_costs(rank: int, world_size: int, device: str) -> dict[str, Any]:
@@ -195,8 +194,14 @@ def _step_costs(rank: int, world_size: int, device: str) -> dict[str, Any]:
     for opt_kind, clip, enabled in itertools.product(OPTIMIZERS, (False, True), (True, False)):
         model = mlp().to(device)
         opt = make_optimizer(opt_kind, model.parameters())
-        scaler = GradScaler(
-            device, init_scale=2.0**8, growth_interval=3, enabled=enabled, grad_layout="replicated"
+        scaler = gpu_path(
+            GradScaler(
+                device,
+                init_scale=2.0**8,
+                growth_interval=3,
+                enabled=enabled,
+                grad_layout="replicated",
+            )
         )
         spy = HostReadSpy()
         spy.exclude_optimizer(opt)

@@ -39,7 +39,7 @@ def pytest_xdist_auto_num_workers(config):
 #: that the test files themselves stay free of it.
 COMPAT: dict[str, str] = {
     "test_api.py": "the drop-in: torch's semantics, errors and state_dict, both ways",
-    "test_verdict.py": "the per-rank kernels (torch's check kernel, fp32 norms of fp16 gradients)",
+    "test_inf_check.py": "the per-rank kernels (torch's check kernel, fp32 norms of fp16 gradients)",
     "test_parity.py": "torch.amp.GradScaler as the oracle, bit for bit",
     "test_policies.py": "DeepSpeed's DynamicLossScaler and Megatron's rule as oracles, on 2 ranks too",
     "test_layouts.py": "every layout (DDP, FSDP1, FSDP2, HSDP, FSDP2 x TP, PP) on gloo ranks",

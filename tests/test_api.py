@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _common import make_optimizer, optimizer_tensors
+from _common import gpu_path, make_optimizer, optimizer_tensors
 from _models import make_model, train
 
 import distscaler
@@ -597,12 +597,11 @@ def test_skips_are_logged_when_the_host_reads(caplog):
     assert len(caplog.records) == 1, "a skip was reported twice"
 
 
-def test_skips_are_logged_every_interval(caplog, monkeypatch):
-    # The verdict a GPU runs (the CPU's reads its flag each step, see test_step_cost).
-    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
+def test_skips_are_logged_every_interval(caplog):
+    # The path a GPU runs (the CPU's reads its flag each step, see test_step_cost).
     model = make_model()
     opt = make_optimizer("fused", model.parameters())
-    scaler = distscaler.GradScaler("cpu", skip_log_interval=3)
+    scaler = gpu_path(distscaler.GradScaler("cpu", skip_log_interval=3))
     caplog.set_level(logging.INFO, logger="distscaler")
     spy = HostReadSpy()
     spy.exclude_optimizer(opt)

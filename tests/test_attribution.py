@@ -22,6 +22,7 @@ import _overflow_scenarios as S
 import pytest
 import torch
 from _harness import HostReadSpy, spawn
+from _common import gpu_path
 from _models import make_model
 from _torch_gaps import skip_if_torch_gap
 
@@ -121,12 +122,11 @@ def test_wrapper_attributes_are_not_part_of_the_name():
     assert _entries(scaler.last_overflow) == [(0, "0.2.weight", "inf")]
 
 
-def test_the_report_is_of_the_last_skipped_step_of_the_interval(monkeypatch):
-    # The verdict a GPU runs (no host read of the flag), so that the reads below are the report's.
-    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
+def test_the_report_is_of_the_last_skipped_step_of_the_interval():
+    # The path a GPU runs (no host read of the flag), so that the reads below are the report's.
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = distscaler.GradScaler("cpu", skip_log_interval=4).register_model(model)
+    scaler = gpu_path(distscaler.GradScaler("cpu", skip_log_interval=4).register_model(model))
     schedule = [[("0.weight", math.inf)], [], [("2.bias", math.nan)], []]
     _train(scaler, model, opt, schedule[:3], mode="clip")
     assert scaler.last_overflow is None  # not reported before the interval's end

@@ -38,4 +38,4 @@ def test_a_later_registration_wins():
     scaler.register_model(model, grad_layout="replicated").register_model(
         model, grad_layout="sharded"
     )
-    assert scaler._verdict.layouts.weight(model.bias, torch.zeros(4), 2, None) == 1.0
+    assert scaler._layouts.weight(model.bias, torch.zeros(4), 2, None) == 1.0

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _common import FAULTS, gpu_verdict, make_optimizer, optimizer_tensors
+from _common import FAULTS, gpu_path_of, make_optimizer, optimizer_tensors
 from _models import make_model, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,7 +91,7 @@ def test_the_gpu_clip_verdict_matches_the_cpus_bit_for_bit(opt_kind):
         params = list(model.parameters())
         gen = torch.Generator().manual_seed(7)
         norms, scales = [], []
-        with gpu_verdict() if gpu else contextlib.nullcontext():
+        with gpu_path_of(scaler) if gpu else contextlib.nullcontext():
             for step in range(12):
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast("cpu", dtype=torch.float16):

@@ -19,7 +19,7 @@ from typing import Any
 import _policy_scenarios as PS
 import pytest
 import torch
-from _common import make_optimizer
+from _common import gpu_path, make_optimizer
 from _harness import spawn
 from _models import make_model
 from hypothesis import given, settings
@@ -395,11 +395,11 @@ def test_bf16_training_at_scale_one_skips_nonfinite_steps_unless_told_not_to(ski
 
 
 @pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron", "static"])
-def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
-    # The verdict a GPU runs (the CPU's reads its flag each step, see test_step_cost).
-    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
+def test_update_reads_nothing_on_the_host_for_every_policy(policy):
+    # The path a GPU runs (the CPU's reads its flag each step, see test_step_cost).
     hyst = 2 if policy in ("deepspeed", "megatron") else 1
     scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy, hysteresis=hyst)
+    gpu_path(scaler)
     model = make_model()
     opt = make_optimizer("fused", model.parameters())
     scales = set()
@@ -416,10 +416,7 @@ def test_update_reads_nothing_on_the_host_for_every_policy(policy, monkeypatch):
     assert (len(scales) > 1) is (policy != "static")  # the rule really ran
 
 
-def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message(
-    monkeypatch,
-):
-    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())  # a GPU's verdict
+def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepspeeds_message():
     scaler = GradScaler(
         "cpu",
         init_scale=4.0,
@@ -428,6 +425,7 @@ def test_raise_error_at_min_scale_costs_one_host_read_per_update_and_uses_deepsp
         hysteresis=1,
         raise_error_at_min_scale=True,
     )
+    gpu_path(scaler)  # a GPU's path
     step, _ = real_step_driver(scaler, "fused")
     with HostReadSpy() as spy:
         step(True)  # 4 -> 2

@@ -18,6 +18,8 @@ from benchkit.contenders import noop_step
 import distscaler
 from common.probes import DispatchCounter, HostReadSpy
 
+from _common import gpu_path
+
 NUM_TENSORS = 144
 
 #: distscaler's scaler phase on the CPU, op by op (clip_grad_norm_ + step + update), a clean step.
@@ -50,7 +52,7 @@ OURS_WITHOUT_CLIP_SKIPPED = dict(
     **{"aten._foreach_norm.Scalar": 1, "aten.stack.default": 1, "aten.nan_to_num.default": 1},
 )
 #: The verdict a GPU runs (no host read: the fused step's promise), counted on the CPU with
-#: HOST_READ_FREE emptied. With clipping: the per-tensor norms are stacked into one buffer with the
+#: the scaler on the path a GPU runs (``gpu_path``). With clipping: the per-tensor norms are stacked into one buffer with the
 #: global norm's slot and the epilogue's lanes, so that one nan_to_num codes them together and one
 #: clamp makes both the flag and grad_scale.
 GPU_WITH_CLIP = {
@@ -82,18 +84,19 @@ PACKED_POLICY = {"aten._foreach_clamp_min.Scalar": 1, "aten._foreach_lerp_.List"
 
 
 @pytest.fixture
-def gpu_verdict(monkeypatch):
-    """The verdict a GPU runs: the flag never read on the host."""
-    import distscaler.host_read
+def gpu_verdict():
+    """The path a GPU runs: found_inf never read on the host (pass it as ``gpu=`` to the
+    helpers below, which build the scaler so)."""
+    return True
 
-    monkeypatch.setattr(distscaler.host_read, "HOST_READ_FREE", frozenset())
 
-
-def _setup(scaler_cls, **settings):
+def _setup(scaler_cls, gpu: bool = False, **settings):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(16)) for _ in range(NUM_TENSORS)]
     optimizer = noop_step(torch.optim.AdamW(params, lr=1e-3, fused=True))
     scaler = scaler_cls("cpu", init_scale=2.0**16, **settings)
+    if gpu and isinstance(scaler, distscaler.GradScaler):
+        gpu_path(scaler)
     scaler.scale(torch.ones(()))
     return params, optimizer, scaler
 
@@ -109,9 +112,9 @@ def _phase(params, optimizer, scaler, clip: bool) -> None:
 
 
 def _count(
-    scaler_cls, clip: bool, *, fault: bool = False, **settings
+    scaler_cls, clip: bool, *, fault: bool = False, gpu: bool = False, **settings
 ) -> tuple[dict[str, int], bool]:
-    params, optimizer, scaler = _setup(scaler_cls, **settings)
+    params, optimizer, scaler = _setup(scaler_cls, gpu, **settings)
     for _ in range(2):  # warm-up: plans, constants, the device state
         for p in params:
             p.grad = torch.randn_like(p)
@@ -147,7 +150,7 @@ def test_unclipped_step_dispatches_no_more_than_torchs_ops_with_the_report_on(fa
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
 def test_the_gpu_verdict_costs_the_same_on_clean_and_skipped_steps(gpu_verdict, fault):
     for clip, expected in ((True, GPU_WITH_CLIP), (False, GPU_WITHOUT_CLIP)):
-        ours, skipped = _count(distscaler.GradScaler, clip=clip, fault=fault)
+        ours, skipped = _count(distscaler.GradScaler, clip=clip, fault=fault, gpu=gpu_verdict)
         theirs, _ = _count(torch.amp.GradScaler, clip=clip, fault=fault)
         assert skipped is fault and ours == expected
         # Without clipping no more than torch's; with clipping at most half of torch's.
@@ -155,11 +158,15 @@ def test_the_gpu_verdict_costs_the_same_on_clean_and_skipped_steps(gpu_verdict, 
 
 
 def test_without_a_periodic_report_nothing_is_coded_or_recorded(gpu_verdict):
-    ours, skipped = _count(distscaler.GradScaler, clip=True, fault=True, skip_log_interval=0)
+    ours, skipped = _count(
+        distscaler.GradScaler, clip=True, fault=True, gpu=gpu_verdict, skip_log_interval=0
+    )
     assert skipped
     # The same ops: the global norm's code (the flag) still takes the nan_to_num the codes ride in.
     assert ours == GPU_WITH_CLIP
-    ours, skipped = _count(distscaler.GradScaler, clip=False, fault=True, skip_log_interval=0)
+    ours, skipped = _count(
+        distscaler.GradScaler, clip=False, fault=True, gpu=gpu_verdict, skip_log_interval=0
+    )
     assert skipped
     assert ours == {  # torch's check kernel on any device, and no host read
         "aten._foreach_addcdiv.Scalar": 1,
@@ -179,16 +186,18 @@ _SETTINGS = {
 @pytest.mark.parametrize("settings", list(_SETTINGS), ids=list(_SETTINGS))
 @pytest.mark.parametrize("verdict", ["cpu", "gpu"])
 @pytest.mark.parametrize("policy", ["deepspeed", "megatron"])
-def test_hysteresis_policies_cost_the_torch_policy_plus_two_ops(request, policy, verdict, settings):
-    if verdict == "gpu":
-        request.getfixturevalue("gpu_verdict")
+def test_hysteresis_policies_cost_the_torch_policy_plus_two_ops(policy, verdict, settings):
+    gpu = verdict == "gpu"
     for clip in (True, False):
         for fault in (False, True):
-            base, _ = _count(distscaler.GradScaler, clip=clip, fault=fault, **_SETTINGS[settings])
+            base, _ = _count(
+                distscaler.GradScaler, clip=clip, fault=fault, gpu=gpu, **_SETTINGS[settings]
+            )
             ours, skipped = _count(
                 distscaler.GradScaler,
                 clip=clip,
                 fault=fault,
+                gpu=gpu,
                 policy=policy,
                 hysteresis=1 if fault else 2,  # the overflow backs off: the guard below
                 **_SETTINGS[settings],
@@ -231,7 +240,7 @@ def test_a_second_dtype_group_adds_one_norm_launch():
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 def test_fused_step_reads_nothing_on_the_host_with_the_gpu_verdict(gpu_verdict, clip):
-    params, optimizer, scaler = _setup(distscaler.GradScaler)
+    params, optimizer, scaler = _setup(distscaler.GradScaler, gpu=gpu_verdict)
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distscaler import grad_kernels
+from distscaler import inf_check
 from distscaler.layouts import collect_grads
-from distscaler.verdict import check_and_unscale_, local_verdict
+from distscaler.inf_check import check_and_unscale_, local_stat
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIALS = [math.inf, -math.inf, math.nan, 6.0e4, -6.0e4, 1e30, 0.0]
@@ -57,7 +57,7 @@ def test_norm_verdict_accumulates_wide_enough(dtype):
     grads = [torch.full((1000,), 6.0e4, dtype=dtype)]
     groups, _ = _groups(grads)
     inv_scale = torch.tensor(0.5)
-    verdict = local_verdict(groups, inv_scale=inv_scale, norm_type=2.0)
+    verdict = local_stat(groups, inv_scale, 2.0)[0]
     flag, sum_sq = verdict.tolist()
     assert flag == 0.0
     expected = (grads[0].double() * 0.5).norm().item() ** 2
@@ -93,8 +93,8 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target = tensors[where % len(tensors)]
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
-    norm, per_tensor = grad_kernels._scaled_two_norm(
-        groups, torch.device("cpu"), 1, None, torch.zeros(2)
+    norm, per_tensor, _ = inf_check._stacked_two_norm(
+        groups, torch.device("cpu"), 1, None, torch.zeros(2), ()
     )
     assert per_tensor.shape == (len(tensors),)
     assert norm.dtype == torch.float32 and norm.shape == ()

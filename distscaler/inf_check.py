@@ -1,0 +1,640 @@
+"""The inf check: one pass over this rank's gradients and the step's one collective.
+
+:func:`run` carries out a :class:`~distscaler.plan.StepPlan` over the gradients
+:func:`distscaler.layouts.local_grads` gathered and returns one :class:`StepResult`: the agreed
+``found_inf`` (every rank of the group gets the same), and as the plan asks, the ``grad_scale`` a
+fused optimizer divides by, the global ``total_norm`` and the per-tensor flags an overflow report
+reads. Each pass is torch's multi-tensor kernels, one launch per (device, dtype) group, then at most
+one ``all_reduce`` of two float32 (:func:`_all_reduce_`, the only collective of a step), then a
+few small device ops that also compute the counters the next ``update()`` needs (the state's
+``epilogue()`` operands ride in the pass's own ``_foreach_addcdiv``). Nothing is read on the host
+but where the plan says so.
+
+Per-tensor flags: one float32 per gradient tensor, taken from the statistic the pass reads anyway
+(its largest magnitude, or its norm when clipping), coded by one ``nan_to_num``: the finite
+statistic itself, ``-1.0`` for a NaN, ``-2.0`` for an inf (:mod:`distscaler.attribution`).
+
+Device ops per pass (world size 1, one (device, dtype) group; world size > 1 adds the one
+``all_reduce``, and with clipping one ``sqrt``):
+
+* ``CHECK`` without per-tensor flags, or on the CPU (flag read on the host): one
+  ``_foreach_addcdiv`` (the flag's fresh zero and the update's counters), torch's check kernel with
+  a factor of exactly 1.0 (values unchanged), and with flags the host read: 3 (+ ``_foreach_norm``,
+  ``stack``, ``nan_to_num`` on a skip). On a GPU with flags: ``_foreach_norm`` with p = inf (each
+  gradient's largest magnitude: read-only, inf/NaN exactly when the gradient holds one), ``stack``,
+  ``nan_to_num``, ``amin``, the ``_foreach_addcdiv`` (``-min``), ``clamp`` for a flag of exactly
+  0.0 or 1.0: 6.
+* ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then the
+  ``_foreach_addcdiv`` for the norm, ``scaled norm / max_norm`` and the overflow flag; on the CPU
+  (fused) the flag's host read and ``fmax`` for ``grad_scale``: 6. On a GPU: the ``stack`` also
+  makes the slots of the total norm and of the update's counters, one ``nan_to_num`` flags the
+  per-tensor norms and the total norm together, the ``_foreach_addcdiv_`` writes into the slots,
+  one ``clamp`` gives the exact flag and ``grad_scale``: 6 (:func:`_norm_on_device`).
+
+The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
+to avoid dividing by zero; here ``clip_coef = min(1, max_norm / total_norm)`` is applied as
+``grad_scale = max(scale, scaled_norm / max_norm)``, which never divides by the norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ._torch_compat import amp_check_and_unscale_
+from .attribution import flag_tensors
+from .layouts import GradGroups
+from .plan import GradPass, StepPlan
+from .state import DeviceState, Epilogue
+
+__all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
+
+#: Elements of the buffer a pass all-reduces: [non-finite flag, weighted sum of |g|**p (or max |g|
+#: for p = inf)].
+STAT_NUMEL = 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :func:`run` found, all tensors 0-dim float32 on the scale's device unless said.
+
+    Attributes:
+        found_inf: exactly 1.0 if any rank of the group saw inf/NaN, else 0.0 (0.0 also when the
+            plan steps through inf/NaN); None for a disabled scaler's clip.
+        grad_scale: what a fused optimizer divides the gradients by (``scale / clip_coef``), or
+            None when they are already unscaled.
+        total_norm: the global norm of the unscaled gradients (a ``NORM`` pass), else None.
+        per_tensor_flags: float32 ``(len(params),)``: each gradient's statistic, ``-1.0`` for NaN,
+            ``-2.0`` for inf; None when not taken, or taken on a clean step read on the host.
+        params: the parameters of the gradients, in the order of ``per_tensor_flags``.
+        flags_taken: whether this result speaks for the step's per-tensor flags (else a later
+            pass of the iteration takes them).
+        clean_read: ``found_inf`` was read on the host and no flags were taken for it (a clean
+            step): the optimizer's overflow record stays as it is.
+        flags_after_read: the flags were taken after the host read ``found_inf`` (on a skip only).
+        next_counters: the update's counters made by this pass (``DeviceState.epilogue``), or None
+            (the update makes them).
+        skipped: ``found_inf`` as read on the host, None where it was not read.
+    """
+
+    found_inf: torch.Tensor | None
+    grad_scale: torch.Tensor | None = None
+    total_norm: torch.Tensor | None = None
+    per_tensor_flags: torch.Tensor | None = None
+    params: tuple[torch.Tensor, ...] = ()
+    flags_taken: bool = False
+    clean_read: bool = False
+    flags_after_read: bool = False
+    next_counters: Epilogue | None = None
+    skipped: bool | None = None
+    max_norm: float | None = None
+
+    @property
+    def clip_coef(self) -> torch.Tensor | None:
+        """``min(1, max_norm / total_norm)``, torch's clip coefficient without its 1e-6 guard (one
+        op when asked; the step itself applies it through ``grad_scale``); None without a norm."""
+        if self.total_norm is None or self.max_norm is None:
+            return None
+        return torch.clamp(self.max_norm / self.total_norm, max=1.0)
+
+
+def run(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState | None,
+    *,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    found_inf: torch.Tensor | None = None,
+) -> StepResult:
+    """Carry out ``plan`` over this rank's gradients.
+
+    Args:
+        plan: what to do (:mod:`distscaler.plan`).
+        grads: the local gradients grouped by (device, dtype, replication weight), and ``params``
+            their parameters in the same order (:func:`distscaler.layouts.local_grads`).
+        state: the scale's device state; None for a disabled scaler (a ``NORM_UNSCALED`` pass).
+        group, world_size: the ranks that must agree (every rank of ``group`` must call ``run``
+            with the same plan kind: it all-reduces once when ``world_size > 1``).
+        found_inf: the flag an earlier check of this iteration agreed on (``GradPass.NONE``, and
+            ``NORM_UNSCALED`` after ``unscale_``).
+
+    Raises:
+        ValueError: fp16 gradients where they are unscaled in place (torch's wording) are refused
+            by the gathering; nothing here raises on user input.
+    """
+    grad_pass = plan.grad_pass
+    if grad_pass is GradPass.NORM_UNSCALED:
+        return _norm_unscaled(plan, grads, params, state, group, world_size, found_inf)
+    assert state is not None
+    if grad_pass is GradPass.NORM:
+        return _norm(plan, grads, params, state, group, world_size)
+    if grad_pass is GradPass.CHECK:
+        result = _check(plan, grads, params, state, group, world_size)
+        if not plan.skip_nonfinite:  # a static scale told to step through inf/NaN
+            return replace(result, found_inf=state.zero)
+        return result
+    if grad_pass is GradPass.UNSCALE:
+        found = _all_reduce_(
+            check_and_unscale_(grads, inv_scale=_inv_scale(state.scale)),
+            dist.ReduceOp.MAX,
+            group,
+            world_size,
+        )[0]
+        if not plan.skip_nonfinite:
+            found = state.zero
+    else:  # GradPass.NONE: the iteration's check already agreed
+        assert found_inf is not None
+        found = found_inf
+        if not plan.read_found_inf:  # a fused step after an explicit unscale_: flags at once
+            flags = _flags(grads, state.device) if plan.per_tensor_flags else None
+            return StepResult(found, per_tensor_flags=flags, params=params,
+                              flags_taken=plan.per_tensor_flags)  # fmt: skip
+    if not plan.read_found_inf:  # unscale_: no read, no flags (a later step takes them)
+        return StepResult(found)
+    skipped = bool(found.item())  # the step's one host read: the agreed flag
+    taking = plan.per_tensor_flags and skipped
+    flags = _flags(grads, state.device) if taking else None
+    return StepResult(
+        found,
+        per_tensor_flags=flags,
+        params=params,
+        flags_taken=taking,
+        flags_after_read=True,
+        skipped=skipped,
+    )
+
+
+# ---------------------------------------------------------------------- the one collective
+
+
+def _all_reduce_(
+    buffer: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, world_size: int
+) -> torch.Tensor:
+    """The step's collective: ``buffer`` all-reduced in place over ``group`` when it has more than
+    one rank (every rank of the group must call). A flag summed or maxed over ranks is > 0 on every
+    rank as soon as one rank saw a non-finite value. Returns ``buffer``."""
+    if world_size > 1:
+        dist.all_reduce(buffer, op=op, group=group)
+    return buffer
+
+
+# ---------------------------------------------------------------------- the read-only check
+
+
+def _check(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> StepResult:
+    """The agreed ``found_inf``, leaving the gradients as they are (a fused step).
+
+    Without per-tensor flags, or where the flag is read on the host: torch's check kernel with a
+    factor of exactly 1.0 (it writes back the values it read). Otherwise the largest magnitude of
+    each gradient (``_foreach_norm`` with p = inf: inf or NaN exactly when the gradient holds one)
+    gives the flags and, by their minimum, ``found_inf``.
+    """
+    kernel = not plan.per_tensor_flags or plan.read_found_inf
+    if kernel and all(key.device == state.device for key in grads):
+        return _check_kernel(plan, grads, params, state, group, world_size)
+    flags = _flags(grads, state.device)
+    if flags is None:
+        found = state.zero.clone()
+        counters = None
+    else:
+        a, b, c = state.epilogue()
+        # The smallest flag is negative exactly when a gradient is inf/NaN: -min, clamped to
+        # [0, 1], is found_inf; the update's counters come in the same op.
+        neg_min, *next_values = torch._foreach_addcdiv(
+            [state.zero, *a], [flags.amin(), *b], [state.minus_one, *c]
+        )
+        found = neg_min.clamp(0.0, 1.0)
+        counters = state.name_ends(next_values)
+    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
+    return StepResult(
+        found,
+        grad_scale=state.scale,
+        per_tensor_flags=flags,
+        params=params,
+        flags_taken=True,
+        next_counters=counters,
+    )
+
+
+def _check_kernel(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> StepResult:
+    """:func:`_check` with torch's check kernel (a factor of exactly 1.0: values unchanged).
+
+    Ops: one ``_foreach_addcdiv`` (the flag's fresh zero and the update's counters), the kernel (one
+    launch per group), the ``all_reduce(MAX)`` of one float32 at world size > 1; where the flag is
+    read, one host read, and on a skip ``_foreach_norm``, ``stack``, ``nan_to_num``.
+    """
+    a, b, c = state.epilogue()
+    zero, one = state.zero, state.one
+    found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
+    counters = state.name_ends(next_values)
+    for same in grads.values():
+        amp_check_and_unscale_(same, found, one)
+    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
+    if not plan.read_found_inf:
+        return StepResult(found, grad_scale=state.scale, next_counters=counters,
+                          params=params, flags_taken=True)  # fmt: skip
+    skipped = bool(found.item())  # free: the plan reads only where no sync is needed
+    return StepResult(
+        found,
+        grad_scale=state.scale,
+        per_tensor_flags=_flags(grads, state.device) if skipped else None,
+        params=params,
+        flags_taken=True,
+        clean_read=True,
+        flags_after_read=True,
+        next_counters=counters,
+        skipped=skipped,
+    )
+
+
+def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply gradients in place by ``inv_scale`` and flag non-finite values in the same pass.
+
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel ``torch.amp.GradScaler``
+    uses, so unscaled values are bit-identical to torch's; with ``inv_scale`` exactly 1.0 the values
+    are unchanged. Returns a fresh float32 ``(2,)`` tensor on ``inv_scale.device``: [exactly 1.0 if
+    an element is inf/NaN else 0.0, 0.0].
+    """
+    device = inv_scale.device
+    stat = torch.zeros(STAT_NUMEL, dtype=torch.float32, device=device)
+    others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, grads in groups.items():
+        if key.device == device:
+            found, factor = stat[0], inv_scale  # the kernel writes into the buffer
+        else:
+            if key.device not in others:
+                others[key.device] = (
+                    torch.zeros((), dtype=torch.float32, device=key.device),
+                    inv_scale.to(key.device, non_blocking=True),
+                )
+            found, factor = others[key.device]
+        amp_check_and_unscale_(grads, found, factor)
+    for found, _ in others.values():
+        stat[0:1].copy_(torch.maximum(stat[0], found.to(device, non_blocking=True)))
+    return stat
+
+
+def _flags(groups: GradGroups, device: torch.device) -> torch.Tensor | None:
+    """Per-tensor flags of the gradients as they are (float32 ``(num_grads,)`` on ``device``): the
+    largest magnitude of each (``_foreach_norm`` with p = inf, one launch per group), flagged. None
+    without any gradient."""
+    parts: list[torch.Tensor] = []
+    wide: list[tuple[int, torch.Tensor]] = []  # float64 groups: flagged before the cast to float32
+    for key, grads in groups.items():
+        part = list(torch._foreach_norm(grads, math.inf, dtype=_accumulation_dtype(key.dtype)))
+        if key.dtype == torch.float64:
+            # A finite float64 magnitude past float32's range must not turn into an inf flag.
+            flagged = flag_tensors(torch.stack(part)).clamp_(max=torch.finfo(torch.float32).max)
+            wide.append((len(parts), flagged.to(device, torch.float32, non_blocking=True)))
+            part = [torch.zeros((), dtype=torch.float32, device=device)] * len(part)
+        elif key.device != device:
+            part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        parts += part
+    if not parts:
+        return None
+    flags = flag_tensors(torch.stack(parts))
+    for start, flagged in wide:
+        flags[start : start + flagged.numel()] = flagged
+    return flags
+
+
+# ---------------------------------------------------------------------- norms
+
+
+def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
+    # As torch: the reciprocal in float64, so unscaled values match torch's bit for bit.
+    return scale.double().reciprocal().float()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 at least: a large finite fp16 gradient's square never overflows it. (Not
+    # torch.promote_types, which is a dispatched op.)
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _div_(groups: GradGroups, divisor: torch.Tensor) -> None:
+    """Divide every gradient in place by a 0-dim tensor (one launch per (device, dtype) group)."""
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for key, grads in groups.items():
+        if key.device not in per_device:
+            per_device[key.device] = divisor.to(key.device, non_blocking=True)
+        torch._foreach_div_(grads, per_device[key.device])
+
+
+def _p_norm(stat: torch.Tensor, norm_type: float) -> torch.Tensor:
+    # The norm from an agreed statistic: sum |g|**p, or max |g| for p = inf.
+    return stat[1] if norm_type == math.inf else stat[1].pow(1.0 / norm_type)
+
+
+def _stacked_two_norm(
+    groups: GradGroups,
+    device: torch.device,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    buffer2: torch.Tensor,
+    tail: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``, the
+    per-tensor norms (float32 ``(num_grads,)``, None without gradients), and, with ``tail`` (0-dim
+    float32 tensors on ``device``), the buffer the per-tensor norms were stacked into (else None).
+
+    One ``_foreach_norm`` per (device, dtype) group (float32 accumulation at least: a large finite
+    fp16 gradient never looks like an overflow) and one ``stack``; then at world size 1 one
+    ``linalg_vector_norm``, and otherwise the weighted sum of squares written into ``buffer2[1]``
+    (one ``addmv_``), one ``all_reduce`` of ``buffer2``, and one ``sqrt``. A rank without gradients
+    joins with zeros.
+
+    The one ``stack`` also copies a slot for the total norm and ``tail`` after the per-tensor norms,
+    and the norm is written into its slot (the ``out=`` of ``linalg_vector_norm`` or ``sqrt``): the
+    buffer is float32 ``(num_grads + 1 + len(tail),)``, ``[per-tensor norms | total norm | tail]``,
+    so that later ops treat the norms and the total norm, or slots of the tail, as one tensor.
+    """
+    norms: list[torch.Tensor] = []  # per-tensor 2-norms
+    weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
+    for key, grads in groups.items():
+        acc = _accumulation_dtype(key.dtype)
+        part = list(torch._foreach_norm(grads, 2.0, dtype=acc))
+        if key.device != device or acc != torch.float32:
+            part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        weights.append((len(norms), len(norms) + len(part), key.weight))
+        norms += part
+    num_grads = len(norms)
+    buffer = None
+    total = None
+    if tail:
+        buffer = torch.stack([*norms, tail[0], *tail])  # the norm's slot: a copy of tail[0]
+        per_tensor = buffer[:num_grads] if norms else None
+        total = buffer[num_grads]
+    else:
+        per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
+    if world_size == 1:
+        if per_tensor is None:
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            return (zero if total is None else total.zero_()), None, buffer
+        if total is None:
+            return torch.linalg.vector_norm(per_tensor), per_tensor, None
+        torch.linalg.vector_norm(per_tensor, out=total)
+        return total, per_tensor, buffer
+    out = buffer2[1:2]
+    if per_tensor is not None:
+        stacked, weight = per_tensor, weights[0][2]
+        if any(w != weight for _, _, w in weights):  # groups of different replication
+            stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
+            weight = 1.0
+        out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
+    else:
+        out.zero_()
+    _all_reduce_(buffer2, dist.ReduceOp.SUM, group, world_size)
+    if total is None:
+        return buffer2[1].sqrt(), per_tensor, None
+    torch.sqrt(buffer2[1], out=total)
+    return total, per_tensor, buffer
+
+
+def local_stat(
+    groups: GradGroups, inv_scale: torch.Tensor, norm_type: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's contribution to a p-norm, read-only over the gradients (any p).
+
+    Args:
+        groups: local gradients grouped by (device, dtype, weight), still multiplied by the loss
+            scale. ``weight`` multiplies the group's ``sum |g|**p`` (``1 / replicas``, see
+            :mod:`distscaler.layouts`); it is not needed for p = inf (a max ignores repeats).
+        inv_scale: 0-dim float32 tensor ``1 / scale`` on the scale's device.
+        norm_type: ``p`` of the norm (``math.inf`` allowed).
+
+    Returns:
+        float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
+        non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)], and the per-tensor
+        norms (float32 ``(num_grads,)``, still scaled; None without gradients).
+    """
+    device = inv_scale.device
+    ord_ = float(norm_type)
+    parts = []
+    weights = []
+    for key, grads in groups.items():
+        acc = _accumulation_dtype(key.dtype)
+        norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=acc))
+        parts.append(norms.to(device, torch.float32, non_blocking=True))
+        weights.append(key.weight)
+    if not parts:
+        # A rank with no gradients still joins the collective, with zeros.
+        return torch.zeros(STAT_NUMEL, dtype=torch.float32, device=device), None
+    per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
+    flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
+    if ord_ == math.inf:
+        stat = (per_tensor * inv_scale).max()
+    else:
+        sums = [(part * inv_scale).pow(ord_).sum() * w for part, w in zip(parts, weights)]
+        stat = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return torch.stack([flag, stat]), per_tensor
+
+
+def _norm(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> StepResult:
+    """The global norm of the unscaled gradients, ``found_inf`` and ``grad_scale``, agreed.
+
+    One read of every gradient byte, at most one ``all_reduce`` of 2 float32; a fused optimizer's
+    gradients are not rewritten (it divides them by ``grad_scale``), others are divided by
+    ``grad_scale`` in place (one multi-tensor op). A fused step on the CPU reads the flag instead
+    (no sync there) and flags the per-tensor norms only on a skip.
+    """
+    assert plan.max_norm is not None
+    max_norm, norm_type = plan.max_norm, plan.norm_type
+    scale = state.scale
+    if norm_type == 2.0 and plan.skip_nonfinite and not plan.read_found_inf:
+        return _norm_on_device(plan, grads, params, state, group, world_size)
+    counters: Epilogue | None = None
+    if norm_type == 2.0:
+        stacked = _stacked_two_norm(grads, state.device, world_size, group, state.verdict, ())
+        total, per_tensor = stacked[0], stacked[1]
+        a, b, c = state.epilogue()
+        zero = state.zero
+        # norm = T / scale, q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
+        # the update's counters, in one multi-tensor op.
+        norm, q, nonfinite, *next_values = torch._foreach_addcdiv(
+            [zero, zero, zero, *a],
+            [total, total, total, *b],
+            [scale, state.max_norm(max_norm), state.inf, *c],
+        )
+        counters = state.name_ends(next_values)
+        if plan.read_found_inf:  # others read it anyway
+            skipped = not math.isfinite(nonfinite.item())
+            found = state.one if skipped else state.zero
+            grad_scale = scale if skipped else torch.fmax(q, scale)
+            if not plan.fused:
+                _div_(grads, grad_scale)
+            taking = plan.per_tensor_flags and skipped and per_tensor is not None
+            return StepResult(
+                found,
+                grad_scale=grad_scale,
+                total_norm=norm,
+                per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+                params=params,
+                flags_taken=True,
+                clean_read=plan.per_tensor_flags,
+                flags_after_read=plan.per_tensor_flags,
+                next_counters=counters,
+                skipped=skipped,
+                max_norm=max_norm,
+            )
+        found = state.zero  # a static scale told to step through inf/NaN
+    else:
+        local, per_tensor = local_stat(grads, _inv_scale(scale), norm_type)
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        _all_reduce_(local, op, group, world_size)
+        norm = _p_norm(local, norm_type)
+        nonfinite_now = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
+        found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
+        q = norm * scale / max_norm
+    grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
+    if not plan.fused:
+        _div_(grads, grad_scale)
+    taking = plan.per_tensor_flags and per_tensor is not None
+    return StepResult(
+        found,
+        grad_scale=grad_scale,
+        total_norm=norm,
+        per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+        params=params,
+        flags_taken=True,
+        next_counters=counters,
+        max_norm=max_norm,
+    )
+
+
+def _norm_on_device(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> StepResult:
+    """:func:`_norm` with the 2-norm where nothing is read on the host (a fused step on a GPU; any
+    step that is not fused) and inf/NaN skip the step: everything after the total norm in three
+    device ops.
+
+    The per-tensor norms are stacked into one buffer with the total norm's slot and the slots the
+    ``_foreach_addcdiv_`` writes in place (:func:`_stacked_two_norm`):
+
+    ``[per-tensor norms (num_grads) | T | -c, q | 0, scale | 1, inf | norm | next counters]``
+
+    where ``T`` is the total norm of the scaled gradients. Then one ``nan_to_num`` flags the
+    per-tensor norms and ``T`` together (``c``: ``T`` when finite, else negative), one
+    ``_foreach_addcdiv_`` writes ``-c``, ``q = c / max_norm``, ``norm = T / scale`` and the
+    update's counters into their slots, and one ``clamp`` of ``(-c, q)`` between ``(0, scale)``
+    and ``(1, inf)`` gives ``found_inf`` (exactly 0.0 when ``T`` is finite, 1.0 when it is not) and
+    ``grad_scale = max(q, scale)``: the values ``fmax(T / max_norm, scale)`` gives, bit for bit
+    (both ``scale`` on an overflow).
+    """
+    assert plan.max_norm is not None
+    zero, one, scale = state.zero, state.one, state.scale
+    a, b, c = state.epilogue()
+    tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
+    total, per_tensor, buffer = _stacked_two_norm(
+        grads, state.device, world_size, group, state.verdict, tail
+    )
+    assert buffer is not None
+    num_grads = 0 if per_tensor is None else per_tensor.numel()
+    flagged = flag_tensors(buffer[: num_grads + 1])  # the per-tensor flags, then T's
+    slots = buffer[num_grads + 1 :]  # (-c, q | 0, scale | 1, inf | norm | next counters)
+    flagged_total = flagged[num_grads]
+    # -c = 0 - c / 1 (+0.0, never -0.0, when T is 0), q, norm and the update's counters, in place.
+    torch._foreach_addcdiv_(
+        [slots[0], slots[1], *slots[6:]],
+        [flagged_total, flagged_total, total, *b],
+        [state.minus_one, state.max_norm(plan.max_norm), scale, *c],
+    )
+    found, grad_scale = torch.clamp(slots[0:2], min=slots[2:4], max=slots[4:6]).unbind()
+    if not plan.fused:
+        _div_(grads, grad_scale)
+    taking = plan.per_tensor_flags and per_tensor is not None
+    return StepResult(
+        found,
+        grad_scale=grad_scale,
+        total_norm=slots[6],
+        per_tensor_flags=flagged[:num_grads] if taking else None,
+        params=params,
+        flags_taken=True,
+        next_counters=state.name_ends(list(slots[7:].unbind())),
+        max_norm=plan.max_norm,
+    )
+
+
+def _norm_unscaled(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState | None,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    found_inf: torch.Tensor | None,
+) -> StepResult:
+    """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
+
+    Adds a collective unless every local gradient is replicated over the whole group (then the
+    local norm is already the global one). After ``unscale_`` a non-finite norm skips the step too:
+    ``found_inf`` is the earlier flag or'ed with it.
+    """
+    assert plan.max_norm is not None
+    max_norm, norm_type = plan.max_norm, plan.norm_type
+    replicated = bool(grads) and all(key.weight == 1.0 / world_size for key in grads)
+    if state is not None:
+        device = state.device
+    else:
+        device = next(iter(grads)).device if grads else torch.device("cpu")
+    one = torch.ones((), dtype=torch.float32, device=device)
+    local, per_tensor = local_stat(
+        {key._replace(weight=1.0): g for key, g in grads.items()} if replicated else grads,
+        one,
+        norm_type,
+    )
+    if not replicated:
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        _all_reduce_(local, op, group, world_size)
+    norm = _p_norm(local, norm_type)
+    if max_norm < math.inf:  # inf measures only: the coefficient would be 1
+        _div_(grads, torch.fmax(norm / max_norm, one))
+    found = None
+    if found_inf is not None:
+        nonfinite = torch.nan_to_num(norm * 0.0, nan=1.0)  # a non-finite norm skips too
+        found = torch.fmax(found_inf, nonfinite)
+        if not plan.skip_nonfinite:
+            assert state is not None
+            found = state.zero
+    taking = plan.per_tensor_flags and per_tensor is not None
+    return StepResult(
+        found,
+        total_norm=norm,
+        per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+        params=params,
+        flags_taken=True,
+        max_norm=max_norm,
+    )

@@ -1,0 +1,203 @@
+"""What one optimizer's step does in one iteration, decided once up front: a :class:`StepPlan`.
+
+``GradScaler`` builds a plan at each of its entry points (``unscale_``, ``clip_grad_norm_``,
+``step``, torch's ``_check_inf_per_device``) from what it knows before touching a gradient: the
+optimizer's step contract (:mod:`distscaler.contract`), what already ran in this iteration (an
+explicit ``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor
+flags, and whether this scaler may read ``found_inf`` on the host. :func:`distscaler.inf_check.run`
+carries the plan out and returns one :class:`~distscaler.inf_check.StepResult`; nothing downstream
+branches on these conditions again.
+
+**Where found_inf may be read on the host** is a property of the device, decided when the scaler is
+built (:func:`host_read_is_free`): on the CPU a kernel has run when it returns, so reading its
+result costs no sync, and a fused step there reads the agreed flag and takes per-tensor flags only
+on a skipped step. On CUDA nothing is read (a fused step never syncs and can be captured in a CUDA
+graph), and neither is anything while ``make_fx`` or ``torch.compile`` trace a step, which must
+record what a GPU runs. Tests run the GPU's path on the CPU by building the scaler so
+(``GradScaler._host_reads = False``, the ``gpu_path`` fixture of the tests).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .contract import StepContract
+
+__all__ = ["HOST_READ_FREE", "GradPass", "StepPlan", "host_read_is_free", "is_tracing"]
+
+#: Device types where reading a value on the host costs no device sync (their kernels already ran
+#: when they returned).
+HOST_READ_FREE = frozenset({"cpu"})
+
+
+def host_read_is_free(device_type: str) -> bool:
+    """Whether a scaler on ``device_type`` may read ``found_inf`` on the host without a sync: on
+    the CPU only. Decided once, when the scaler is built."""
+    return device_type in HOST_READ_FREE
+
+
+def is_tracing() -> bool:
+    """Whether a graph is being traced (``torch.compile``, ``make_fx``, fake tensors): a traced
+    step records what a GPU runs and reads nothing on the host. Two C++ lookups, no Python walk."""
+    if torch.compiler.is_compiling():
+        return True
+    return _dispatch_mode(_PROXY) is not None or _dispatch_mode(_FAKE) is not None
+
+
+_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+class GradPass(enum.Enum):
+    """The one pass over the gradients a plan runs."""
+
+    #: The iteration's inf check already ran (an explicit ``unscale_`` or ``clip_grad_norm_``):
+    #: the agreed ``found_inf`` is reused, the gradients are read again only for per-tensor flags.
+    NONE = "none"
+    #: Read-only inf check (a fused optimizer divides by ``grad_scale`` itself).
+    CHECK = "check"
+    #: torch's check-and-unscale kernel: the gradients are divided by the scale in place.
+    UNSCALE = "unscale"
+    #: The global norm of the unscaled gradients with the inf check (``clip_grad_norm_``); the
+    #: gradients are clipped in place unless the optimizer is fused.
+    NORM = "norm"
+    #: The global norm of gradients that carry no loss scale (``clip_grad_norm_`` after
+    #: ``unscale_``, or with a disabled scaler), clipped in place.
+    NORM_UNSCALED = "norm of unscaled gradients"
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What :func:`distscaler.inf_check.run` does for one optimizer in one call.
+
+    Attributes:
+        grad_pass: the pass over the gradients (:class:`GradPass`).
+        fused: the optimizer takes ``grad_scale``/``found_inf`` and divides its gradients itself
+            (:data:`~distscaler.contract.StepContract.FUSED`): they are not rewritten here.
+        read_found_inf: the agreed ``found_inf`` is read on the host (a step that is not fused
+            needs it; a fused one reads it where the read is free), so per-tensor flags are taken
+            only on a skipped step.
+        per_tensor_flags: an overflow report will read per-tensor flags of this step.
+        skip_nonfinite: False: a static scale told to step through inf/NaN (``found_inf`` 0.0).
+        max_norm: ``clip_grad_norm_``'s ``max_norm`` (``math.inf``: measure only), or None.
+        norm_type: ``clip_grad_norm_``'s p.
+    """
+
+    grad_pass: GradPass
+    fused: bool = False
+    read_found_inf: bool = False
+    per_tensor_flags: bool = False
+    skip_nonfinite: bool = True
+    max_norm: float | None = None
+    norm_type: float = 2.0
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the gradients are gathered with their replication weights (a norm is taken)."""
+        return self.grad_pass in (GradPass.NORM, GradPass.NORM_UNSCALED)
+
+    @property
+    def allow_fp16(self) -> bool:
+        """Whether fp16 gradients are accepted: not where they are divided in place by the scale
+        (torch refuses to unscale fp16 gradients)."""
+        if self.grad_pass is GradPass.UNSCALE:
+            return False
+        return not (self.grad_pass is GradPass.NORM and not self.fused)
+
+    @property
+    def reads_gradients(self) -> bool:
+        """Whether the gradients are read at all (a plan that reuses an agreed ``found_inf``
+        reads them only for per-tensor flags)."""
+        return self.grad_pass is not GradPass.NONE or self.per_tensor_flags
+
+
+def plan_unscale(*, skip_nonfinite: bool) -> StepPlan:
+    """``unscale_``: torch's check-and-unscale kernel; no per-tensor flags (a later ``step`` or
+    ``clip_grad_norm_`` takes them)."""
+    return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite)
+
+
+def plan_clip(
+    contract: StepContract,
+    *,
+    unscaled: bool,
+    host_reads: bool,
+    per_tensor_flags: bool,
+    skip_nonfinite: bool,
+    max_norm: float,
+    norm_type: float,
+) -> StepPlan:
+    """``clip_grad_norm_``: the global norm with the inf check, or, on gradients already unscaled
+    (``unscaled``: after ``unscale_``), the norm alone. A fused step on the CPU reads
+    ``found_inf`` (``host_reads``) and takes per-tensor flags only when it is skipped."""
+    if unscaled:
+        return StepPlan(
+            GradPass.NORM_UNSCALED,
+            per_tensor_flags=per_tensor_flags,
+            skip_nonfinite=skip_nonfinite,
+            max_norm=max_norm,
+            norm_type=norm_type,
+        )
+    fused = contract is StepContract.FUSED
+    return StepPlan(
+        GradPass.NORM,
+        fused=fused,
+        read_found_inf=fused and skip_nonfinite and host_reads and not is_tracing(),
+        per_tensor_flags=per_tensor_flags,
+        skip_nonfinite=skip_nonfinite,
+        max_norm=max_norm,
+        norm_type=norm_type,
+    )
+
+
+def plan_step(
+    contract: StepContract,
+    *,
+    checked: bool,
+    host_reads: bool,
+    per_tensor_flags: bool,
+    skip_nonfinite: bool,
+) -> StepPlan:
+    """``step``: a fused optimizer gets the read-only check (it divides by ``grad_scale``), any
+    other the unscale pass and one host read of ``found_inf``. After an explicit ``unscale_`` or
+    ``clip_grad_norm_`` (``checked``) the agreed flag is reused.
+
+    Args:
+        contract: the optimizer's step contract (not ``DRIVES_THE_SCALER``: that one drives the
+            scaler itself).
+        checked: an inf check already ran in this iteration.
+        host_reads: this scaler may read ``found_inf`` on the host without a sync (the CPU).
+        per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
+    """
+    fused = contract is StepContract.FUSED
+    if fused:
+        grad_pass = GradPass.NONE if checked else GradPass.CHECK
+        # The CPU's fused check reads the flag and takes flags only on a skip; a fused step after
+        # an explicit unscale_ takes them at once (nothing reads the flag after it).
+        read = per_tensor_flags and host_reads and not checked and not is_tracing()
+    else:
+        grad_pass = GradPass.NONE if checked else GradPass.UNSCALE
+        read = True  # the step runs on the host's word
+    return StepPlan(
+        grad_pass,
+        fused=fused,
+        read_found_inf=read,
+        per_tensor_flags=per_tensor_flags,
+        skip_nonfinite=skip_nonfinite,
+    )
+
+
+def plan_check(*, host_reads: bool, per_tensor_flags: bool, skip_nonfinite: bool) -> StepPlan:
+    """torch's ``_check_inf_per_device`` hook: the read-only check, the gradients unchanged."""
+    return StepPlan(
+        GradPass.CHECK,
+        fused=True,
+        read_found_inf=per_tensor_flags and host_reads and not is_tracing(),
+        per_tensor_flags=per_tensor_flags,
+        skip_nonfinite=skip_nonfinite,
+    )
+
