@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,7 +175,7 @@ def run(
 
 
 def _all_reduce_(
-    buffer: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, world_size: int
+    buffer: torch.Tensor, op: Any, group: dist.ProcessGroup | None, world_size: int
 ) -> torch.Tensor:
     """The step's collective: ``buffer`` all-reduced in place over ``group`` when it has more than
     one rank (every rank of the group must call). A flag summed or maxed over ranks is > 0 on every

@@ -43,7 +43,7 @@ from .contract import StepContract, step_contract
 from .errors import CallOrderError
 from .fused import fused_step
 from .inf_check import StepResult, run
-from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver, local_grads
+from .layouts import GRAD_LAYOUTS, GradGroups, GradLayout, LayoutResolver, local_grads
 from .persistence import export_state, parse_state
 from .plan import (
     GradPass,
@@ -390,7 +390,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> StepResult:
         # Gather the gradients the plan reads and carry it out (distscaler.inf_check).
         group, world_size = self._group.resolve()
-        grads, params = {}, ()
+        grads: GradGroups = {}
+        params: tuple[torch.Tensor, ...] = ()
         if plan.reads_gradients:
             grads, params = local_grads(
                 optimizer,

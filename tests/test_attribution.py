@@ -21,8 +21,8 @@ import pickle
 import _overflow_scenarios as S
 import pytest
 import torch
-from _harness import HostReadSpy, spawn
 from _common import gpu_path
+from _harness import HostReadSpy, spawn
 from _models import make_model
 from _torch_gaps import skip_if_torch_gap
 

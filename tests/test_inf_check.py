@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distscaler import inf_check
-from distscaler.layouts import collect_grads
 from distscaler.inf_check import check_and_unscale_, local_stat
+from distscaler.layouts import collect_grads
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIALS = [math.inf, -math.inf, math.nan, 6.0e4, -6.0e4, 1e30, 0.0]

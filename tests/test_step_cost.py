@@ -13,12 +13,11 @@ import math
 
 import pytest
 import torch
+from _common import gpu_path
 from benchkit.contenders import noop_step
 
 import distscaler
 from common.probes import DispatchCounter, HostReadSpy
-
-from _common import gpu_path
 
 NUM_TENSORS = 144
 
