@@ -112,6 +112,7 @@ def run(
     group: dist.ProcessGroup | None,
     world_size: int,
     found_inf: torch.Tensor | None = None,
+    max_norm: torch.Tensor | None = None,
 ) -> StepResult:
     """Carry out ``plan`` over this rank's gradients.
 
@@ -124,6 +125,8 @@ def run(
             with the same plan kind: it all-reduces once when ``world_size > 1``).
         found_inf: the flag an earlier check of this iteration agreed on (``GradPass.NONE``, and
             ``NORM_UNSCALED`` after ``unscale_``).
+        max_norm: ``plan.max_norm`` as a 0-dim float32 tensor on the scale's device, for a
+            ``NORM`` pass (``DeviceState.max_norm``: made once, not at every step).
 
     Raises:
         ValueError: fp16 gradients where they are unscaled in place (torch's wording) are refused
@@ -134,7 +137,8 @@ def run(
         return _norm_unscaled(plan, grads, params, state, group, world_size, found_inf)
     assert state is not None
     if grad_pass is GradPass.NORM:
-        return _norm(plan, grads, params, state, group, world_size)
+        assert max_norm is not None
+        return _norm(plan, grads, params, state, max_norm, group, world_size)
     if grad_pass is GradPass.CHECK:
         result = _check(plan, grads, params, state, group, world_size)
         if not plan.skip_nonfinite:  # a static scale told to step through inf/NaN
@@ -248,8 +252,7 @@ def _check_kernel(
     zero, one = state.zero, state.one
     found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
     counters = state.name_ends(next_values)
-    for same in grads.values():
-        amp_check_and_unscale_(same, found, one)
+    _check_and_unscale_into_(grads, found, one)
     _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
     if not plan.read_found_inf:
         return StepResult(found, grad_scale=state.scale, next_counters=counters,
@@ -276,23 +279,32 @@ def check_and_unscale_(groups: GradGroups, *, inv_scale: torch.Tensor) -> torch.
     are unchanged. Returns a fresh float32 ``(2,)`` tensor on ``inv_scale.device``: [exactly 1.0 if
     an element is inf/NaN else 0.0, 0.0].
     """
-    device = inv_scale.device
-    stat = torch.zeros(STAT_NUMEL, dtype=torch.float32, device=device)
+    stat = torch.zeros(STAT_NUMEL, dtype=torch.float32, device=inv_scale.device)
+    _check_and_unscale_into_(groups, stat[0], inv_scale)
+    return stat
+
+
+def _check_and_unscale_into_(
+    groups: GradGroups, found: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """torch's check-and-unscale kernel over every group (one launch each), its flag into the 0-dim
+    ``found`` (set to 1.0 on inf/NaN, else left as it is). Groups on another device than ``found``
+    get their own flag and factor there, folded into ``found`` after."""
+    device = found.device
     others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, grads in groups.items():
         if key.device == device:
-            found, factor = stat[0], inv_scale  # the kernel writes into the buffer
+            flag, factor = found, inv_scale  # the kernel writes into the buffer
         else:
             if key.device not in others:
                 others[key.device] = (
                     torch.zeros((), dtype=torch.float32, device=key.device),
                     inv_scale.to(key.device, non_blocking=True),
                 )
-            found, factor = others[key.device]
-        amp_check_and_unscale_(grads, found, factor)
-    for found, _ in others.values():
-        stat[0:1].copy_(torch.maximum(stat[0], found.to(device, non_blocking=True)))
-    return stat
+            flag, factor = others[key.device]
+        amp_check_and_unscale_(grads, flag, factor)
+    for flag, _ in others.values():
+        found.copy_(torch.maximum(found, flag.to(device, non_blocking=True)))
 
 
 def _flags(groups: GradGroups, device: torch.device) -> torch.Tensor | None:
@@ -456,6 +468,7 @@ def _norm(
     grads: GradGroups,
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
+    max_norm_t: torch.Tensor,
     group: dist.ProcessGroup | None,
     world_size: int,
 ) -> StepResult:
@@ -470,7 +483,7 @@ def _norm(
     max_norm, norm_type = plan.max_norm, plan.norm_type
     scale = state.scale
     if norm_type == 2.0 and plan.skip_nonfinite and not plan.read_found_inf:
-        return _norm_on_device(plan, grads, params, state, group, world_size)
+        return _norm_on_device(plan, grads, params, state, max_norm_t, group, world_size)
     counters: Epilogue | None = None
     if norm_type == 2.0:
         stacked = _stacked_two_norm(grads, state.device, world_size, group, state.verdict, ())
@@ -482,7 +495,7 @@ def _norm(
         norm, q, nonfinite, *next_values = torch._foreach_addcdiv(
             [zero, zero, zero, *a],
             [total, total, total, *b],
-            [scale, state.max_norm(max_norm), state.inf, *c],
+            [scale, max_norm_t, state.inf, *c],
         )
         counters = state.name_ends(next_values)
         if plan.read_found_inf:  # others read it anyway
@@ -535,6 +548,7 @@ def _norm_on_device(
     grads: GradGroups,
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
+    max_norm_t: torch.Tensor,
     group: dist.ProcessGroup | None,
     world_size: int,
 ) -> StepResult:
@@ -571,7 +585,7 @@ def _norm_on_device(
     torch._foreach_addcdiv_(
         [slots[0], slots[1], *slots[6:]],
         [flagged_total, flagged_total, total, *b],
-        [state.minus_one, state.max_norm(plan.max_norm), scale, *c],
+        [state.minus_one, max_norm_t, scale, *c],
     )
     found, grad_scale = torch.clamp(slots[0:2], min=slots[2:4], max=slots[4:6]).unbind()
     if not plan.fused:

@@ -141,6 +141,8 @@ class LayoutResolver:
         self._checked_meshes: set[tuple[int, int]] = set()
         #: Bumped by every registration, so that cached gradient plans are rebuilt.
         self.version = 0
+        #: Gradient groupings planned once per optimizer (:func:`plan_grads`), held weakly.
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
         # Registrations refer to live parameters: a copy (pickle, deepcopy) starts without them.
@@ -148,6 +150,39 @@ class LayoutResolver:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["default"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ gathering
+
+    def local_grads(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        *,
+        weighted: bool,
+        allow_fp16: bool,
+        needed: bool = True,
+    ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
+        """This step's local gradients of ``optimizer`` and their parameters
+        (:func:`local_grads`), with their replication weights in a group of ``world_size`` ranks
+        when ``weighted`` (a norm is taken: sparse gradients are coalesced); nothing when not
+        ``needed``. No collective, no host read.
+
+        Raises:
+            ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
+            UnknownLayoutError: ``weighted``, more than one rank, and some layout is unknown.
+        """
+        if not needed:
+            return {}, ()
+        return local_grads(
+            optimizer,
+            self._plans,
+            resolver=self if weighted else None,
+            world_size=world_size,
+            group=group,
+            allow_fp16=allow_fp16,
+            coalesce_sparse=weighted,
+        )
 
     # ------------------------------------------------------------------ registration
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,12 +41,11 @@ from .config import ScalerConfig
 from .contract import StepContract, step_contract
 from .errors import CallOrderError
 from .fused import fused_step
-from .inf_check import StepResult, run
-from .layouts import GRAD_LAYOUTS, GradGroups, GradLayout, LayoutResolver, local_grads
+from .inf_check import run
+from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
 from .persistence import export_state, parse_state
 from .plan import (
     GradPass,
-    StepPlan,
     host_read_is_free,
     plan_check,
     plan_clip,
@@ -164,8 +162,6 @@ class GradScaler(torch.amp.GradScaler):
         self._growth_tracker: torch.Tensor | None = None
         #: This iteration's record per optimizer (``id(optimizer)``), dropped by :meth:`update`.
         self._records: dict[int, StepRecord] = {}
-        #: Gradient groupings planned once per optimizer (:func:`distscaler.layouts.plan_grads`).
-        self._grad_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ the step path
 
@@ -193,7 +189,10 @@ class GradScaler(torch.amp.GradScaler):
         if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
         plan = plan_unscale(skip_nonfinite=self._config.skip_nonfinite)
-        result = self._run(plan, optimizer, state)
+        group, world_size = self._group.resolve()
+        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
+                                          allow_fp16=plan.allow_fp16)  # fmt: skip
+        result = run(plan, *grads, state, group=group, world_size=world_size)
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
 
     def clip_grad_norm_(
@@ -235,32 +234,31 @@ class GradScaler(torch.amp.GradScaler):
                 :meth:`step`.
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
-        skip_nonfinite, flags = self._config.skip_nonfinite, self._attributing
-        if not self._enabled:
-            plan = plan_clip(StepContract.HOST, unscaled=True, host_reads=False,
-                             per_tensor_flags=False, skip_nonfinite=skip_nonfinite,
-                             max_norm=max_norm, norm_type=norm_type)  # fmt: skip
-            result = self._run(plan, optimizer, None)
-            assert result.total_norm is not None
-            return result.total_norm
-        state = self._device_state("clip_grad_norm_")
-        record = self._records.setdefault(id(optimizer), StepRecord())
-        if record.stage is OptState.STEPPED:
-            raise CallOrderError("clip_grad_norm_() is being called after step().")
-        if record.clipped:
-            raise CallOrderError(
-                "clip_grad_norm_() has already been called on this optimizer since the last update()."
-            )
-        unscaled = record.stage is OptState.UNSCALED
+        state = record = None
+        if self._enabled:  # a disabled scaler only clips
+            state = self._device_state("clip_grad_norm_")
+            record = self._records.setdefault(id(optimizer), StepRecord())
+            if record.stage is OptState.STEPPED:
+                raise CallOrderError("clip_grad_norm_() is being called after step().")
+            if record.clipped:
+                raise CallOrderError(
+                    "clip_grad_norm_() has already been called on this optimizer since the last "
+                    "update()."
+                )
+        unscaled = record is None or record.stage is OptState.UNSCALED
         plan = plan_clip(step_contract(optimizer), unscaled=unscaled, host_reads=self._host_reads,
-                         per_tensor_flags=flags, skip_nonfinite=skip_nonfinite,
+                         per_tensor_flags=self._attributing and state is not None,
+                         skip_nonfinite=self._config.skip_nonfinite,
                          max_norm=max_norm, norm_type=norm_type)  # fmt: skip
-        result = self._run(plan, optimizer, state, found_inf=record.found_inf)
-        if unscaled:
-            record.keep(optimizer, result, grad_scale=False, counters=False, clipped=True)
-        else:
+        group, world_size = self._group.resolve()
+        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=True,
+                                          allow_fp16=plan.allow_fp16)  # fmt: skip
+        result = run(plan, *grads, state, group=group, world_size=world_size,
+                     found_inf=None if record is None else record.found_inf,
+                     max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
+        if record is not None:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
-                        clipped=True)  # fmt: skip
+                        counters=not unscaled, clipped=True)  # fmt: skip
         assert result.total_norm is not None
         return result.total_norm
 
@@ -273,7 +271,10 @@ class GradScaler(torch.amp.GradScaler):
         state = self._device_state("_check_inf_per_device")
         plan = plan_check(host_reads=self._host_reads, per_tensor_flags=self._attributing,
                           skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
-        result = self._run(plan, optimizer, state)
+        group, world_size = self._group.resolve()
+        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
+                                          allow_fp16=True)  # fmt: skip
+        result = run(plan, *grads, state, group=group, world_size=world_size)
         self._records.setdefault(id(optimizer), StepRecord()).keep(optimizer, result)
         assert result.found_inf is not None
         return {result.found_inf.device: result.found_inf}
@@ -322,7 +323,11 @@ class GradScaler(torch.amp.GradScaler):
             per_tensor_flags=self._attributing and record.coded is None,
             skip_nonfinite=self._config.skip_nonfinite,
         )
-        result = self._run(plan, optimizer, state, found_inf=record.found_inf)
+        group, world_size = self._group.resolve()
+        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
+                                          allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
+        result = run(plan, *grads, state, group=group, world_size=world_size,
+                     found_inf=record.found_inf)  # fmt: skip
         if plan.grad_pass is GradPass.NONE:
             record.keep_flags(optimizer, result)
         elif plan.fused:  # kept before the step, as torch keeps its found_inf
@@ -379,31 +384,6 @@ class GradScaler(torch.amp.GradScaler):
         self._records.clear()
 
     # ------------------------------------------------------------------ the parts, used
-
-    def _run(
-        self,
-        plan: StepPlan,
-        optimizer: torch.optim.Optimizer,
-        state: DeviceState | None,
-        *,
-        found_inf: torch.Tensor | None = None,
-    ) -> StepResult:
-        # Gather the gradients the plan reads and carry it out (distscaler.inf_check).
-        group, world_size = self._group.resolve()
-        grads: GradGroups = {}
-        params: tuple[torch.Tensor, ...] = ()
-        if plan.reads_gradients:
-            grads, params = local_grads(
-                optimizer,
-                self._grad_plans,
-                resolver=self._layouts if plan.weighted else None,
-                world_size=world_size,
-                group=group,
-                allow_fp16=plan.allow_fp16,
-                coalesce_sparse=plan.weighted,
-            )
-        return run(plan, grads, params, state, group=group, world_size=world_size,
-                   found_inf=found_inf)  # fmt: skip
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = (
@@ -689,7 +669,6 @@ class GradScaler(torch.amp.GradScaler):
             state.update(_state=self._state.portable(values, totals), _scale=None)
             state["_growth_tracker"] = None
         state["_records"] = {}
-        state["_grad_plans"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -699,7 +678,6 @@ class GradScaler(torch.amp.GradScaler):
             old = state.pop("_verdict")
             state.setdefault("_layouts", old.layouts)
             state.setdefault("_group", ScalerGroup(None))
-        state["_grad_plans"] = weakref.WeakKeyDictionary()
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
         self.__dict__.update(state)
 
