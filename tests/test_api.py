@@ -755,3 +755,27 @@ def test_fused_step_leaves_the_optimizers_attributes_as_they_were():
     ours.step(opt)
     ours.update()
     assert "grad_scale" not in vars(opt) and "found_inf" not in vars(opt)
+
+
+def test_every_attribute_torchs_init_sets_exists_with_torchs_meaning():
+    # Other libraries read torch's private fields (Accelerate's test_grad_scaler_kwargs reads
+    # _init_scale): each one torch's __init__ sets exists here with torch's value, before and
+    # after load_state_dict, and the setters torch's set_* write through validate.
+    kwargs = dict(init_scale=2.0**10, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    theirs = torch.amp.GradScaler("cpu", **kwargs)
+    ours = distscaler.GradScaler("cpu", **kwargs)
+    names = sorted(vars(theirs))
+    assert {"_init_scale", "_growth_factor", "_backoff_factor", "_growth_interval"} <= set(names)
+    for name in names:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    saved = {"scale": 64.0, "growth_factor": 4.0, "backoff_factor": 0.125, "growth_interval": 9,
+             "_growth_tracker": 3}  # fmt: skip
+    theirs.load_state_dict(saved)
+    ours.load_state_dict(saved)
+    for name in names:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    ours._growth_factor = 5.0  # torch's set_growth_factor writes the field
+    assert ours.get_growth_factor() == 5.0
+    with pytest.raises(ValueError, match="growth_factor"):
+        ours._growth_factor = 0.5
+    assert ours.get_growth_factor() == 5.0
