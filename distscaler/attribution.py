@@ -1,19 +1,18 @@
 """Overflow attribution: which ranks and which parameters held inf or NaN at the last skipped step.
 
-Every verdict reads every gradient once and, on the way, takes one statistic per gradient tensor: a
-norm when clipping; each gradient's largest magnitude in the fused check without clipping on a GPU
-(which reads that instead of running torch's check-and-unscale kernel, whose one flag names
-nothing). A
-non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the clean steps
-a few small device ops:
+Every inf check reads every gradient once and, on the way, takes one statistic per gradient tensor:
+a norm when clipping; each gradient's largest magnitude in the fused check without clipping on a
+GPU (which reads that instead of running torch's check-and-unscale kernel, whose one flag names
+nothing). A non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the
+clean steps a few small device ops:
 
-1. **Codes** (:func:`tensor_codes`, one ``nan_to_num`` per step): each gradient's statistic when
-   finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an inf or -inf (and
-   no NaN). Codes are finite, so that a ``lerp`` can keep them.
+1. **Per-tensor flags** (:func:`flag_tensors`, one ``nan_to_num`` per step): each gradient's
+   statistic when finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an
+   inf or -inf (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
 2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, a lerp per optimizer that
    rides in the skip record's one ``_foreach_lerp_``: no op of its own): a device tensor per
-   optimizer that takes the iteration's codes when the agreed ``found_inf`` is exactly 1.0 and
-   keeps its own when it is 0.0. It always holds this rank's codes of the most recent skipped step,
+   optimizer that takes the iteration's flags when the agreed ``found_inf`` is exactly 1.0 and
+   keeps its own when it is 0.0. It always holds this rank's flags of the most recent skipped step,
    stays on the device and advances under CUDA graph replay.
 3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
    ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
@@ -22,14 +21,14 @@ a few small device ops:
    nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
    and is logged on rank 0 (logger ``"distscaler"``, WARNING).
 
-On the CPU, where a host read costs no sync, a fused step reads the agreed flag and codes its
-gradients only when it is 1.0 (:func:`distscaler.host_read.host_read_is_free`): clean steps there pay
+On the CPU, where a host read costs no sync, a fused step reads the agreed flag and flags its
+gradients only when it is 1.0 (:func:`distscaler.plan.host_read_is_free`): clean steps there pay
 nothing for the report but that read; without clipping the check stays torch's kernel and a skipped
-step takes one more read pass for the codes.
+step takes one more read pass for the flags.
 
-Paths whose verdict takes no per-tensor statistic: a non-fused optimizer without clipping reads the
-agreed flag on the host anyway and codes its gradients (one more read pass) only when it is 1.0; a
-fused optimizer stepped after an explicit ``unscale_()`` codes them at every step (one more read
+Paths whose inf check takes no per-tensor statistic: a non-fused optimizer without clipping reads
+the agreed flag on the host anyway and flags its gradients (one more read pass) only when it is 1.0;
+a fused optimizer stepped after an explicit ``unscale_()`` flags them at every step (one more read
 pass; :meth:`GradScaler.clip_grad_norm_` avoids it).
 
 Parameter names come from :meth:`GradScaler.register_model` (the module's ``named_parameters()``
@@ -54,20 +53,20 @@ from .layouts import _ParamTable
 
 __all__ = [
     "INF_CODE",
-    "Coded",
+    "StepFlags",
     "NAN_CODE",
     "OverflowEntry",
     "OverflowReport",
     "OverflowTracker",
-    "TensorCodes",
-    "tensor_codes",
+    "TensorFlags",
+    "flag_tensors",
 ]
 
 logger = logging.getLogger("distscaler")
 
-#: Code of a gradient tensor holding a NaN.
+#: The per-tensor flag of a gradient tensor holding a NaN.
 NAN_CODE = -1.0
-#: Code of a gradient tensor holding an inf or -inf and no NaN.
+#: The per-tensor flag of a gradient tensor holding an inf or -inf and no NaN.
 INF_CODE = -2.0
 #: Offending tensors each rank names in a report (the rest are counted).
 LISTED_PER_RANK = 8
@@ -130,69 +129,65 @@ class OverflowReport:
         return f"step {self.step} (loss scale {self.scale:g}): {what}"
 
 
-class TensorCodes(NamedTuple):
-    """One optimizer's gradient codes of one iteration on this rank."""
+class TensorFlags(NamedTuple):
+    """One optimizer's per-tensor flags of one iteration on this rank."""
 
-    #: The parameters of the coded gradients, in the order of ``codes``.
+    #: The parameters of the flagged gradients, in the order of ``flags``.
     params: tuple[torch.Tensor, ...]
-    #: float32 ``(len(params),)`` on the scale's device (see :func:`tensor_codes`); None for a
+    #: float32 ``(len(params),)`` on the scale's device (see :func:`flag_tensors`); None for a
     #: clean step whose flag was read on the host (nothing to record, the record is kept).
-    codes: torch.Tensor | None
+    flags: torch.Tensor | None
 
 
-class Coded(NamedTuple):
-    """One stepped optimizer's codes of this iteration, as :meth:`OverflowTracker.record_` takes
-    them."""
+class StepFlags(NamedTuple):
+    """One stepped optimizer's per-tensor flags of this iteration, as
+    :meth:`OverflowTracker.record_` takes them."""
 
     optimizer: torch.optim.Optimizer
-    #: None: not coded (a non-fused optimizer's clean step is not; its record is left as it was).
-    codes: TensorCodes | None
+    #: None: not flagged (a non-fused optimizer's clean step is not; its record is left as it was).
+    flags: TensorFlags | None
     #: Taken after the host read the flag (then only on a skip).
     after_read: bool
 
 
-def tensor_codes(per_tensor: torch.Tensor) -> torch.Tensor:
-    """Codes of per-tensor statistics (norms: >= 0, inf or NaN): the finite statistic itself,
+def flag_tensors(per_tensor: torch.Tensor) -> torch.Tensor:
+    """Per-tensor flags of per-tensor statistics (norms: >= 0, inf or NaN): the finite statistic itself,
     :data:`NAN_CODE` for NaN, :data:`INF_CODE` for inf. One ``nan_to_num``; same shape and dtype."""
     return torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
 
 
-#: The per-tensor flags of :mod:`distscaler.inf_check` are these codes.
-flag_tensors = tensor_codes
-
-
 class _Record:
-    """One optimizer's record: the codes of the last skipped step, in the order of ``params``."""
+    """One optimizer's record: the flags of the last skipped step, in the order of ``params``."""
 
-    __slots__ = ("clean", "codes", "host_step", "params", "positions", "scatter")
+    __slots__ = ("clean", "flags", "host_step", "params", "positions", "scatter")
 
     def __init__(self, params: tuple[torch.Tensor, ...], device: torch.device) -> None:
         self.params = params
-        self.codes = torch.zeros(len(params), dtype=torch.float32, device=device)
+        self.flags = torch.zeros(len(params), dtype=torch.float32, device=device)
         self.positions = {id(p): i for i, p in enumerate(params)}
         self.scatter: dict[tuple[int, ...], torch.Tensor] = {}
         self.clean: torch.Tensor | None = None
         #: None: written on the device at every iteration; else the update it was written in.
         self.host_step: int | None = None
 
-    def dense(self, coded: TensorCodes) -> torch.Tensor | None:
-        """``coded`` in this record's order (absent parameters: clean); None if it holds others."""
-        assert coded.codes is not None
-        if coded.params is self.params:
-            return coded.codes
-        key = tuple(map(id, coded.params))
-        if len(key) == len(self.params) and all(a is b for a, b in zip(coded.params, self.params)):
-            self.params = coded.params  # the same parameters in a rebuilt plan: adopt its tuple
-            return coded.codes
+    def dense(self, flagged: TensorFlags) -> torch.Tensor | None:
+        """``flagged`` in this record's order (absent parameters: clean); None if it holds others."""
+        assert flagged.flags is not None
+        if flagged.params is self.params:
+            return flagged.flags
+        key = tuple(map(id, flagged.params))
+        if len(key) == len(self.params) and all(a is b for a, b in zip(flagged.params, self.params)):
+            self.params = flagged.params  # the same parameters in a rebuilt plan: adopt its tuple
+            return flagged.flags
         index = self.scatter.get(key)
         if index is None:
             if any(k not in self.positions for k in key):
                 return None
             index = torch.tensor(
-                [self.positions[k] for k in key], dtype=torch.long, device=self.codes.device
+                [self.positions[k] for k in key], dtype=torch.long, device=self.flags.device
             )
             self.scatter[key] = index
-        return torch.zeros_like(self.codes).index_copy_(0, index, coded.codes)
+        return torch.zeros_like(self.flags).index_copy_(0, index, flagged.flags)
 
 
 class OverflowTracker:
@@ -248,17 +243,17 @@ class OverflowTracker:
     def record_(
         self,
         found_inf: torch.Tensor,
-        coded: list[Coded],
+        flagged: list[StepFlags],
         step: int,
         lerps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
-        """Keep this iteration's codes where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
-        agreed) says the step was skipped: one ``lerp_`` per optimizer with codes, or, given
-        ``lerps``, those lerps appended to it as ``(record, codes, found_inf)`` for the caller to
+        """Keep this iteration's flags where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
+        agreed) says the step was skipped: one ``lerp_`` per optimizer with flags, or, given
+        ``lerps``, those lerps appended to it as ``(record, flags, found_inf)`` for the caller to
         run in its own multi-tensor op (the scaler runs them with the skip record's: no op here).
 
         Args:
-            coded: the optimizers stepped in this iteration, their codes (None: not coded, as a
+            flagged: the optimizers stepped in this iteration, their flags (None: not flagged, as a
                 non-fused optimizer's clean step is not; its record is then left as it was) and
                 whether they were taken after the host read the flag (then only on a skip).
             step: the number of this update.
@@ -266,23 +261,23 @@ class OverflowTracker:
         pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
         recorded = 0  # stepped optimizers that have a record
-        for optimizer, codes, after_read in coded:
+        for optimizer, flags, after_read in flagged:
             present.add(id(optimizer))
-            if codes is None:
+            if flags is None:
                 recorded += optimizer in self._records
                 continue
             recorded += 1
             record = self._records.get(optimizer)
-            if codes.codes is None:  # clean, read on the host: the record exists, unchanged
+            if flags.flags is None:  # clean, read on the host: the record exists, unchanged
                 if record is None:
-                    self._records[optimizer] = _Record(codes.params, found_inf.device)
+                    self._records[optimizer] = _Record(flags.params, found_inf.device)
                 continue
-            dense = None if record is None else record.dense(codes)
+            dense = None if record is None else record.dense(flags)
             if record is None or dense is None:
-                record = _Record(codes.params, codes.codes.device)
+                record = _Record(flags.params, flags.flags.device)
                 self._records[optimizer] = record
-                dense = codes.codes
-            pending.append((record.codes, dense, found_inf))
+                dense = flags.flags
+            pending.append((record.flags, dense, found_inf))
             record.host_step = step if after_read else None
         # Records of optimizers not stepped in this iteration (none when every record's was).
         records = list(self._records.items()) if len(self._records) > recorded else []
@@ -290,13 +285,13 @@ class OverflowTracker:
             if id(optimizer) not in present and record.host_step is None:
                 # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
                 if record.clean is None:
-                    record.clean = torch.zeros_like(record.codes)
-                pending.append((record.codes, record.clean, found_inf))
+                    record.clean = torch.zeros_like(record.flags)
+                pending.append((record.flags, record.clean, found_inf))
         if lerps is not None:
             lerps += pending
         else:
-            for record_codes, end, weight in pending:
-                record_codes.lerp_(end, weight)
+            for record_flags, end, weight in pending:
+                record_flags.lerp_(end, weight)
 
     # ------------------------------------------------------------------ the report
 
@@ -347,14 +342,14 @@ class OverflowTracker:
         ]
         if not records:
             return [], 0
-        values = torch.cat([r.codes for _, r in records]).tolist()  # the report's one host read
+        values = torch.cat([r.flags for _, r in records]).tolist()  # the report's one host read
         found: list[tuple[str, str]] = []
         start = 0
         for optimizer, record in records:
-            for param, code in zip(record.params, values[start : start + len(record.params)]):
-                if code == NAN_CODE or code == INF_CODE:
+            for param, flag in zip(record.params, values[start : start + len(record.params)]):
+                if flag == NAN_CODE or flag == INF_CODE:
                     found.append(
-                        (self._name(param, optimizer), "nan" if code == NAN_CODE else "inf")
+                        (self._name(param, optimizer), "nan" if flag == NAN_CODE else "inf")
                     )
             start += len(record.params)
         found.sort()

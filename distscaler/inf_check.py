@@ -11,7 +11,7 @@ few small device ops that also compute the counters the next ``update()`` needs 
 but where the plan says so.
 
 Per-tensor flags: one float32 per gradient tensor, taken from the statistic the pass reads anyway
-(its largest magnitude, or its norm when clipping), coded by one ``nan_to_num``: the finite
+(its largest magnitude, or its norm when clipping), flagged by one ``nan_to_num``: the finite
 statistic itself, ``-1.0`` for a NaN, ``-2.0`` for an inf (:mod:`distscaler.attribution`).
 
 Device ops per pass (world size 1, one (device, dtype) group; world size > 1 adds the one

@@ -71,9 +71,10 @@ class GradScaler(torch.amp.GradScaler):
 
     A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
     parameters, defaults, methods, call-order rules and error wording; for a single process the
-    same parameters and scales, bit for bit. On top of torch: the per-rank verdicts are combined in
-    **one** ``all_reduce`` of at most two float32 per step over ``process_group`` (every rank
-    skips, or none does, and the scales stay equal); :meth:`clip_grad_norm_` rides on it; fused
+    same parameters and scales, bit for bit. On top of torch: each rank's ``found_inf`` is combined
+    in **one** ``all_reduce`` per optimizer step over ``process_group`` (one float32 reduced with
+    MAX, or two with SUM when clipping: every rank skips, or none does, and the scales stay
+    equal); :meth:`clip_grad_norm_` rides on it; fused
     optimizers get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every
     counter lives on the device, updated by a handful of ops, so a step can be replayed from a
     CUDA graph; :attr:`last_overflow` names the ranks and parameters of the last inf/NaN.
@@ -320,7 +321,7 @@ class GradScaler(torch.amp.GradScaler):
             contract,
             checked=record.found_inf is not None,
             host_reads=self._host_reads,
-            per_tensor_flags=self._attributing and record.coded is None,
+            per_tensor_flags=self._attributing and record.flags is None,
             skip_nonfinite=self._config.skip_nonfinite,
         )
         group, world_size = self._group.resolve()
@@ -376,9 +377,9 @@ class GradScaler(torch.amp.GradScaler):
                 found_inf = torch.fmax(found_inf, other.to(state.device, non_blocking=True))
             lerps: list = []  # the overflow record's, run in the skip record's one op
             if self._attributing:
-                flagged = [r.coded for r in records if r.coded is not None]
+                flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
-            self._apply(found_inf, records[0].epilogue if len(found) == 1 else None, lerps)
+            self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
@@ -674,10 +675,6 @@ class GradScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
         state.setdefault("_records", {})
-        if "_verdict" in state:  # pickled before the parts were held apart
-            old = state.pop("_verdict")
-            state.setdefault("_layouts", old.layouts)
-            state.setdefault("_group", ScalerGroup(None))
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
         self.__dict__.update(state)
 

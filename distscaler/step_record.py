@@ -1,8 +1,9 @@
 """What one iteration decided for one optimizer: the scaler's typed per-step record.
 
-:class:`StepRecord` is written by ``GradScaler``'s verdict entry points (:meth:`unscale_`,
-:meth:`clip_grad_norm_`, the check :meth:`step` runs) and read by :meth:`step` (the hand-off) and
-:meth:`update` (the flag, the epilogue, the codes); :meth:`update` drops every record.
+:class:`StepRecord` keeps what the inf check of ``GradScaler``'s entry points found
+(:meth:`~StepRecord.keep`: ``unscale_``, ``clip_grad_norm_``, the check ``step`` runs) and is read
+by ``step`` (the hand-off: ``found_inf``, ``grad_scale``) and ``update`` (``found_inf``, the next
+counters, the per-tensor flags); ``update`` drops every record.
 
 torch's ``GradScaler`` keeps its own per-optimizer state in ``_per_optimizer_states``, a
 ``defaultdict`` of ``{"stage", "found_inf_per_device"}`` dicts, which code written against torch
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .attribution import Coded, TensorCodes
+from .attribution import StepFlags, TensorFlags
 from .state import Epilogue
 
 if TYPE_CHECKING:
@@ -33,19 +34,19 @@ __all__ = ["StepRecord", "torch_states"]
 class StepRecord:
     """One optimizer's record of this iteration (between two ``update()`` calls)."""
 
-    #: torch's call-order stage: READY, UNSCALED (a verdict ran) or STEPPED.
+    #: torch's call-order stage: READY, UNSCALED (an inf check ran) or STEPPED.
     stage: OptState = OptState.READY
-    #: The agreed flag (0-dim float32, exactly 0.0 or 1.0), None before a verdict.
+    #: The agreed flag (0-dim float32, exactly 0.0 or 1.0), None before an inf check.
     found_inf: torch.Tensor | None = None
     #: What a fused step divides the gradients by (``scale / clip_coef``); None when they are
     #: already unscaled (after :meth:`unscale_`, or a non-fused clip).
     grad_scale: torch.Tensor | None = None
     #: :meth:`clip_grad_norm_` ran.
     clipped: bool = False
-    #: The verdict epilogue's lanes for the update (None: the update makes them).
-    epilogue: Epilogue | None = None
-    #: The gradients' codes for the overflow report; None: not taken yet.
-    coded: Coded | None = None
+    #: The update's next counters, made by the inf check (None: the update makes them).
+    next_counters: Epilogue | None = None
+    #: The gradients' per-tensor flags for the overflow report; None: not taken yet.
+    flags: StepFlags | None = None
 
     def keep(
         self,
@@ -65,7 +66,7 @@ class StepRecord:
         self.found_inf = result.found_inf
         self.grad_scale = result.grad_scale if grad_scale else None
         if counters:
-            self.epilogue = result.next_counters
+            self.next_counters = result.next_counters
         if stage is not None:
             self.stage = stage
         if clipped:
@@ -79,14 +80,14 @@ class StepRecord:
             flags = result.per_tensor_flags
             taken = None
             if flags is not None or result.clean_read:
-                taken = TensorCodes(result.params, flags)
-            self.coded = Coded(optimizer, taken, result.flags_after_read)
+                taken = TensorFlags(result.params, flags)
+            self.flags = StepFlags(optimizer, taken, result.flags_after_read)
 
 
 def torch_states(records: dict[int, StepRecord]) -> defaultdict[int, dict[str, Any]]:
     """torch's ``_per_optimizer_states`` for ``records``: a ``defaultdict`` of torch's fresh
     state (``torch.amp.grad_scaler._refresh_per_optimizer_state``), one entry per record with its
-    stage and ``found_inf_per_device`` (``{device: flag}``, empty before a verdict). A copy: torch's
+    stage and ``found_inf_per_device`` (``{device: flag}``, empty before an inf check). A copy: torch's
     readers read it, nothing writes through it."""
     states: defaultdict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
     for key, record in records.items():

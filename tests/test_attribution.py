@@ -328,15 +328,15 @@ def test_clean_steps_cost_nothing_more_and_a_report_one_gather(spawned, world_si
 
 
 def test_a_rebuilt_plan_of_the_same_parameters_is_recorded_without_a_scatter():
-    from distscaler.attribution import TensorCodes, _Record
+    from distscaler.attribution import TensorFlags, _Record
 
     params = tuple(torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
     record = _Record(params, torch.device("cpu"))
     codes = torch.tensor([1.0, -2.0, 3.0])
     rebuilt = tuple(list(params))  # a new tuple, as a rebuilt GradPlan gives
     assert rebuilt is not params
-    assert record.dense(TensorCodes(rebuilt, codes)) is codes and record.params is rebuilt
+    assert record.dense(TensorFlags(rebuilt, codes)) is codes and record.params is rebuilt
     # A subset (a parameter without a gradient this step) is scattered, the rest clean.
-    subset = record.dense(TensorCodes((params[2], params[0]), torch.tensor([-1.0, 5.0])))
+    subset = record.dense(TensorFlags((params[2], params[0]), torch.tensor([-1.0, 5.0])))
     assert subset.tolist() == [5.0, 0.0, -1.0] and record.scatter
-    assert record.dense(TensorCodes((torch.nn.Parameter(torch.zeros(1)),), codes[:1])) is None
+    assert record.dense(TensorFlags((torch.nn.Parameter(torch.zeros(1)),), codes[:1])) is None
