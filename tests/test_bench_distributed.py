@@ -78,7 +78,7 @@ def test_distscaler_agrees_with_one_collective_and_no_host_read(records, world_s
     # One all_reduce per step across the ranks; none in a world of one rank.
     assert r["counts"]["distscaler"]["collectives"] == (1 if world_size > 1 else 0)
     # Fused AdamW reads found_inf on the device; the CPU's verdict reads the agreed flag once (no
-    # sync on a CPU: distscaler.host_read.host_read_is_free), a GPU's none.
+    # sync on a CPU: distscaler.plan.host_read_is_free), a GPU's none.
     assert r["counts"]["distscaler"]["host_reads"] == (1 if r["device"] == "cpu" else 0)
     assert r["phase_ms"]["distscaler"] > 0
     assert r["step_ms"]["distscaler"] > 0

@@ -113,7 +113,7 @@ def test_graph_breaks_of_the_phase(runs):
     breaks = _whole(results[0]["breaks"])
     assert breaks["fused"] == []
     # A non-fused step is decided on the host (the agreed flag, read once, by the step's verdict:
-    # VerdictGroup.for_step): that read breaks it.
+    # distscaler.plan.plan_step): that read breaks it.
     assert breaks["foreach"], "the non-fused step's graph break was not seen"
     assert all(
         "distscaler/verdict.py" in site and "item()" in site or "torch/optim/optimizer.py" in site
