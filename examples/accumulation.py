@@ -30,16 +30,16 @@ else:
 rank = dist.get_rank()
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
-).to(device)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(
+    device
+)
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = GradScaler(device.type).register_model(model)
 num_micro_batches = 4
 
 torch.manual_seed(1 + rank)
-for step in range(5):
+for _ in range(5):
     optimizer.zero_grad(set_to_none=True)
     for micro in range(num_micro_batches):
         x, y = torch.randn(8, 32, device=device), torch.randn(8, 1, device=device)
@@ -57,7 +57,9 @@ for step in range(5):
 totals = scaler.skip_totals
 if rank == 0:
     print(f"micro-batches per step: {num_micro_batches}")
-    print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+    print(
+        f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+    )
 # Free what holds the process group (the DDP model) before destroying it: left to interpreter
 # exit, gloo can abort there ("terminate called without an active exception").
 del model, optimizer

@@ -29,9 +29,9 @@ else:
 rank = dist.get_rank()
 
 torch.manual_seed(0)  # the same initial parameters on every rank (DDP also broadcasts rank 0's)
-model = torch.nn.Sequential(
-    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
-).to(device)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(
+    device
+)
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 # The verdict spans WORLD. register_model tells clip_grad_norm_ that DDP's gradients are copies
@@ -65,7 +65,9 @@ assert all(torch.equal(other, mine) for other in everyone), everyone
 
 totals = scaler.skip_totals
 if rank == 0:
-    print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+    print(
+        f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+    )
 # Free what holds the process group (the DDP model) before destroying it: left to interpreter
 # exit, gloo can abort there ("terminate called without an active exception").
 del model, optimizer

@@ -32,7 +32,11 @@ mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(
-    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    torch.nn.Linear(32, 64),
+    torch.nn.ReLU(),
+    torch.nn.Linear(64, 64),
+    torch.nn.ReLU(),
+    torch.nn.Linear(64, 1),
 ).to(device)
 mp_policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
 for layer in model:
@@ -57,7 +61,9 @@ for step in range(10):
 totals = scaler.skip_totals
 assert totals.last_skipped == 8, totals  # the injected overflow skipped on every rank
 if rank == 0:
-    print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+    print(
+        f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+    )
 # Free the sharded model (its mesh holds the process group) before destroying the group.
 del model, optimizer, mesh
 gc.collect()

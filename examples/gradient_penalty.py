@@ -14,13 +14,13 @@ from distscaler import GradScaler
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-model = torch.nn.Sequential(
-    torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
-).to(device)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(
+    device
+)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = GradScaler(device)
 
-for step in range(20):
+for _ in range(20):
     x, y = torch.randn(16, 32, device=device), torch.randn(16, 1, device=device)
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device, dtype=torch.float16):
@@ -45,4 +45,6 @@ for step in range(20):
     scaler.update()
 
 totals = scaler.skip_totals
-print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+print(
+    f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+)

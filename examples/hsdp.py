@@ -29,13 +29,15 @@ else:
 rank, world_size = dist.get_rank(), dist.get_world_size()
 if world_size % 2:
     raise SystemExit(f"HSDP here needs an even number of ranks, got {world_size}")
-mesh = init_device_mesh(
-    device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard")
-)
+mesh = init_device_mesh(device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(
-    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    torch.nn.Linear(32, 64),
+    torch.nn.ReLU(),
+    torch.nn.Linear(64, 64),
+    torch.nn.ReLU(),
+    torch.nn.Linear(64, 1),
 ).to(device)
 mp_policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
 for layer in model:
@@ -61,7 +63,9 @@ totals = scaler.skip_totals
 assert totals.last_skipped == 8, totals  # the injected overflow skipped on every rank
 if rank == 0:
     print(f"mesh: {mesh.mesh.tolist()} (replicate x shard)")
-    print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+    print(
+        f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+    )
 # Free the sharded model (its mesh holds the process groups) before destroying them.
 del model, optimizer, mesh
 gc.collect()

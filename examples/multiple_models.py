@@ -32,13 +32,18 @@ device_ids = [device.index] if device.type == "cuda" else None
 
 torch.manual_seed(0)
 model0 = DDP(torch.nn.Linear(32, 1).to(device), device_ids=device_ids)
-model1 = DDP(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device), device_ids=device_ids)
+model1 = DDP(
+    torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(
+        device
+    ),
+    device_ids=device_ids,
+)
 optimizer0 = torch.optim.AdamW(model0.parameters(), lr=1e-3)
 optimizer1 = torch.optim.SGD(model1.parameters(), lr=1e-2, momentum=0.9)
 scaler = GradScaler(device.type).register_model(model0).register_model(model1)
 
 torch.manual_seed(1 + rank)
-for step in range(10):
+for _ in range(10):
     x, y = torch.randn(16, 32, device=device), torch.randn(16, 1, device=device)
     optimizer0.zero_grad(set_to_none=True)
     optimizer1.zero_grad(set_to_none=True)
@@ -59,7 +64,9 @@ for step in range(10):
 totals = scaler.skip_totals
 if rank == 0:
     print(f"all_reduce per iteration: {comm.get_total_counts()} (2 optimizers)")
-    print(f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}")
+    print(
+        f"skipped steps: {totals.num_skipped} of {totals.num_updates}, final scale: {scaler.get_scale():g}"
+    )
 # Free what holds the process group (the DDP model) before destroying it: left to interpreter
 # exit, gloo can abort there ("terminate called without an active exception").
 del model0, model1, optimizer0, optimizer1
