@@ -1,8 +1,9 @@
 """DistributedDataParallel: every rank skips the same steps and keeps the same loss scale.
 
-    torchrun --standalone --nproc-per-node=2 examples/ddp.py              # one machine
-    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 examples/ddp.py                        # two machines
+    # one machine, 2 processes (one per GPU, or CPU ranks):
+    torchrun --standalone --nproc-per-node=2 examples/ddp.py
+    # two machines of 8 GPUs, the same command on each (HOST: the first machine's address):
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 examples/ddp.py
 
 GPUs (NCCL) when there are, the CPU (gloo) otherwise. At iteration 8 an inf is put in one gradient
 of rank 1 only, after DDP's all-reduce (as a rank-local gradient hook, or a bad shard, would): torch's
