@@ -25,4 +25,23 @@ __all__ = [
     "__version__",
 ]
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (its metadata); in a source tree that is not
+    installed, the version pyproject.toml declares; ``"0+unknown"`` without either."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    try:
+        return importlib.metadata.version("distscaler")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        text = pyproject.read_text(encoding="utf-8") if pyproject.is_file() else ""
+        ours = re.search(r'^name = "distscaler"$', text, re.MULTILINE)
+        match = re.search(r'^version = "([^"]+)"$', text, re.MULTILINE)
+        return match[1] if ours and match else "0+unknown"
+
+
+#: The version of distscaler, from the package metadata (``importlib.metadata.version``).
+__version__: str = _version()
