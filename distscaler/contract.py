@@ -53,7 +53,7 @@ def uses_fused_scaling(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class StepContract(enum.Enum):
-    """How an optimizer's step takes the scaler's verdict."""
+    """How an optimizer's step takes the scaler's agreed ``found_inf``."""
 
     #: ``_step_supports_amp_scaling`` and no ``grad_scaler`` keyword: ``grad_scale``/``found_inf``
     #: attributes read inside the step (:mod:`distscaler.fused`); no host read.

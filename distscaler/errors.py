@@ -33,7 +33,7 @@ class LossScaleAtMinimumError(RuntimeError):
 
 
 class UnknownLayoutError(ValueError):
-    """The layout of some gradients across the verdict group cannot be determined.
+    """The layout of some gradients across the scaler's process group cannot be determined.
 
     Raised by ``clip_grad_norm_`` on every rank, before anything changes and before any collective,
     instead of returning a norm off by a factor of the number of replicas (see

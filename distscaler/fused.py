@@ -1,4 +1,4 @@
-"""The optimizer step on the agreed verdict, and the hand-off to fused optimizers.
+"""The optimizer step on the agreed ``found_inf``, and the hand-off to fused optimizers.
 
 Optimizers with ``_step_supports_amp_scaling`` (``Adam``/``AdamW``/``SGD(fused=True)``, and any
 optimizer that follows torch's contract, :mod:`distscaler.contract`) read ``optimizer.grad_scale`` and ``optimizer.found_inf``

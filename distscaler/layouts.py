@@ -1,6 +1,6 @@
-"""How gradients are laid out across the ranks of the verdict group, and how they are gathered.
+"""How gradients are laid out across the ranks of the scaler's process group, and how they are gathered.
 
-The verdict sums per-rank contributions over the process group. A gradient whose values are held
+A global norm sums per-rank contributions over the process group. A gradient whose values are held
 identically by ``r`` ranks (DDP replicates every gradient over its data-parallel group; HSDP over the
 replicate mesh dimension; tensor parallelism replicates norms over the TP dimension) must contribute
 ``1 / r`` of its ``sum |g|**p`` on each of them, so that one SUM counts it exactly once. Each
@@ -9,7 +9,7 @@ gradient's weight comes from, in this order:
 1. **The gradient itself.** A DTensor gradient (FSDP2 ``fully_shard``, HSDP, tensor parallelism)
    carries its placements: the weight is ``1 / prod(mesh sizes of its Replicate dims)``; a
    ``Partial`` placement is an error (the gradient is not reduced yet). When its mesh covers only
-   part of the verdict group, the gradient cannot say what the other ranks hold: copies (a layer
+   part of the scaler's process group, the gradient cannot say what the other ranks hold: copies (a layer
    left out of a tensor-parallel plan, sharded on the dp sub-mesh only) or other parameters
    (pipeline stages). That takes a registered ``grad_layout`` (``"replicated"``: copies on the
    ``world_size / mesh size`` ranks outside; ``"sharded"``: other parameters), else it is an error.
@@ -67,7 +67,7 @@ class GroupKey(NamedTuple):
 
     device: torch.device
     dtype: torch.dtype
-    #: 1 / (number of ranks of the verdict group holding the same values); 1.0 when unused.
+    #: 1 / (number of ranks of the process group holding the same values); 1.0 when unused.
     weight: float
 
 
@@ -129,7 +129,7 @@ class _ParamTable:
 
 
 class LayoutResolver:
-    """Per-parameter replication weights for the norm of the verdict (see the module docstring).
+    """Per-parameter replication weights for the global norm (see the module docstring).
 
     Holds parameters weakly; caches each DTensor gradient's weight per (mesh, placements).
     """
@@ -191,7 +191,7 @@ class LayoutResolver:
 
         DDP and FSDP1 modules anywhere in ``model`` give their parameters' replication; with
         ``grad_layout`` every other parameter of ``model`` gets that layout's weight (for the
-        verdict group's world size, resolved when the norm is taken). FSDP2 needs nothing: its
+        process group's world size, resolved when the norm is taken). FSDP2 needs nothing: its
         gradients are DTensors. Later registrations of the same parameter win.
         """
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

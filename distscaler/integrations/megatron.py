@@ -158,7 +158,7 @@ class SharedGradScaler(MegatronGradScaler):
 
 class _MainGrads:
     """The scaler's view of every sub-optimizer's main parameters: one "optimizer" whose
-    ``step`` only records that the verdict let the step run (Megatron's ``step_with_ready_grads``
+    ``step`` only records that the agreed ``found_inf`` let the step run (Megatron's ``step_with_ready_grads``
     runs after, so that ``prepare_grads`` and ``step`` keep their contracts)."""
 
     _step_supports_amp_scaling = False  # the flag is read on the host anyway (step() returns it)
@@ -181,7 +181,7 @@ class MegatronBinding:
     """What :func:`install` attaches to a Megatron optimizer (``optimizer._distscaler``).
 
     Attributes:
-        scaler: the one :class:`distscaler.GradScaler` (verdict group: the world).
+        scaler: the one :class:`distscaler.GradScaler` (its process group: the world).
         optimizer: the optimizer given to :func:`install`.
         subs: its sub-optimizers (the optimizer itself when it is not chained).
         last_grad_norm: the last prepared step's global norm (Python float; None before one or
@@ -196,7 +196,7 @@ class MegatronBinding:
         )
         self.view = _MainGrads(self.subs)
         self.last_grad_norm: float | None = None
-        self._prepared: bool | None = None  # this step's verdict once prepare_grads ran
+        self._prepared: bool | None = None  # this step's found_inf once prepare_grads ran
         self._loading = False
         self._stock = {
             name: getattr(optimizer, name)
@@ -261,7 +261,7 @@ class MegatronBinding:
 
         Returns whether any rank found inf/NaN (the same bool on every rank). Once per step: a
         second call before ``step_with_ready_grads``/``zero_grad``/``step`` returns the same
-        verdict and does nothing (no second unscale, no collective).
+        found_inf and does nothing (no second unscale, no collective).
 
         Cost: one ``all_reduce`` of 2 float32 over the world, one host read of the flag and
         one of the norm; every rank must call.
@@ -422,7 +422,7 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
         scaler: None (default): Megatron's own rule from ``optimizer.config``
             (:func:`scaler_config`: ``policy="megatron"``, or ``"static"`` when ``loss_scale`` is
             set), its scale taken from the first sub-optimizer's current scale. Or a
-            ``distscaler.GradScaler`` (on the parameters' device type, verdict group the world), a
+            ``distscaler.GradScaler`` (on the parameters' device type, process group the world), a
             ``ScalerConfig``, or a DeepSpeed config (dict, its ``"fp16"`` section or JSON path).
 
     Returns:

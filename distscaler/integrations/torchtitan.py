@@ -24,13 +24,13 @@ What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what :class:`DistScalerT
   ``scaler.scale(loss).backward()`` the gradients would be divided by the scale. Here the loss
   object (a ``ChunkedLossWrapper``'s inner loss) returns :func:`scaled_for_backward` of its value:
   the same value, its gradient times the scale; pipeline schedules call that same object.
-* **Verdict.** ``train_step`` clips the (scaled) gradients and steps; an inf gradient becomes NaN
+* **The inf check.** ``train_step`` clips the (scaled) gradients and steps; an inf gradient becomes NaN
   weights and the next step stops the job ("Loss is not finite"). Here :meth:`GradScaler.clip_grad_norm_`
-  (the global norm of the unscaled gradients, any layout, in the verdict's one ``all_reduce``),
+  (the global norm of the unscaled gradients, any layout, in the step's one ``all_reduce``),
   ``step`` and ``update``: every rank skips, or none does, and backs off; logged, not raised.
 * **Fused optimizers.** ``OptimizersContainer`` holds one optimizer per model part and optimizer
   name. When all take ``grad_scale``/``found_inf`` (``Adam``/``AdamW``/``SGD``/``Adagrad`` with
-  ``implementation="fused"``, the default), one verdict covers all their parameters and the
+  ``implementation="fused"``, the default), one inf check covers all their parameters and the
   container's ``step()`` runs with both handed to each: its and their step hooks run as in stock
   (on skipped steps too, as a fused optimizer's do under torch's scaler); no host read. Otherwise
   (``foreach``, ``for-loop``, ``DistMuon``...) the container is the scaler's optimizer: an in-place
@@ -125,7 +125,7 @@ _FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.op
 
 class _ContainerStep:
     """The scaler's view of an ``OptimizersContainer`` whose optimizers all take ``grad_scale``:
-    one optimizer over all their param groups, so one verdict and one global norm; its ``step``
+    one optimizer over all their param groups, so one inf check and one global norm; its ``step``
     runs the container's ``step()`` with the scaler's ``grad_scale``/``found_inf`` on each."""
 
     _step_supports_amp_scaling = True
@@ -191,11 +191,11 @@ class DistScalerTrainer(Trainer):
             torchtitan builds anything.
 
     Attributes:
-        grad_scaler: the ``distscaler.GradScaler`` (its verdict group: the world).
+        grad_scaler: the ``distscaler.GradScaler`` (its process group: the world).
         fused_step: whether every optimizer of ``optimizers`` takes ``grad_scale``/``found_inf``
             (the fused path of the module docstring).
 
-    Cost per step on top of stock torchtitan: the verdict's one ``all_reduce`` of 2 float32 over
+    Cost per step on top of stock torchtitan: the one ``all_reduce`` of 2 float32 over
     the world (in place of the clip's norm reductions) and a few device ops; no host read on the
     fused path. Per logging step: two host reads, and after new skips one ``all_gather`` (every
     rank). Every rank must run the same steps, as in stock torchtitan.
@@ -273,7 +273,7 @@ class DistScalerTrainer(Trainer):
         self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
     ) -> None:
         """One optimizer step: torchtitan's ``train_step`` with the scaler's clip, step, update
-        and verdict in place of its clip, step and abort (module docstring)."""
+        and inf check in place of its clip, step and abort (module docstring)."""
         training = self.config.training
         self.optimizers.zero_grad(set_to_none=training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()

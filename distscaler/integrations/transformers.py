@@ -21,7 +21,7 @@ there with :func:`distscaler.integrations.accelerate.install`. What Transformers
 * **Skips and the scheduler.** The Trainer steps the LR scheduler unless
   ``accelerator.optimizer_step_was_skipped``, which misses the skips of fused optimizers
   (``optim="adamw_torch_fused"``; accelerate issue 4242), so their scheduler moves on a skipped
-  step. Here the flag is the agreed verdict for every optimizer: the scheduler holds.
+  step. Here the flag is the agreed ``found_inf`` for every optimizer: the scheduler holds.
 * **Clipping.** ``max_grad_norm > 0`` clips through :meth:`GradScaler.clip_grad_norm_` (the global
   norm folded into the step's collective, no extra pass with a fused optimizer);
   ``max_grad_norm=0`` measures the logged ``grad_norm`` with ``max_norm=inf`` (measure only).
