@@ -280,6 +280,7 @@ class TorchPolicy(LossScalePolicy):
     same_rule_as = ("torch.amp.GradScaler",)
 
     def update_(self, found_inf: torch.Tensor) -> None:
+        """torch's kernel on the scale and growth tracker, then the clamp (with bounds)."""
         r = self.rule
         torch._amp_update_scale_(
             self.scale, self.growth_tracker, found_inf, r.growth_factor, r.backoff_factor,
@@ -299,6 +300,7 @@ class StaticPolicy(LossScalePolicy):
     same_rule_as = ("deepspeed.LossScaler",)
 
     def update_(self, found_inf: torch.Tensor) -> None:
+        """Nothing: the scale stays."""
         return None
 
 
@@ -327,19 +329,25 @@ class MegatronPolicy(LossScalePolicy):
 
     @classmethod
     def initial_state(cls, rule: ScaleRule) -> dict[str, int]:
+        """The hysteresis tracker full: ``hysteresis``."""
         return {"hysteresis_tracker": rule.hysteresis}
 
     @classmethod
-    def state_from_checkpoint(cls, values, growth_tracker, rule):  # type: ignore[override]
+    def state_from_checkpoint(
+        cls, values: Mapping[str, int], growth_tracker: int, rule: ScaleRule
+    ) -> dict[str, int]:
+        """The saved hysteresis tracker (or DeepSpeed's ``cur_hysteresis``), else a full one."""
         saved = _saved_hysteresis(values, "hysteresis_tracker")
         if saved is not None:  # DeepSpeed's counter has the same meaning
             return {"hysteresis_tracker": saved[1]}
         return cls.initial_state(rule)
 
     def exhausted(self) -> torch.Tensor:
+        """Whether an overflow now backs off: the hysteresis tracker at 1 or below."""
         return self.counters["hysteresis_tracker"] <= 1
 
     def update_(self, found_inf: torch.Tensor) -> None:
+        """Megatron's ``update(found_inf)``: the trackers, then the scale (torch's kernel)."""
         r = self.rule
         overflow = found_inf > 0
         tracker, hyst = self.growth_tracker, self.counters["hysteresis_tracker"]
@@ -388,10 +396,15 @@ class DeepSpeedPolicy(LossScalePolicy):
 
     @classmethod
     def initial_state(cls, rule: ScaleRule) -> dict[str, int]:
+        """DeepSpeed's: ``cur_iter`` 0, ``last_overflow_iter`` -1, ``cur_hysteresis`` full."""
         return {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": rule.hysteresis}
 
     @classmethod
-    def state_from_checkpoint(cls, values, growth_tracker, rule):  # type: ignore[override]
+    def state_from_checkpoint(
+        cls, values: Mapping[str, int], growth_tracker: int, rule: ScaleRule
+    ) -> dict[str, int]:
+        """DeepSpeed's counters where saved; else ``cur_iter`` from ``num_updates``, the clean
+        streak of torch's tracker, and Megatron's hysteresis tracker (kept in [1, hysteresis])."""
         if "cur_iter" in values:
             cur_iter = values["cur_iter"]
         else:
@@ -421,7 +434,13 @@ class DeepSpeedPolicy(LossScalePolicy):
         stable = cur_iter - last_overflow_iter - 1
         return -1 if stable <= 0 else (stable - 1) % growth_interval
 
-    def __init__(self, rule, scale, growth_tracker, counters):  # type: ignore[no-untyped-def]
+    def __init__(
+        self,
+        rule: ScaleRule,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        counters: Mapping[str, int],
+    ) -> None:
         super().__init__(rule, scale, growth_tracker, counters)
         count = self.growth_count_from(
             counters["cur_iter"], counters["last_overflow_iter"], rule.growth_interval
@@ -431,11 +450,13 @@ class DeepSpeedPolicy(LossScalePolicy):
         self.growth_count = torch.tensor(count, dtype=torch.int64).to(scale.device)
 
     def exhausted(self) -> torch.Tensor | None:
+        """Whether an overflow now backs off: ``cur_hysteresis`` at 1 (always with hysteresis 1)."""
         if self.rule.hysteresis == 1:  # DeepSpeed backs off at every overflow, whatever the counter
             return None
         return self.counters["cur_hysteresis"] <= 1
 
     def update_(self, found_inf: torch.Tensor) -> None:
+        """DeepSpeed's ``update_scale(overflow)``: the counters, then the scale (torch's kernel)."""
         r = self.rule
         overflow = found_inf > 0
         c = self.counters
@@ -461,6 +482,7 @@ class DeepSpeedPolicy(LossScalePolicy):
         move_scale_(self.scale, grow, backs_off.to(torch.float32), r)
 
     def read(self, growth_tracker: int, values: list[float]) -> tuple[int, dict[str, int]]:
+        """The counters, and torch's growth tracker from them (:meth:`growth_tracker_from`)."""
         _, counters = super().read(growth_tracker, values)
         return self.growth_tracker_from(counters, self.rule.growth_interval), counters
 

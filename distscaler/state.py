@@ -48,17 +48,26 @@ from .telemetry import SkipLog, SkipTotals
 if TYPE_CHECKING:
     from .config import ScalerConfig
 
-__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "Epilogue", "HostValues", "ScalerState"]
+__all__ = [
+    "FOLD_EVERY",
+    "RECORD_KEYS",
+    "RECORD_LANES",
+    "DeviceState",
+    "Epilogue",
+    "HostValues",
+    "ScalerState",
+]
 
-#: Names of the record's lanes, in order.
-RECORD_LANES = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+#: Names of the record's values, in order.
+RECORD_KEYS = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+RECORD_LANES = RECORD_KEYS  # the former name
 #: The host folds the record at least this often (in updates): float32 counts stay exact.
 FOLD_EVERY = 1 << 20
 
 
 class Epilogue(NamedTuple):
     """What a verdict's epilogue makes for the next update, in its one ``_foreach_addcdiv``
-    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed policy's lanes,
+    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed counters' terms,
     each 0-dim float32 on the scale's device."""
 
     #: The record's ``num_updates + 1``.
@@ -118,9 +127,9 @@ class DeviceState:
         self._operands_for: PackedCounters | None = None
         self._operands_key: object | None = None
         self._epilogue: tuple[Any, tuple[list, list, list]] | None = None
-        self.record = torch.zeros(len(RECORD_LANES), dtype=torch.float32, device=device)
-        #: 0-dim views of the record's lanes, for the foreach update.
-        self.lanes = list(self.record.unbind())
+        self.record = torch.zeros(len(RECORD_KEYS), dtype=torch.float32, device=device)
+        #: 0-dim views of the record's values, for the foreach update.
+        self.counts = list(self.record.unbind())
         self.zero = full(0.0, torch.float32)
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
@@ -164,13 +173,13 @@ class DeviceState:
         one = self.one
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(
-            [*self.lanes, *(t for t, _, _ in extra)],
+            [*self.counts, *(t for t, _, _ in extra)],
             [nu1, ns1, nu1, self.scale, *(e for _, e, _ in extra)],
             [one, found_inf, found_inf, found_inf, *(w for _, _, w in extra)],
         )
 
     def epilogue(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """``(a, b, c)`` lists of the ``a + b / c`` lanes an update needs, for the verdict's own
+        """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the verdict's own
         multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
         packed counters' operands (:meth:`PackedCounters.operands`)."""
         self._operands_for = packed = self.packed
@@ -179,15 +188,15 @@ class DeviceState:
         if cached is not None and cached[0] is key:  # the same tensors at every step
             return cached[1]
         one = self.one
-        a, b, c = [self.lanes[0], self.lanes[1]], [one, one], [one, one]
+        a, b, c = [self.counts[0], self.counts[1]], [one, one], [one, one]
         if packed is not None:
-            pa, pb, pc = packed.operands(self.lanes[0], one, self.zero, self.minus_one)
+            pa, pb, pc = packed.operands(self.counts[0], one, self.zero, self.minus_one)
             a, b, c = a + pa, b + pb, c + pc
         self._epilogue = (key, (a, b, c))
         return a, b, c
 
     def name_ends(self, values: Sequence[torch.Tensor]) -> Epilogue:
-        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its lanes past the verdict's
+        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its results past the inf check's
         own), named: the record's next counts and the packed counters' terms."""
         packed = self._operands_for
         policy = packed.terms(list(values[2:])) if packed is not None else ()
@@ -224,7 +233,7 @@ class DeviceState:
                 self.packed = None
                 self._packing = None
         elif self.packed is not None:
-            self.packed.set_rule(rule, self.lanes[0])
+            self.packed.set_rule(rule, self.counts[0])
             self._packing = object()
         else:
             assert self.policy is not None
@@ -269,7 +278,7 @@ class DeviceState:
     def read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, list[float]]:
         """Read ``extra`` 0-dim tensors, the state and the record in one host transfer.
 
-        Returns (values of ``extra``, the state as host numbers, the record's four lanes).
+        Returns (values of ``extra``, the state as host numbers, the record's four values).
         """
         if self.packed is not None:
             counters = self.packed.tensors()
@@ -281,7 +290,7 @@ class DeviceState:
         values = torch.cat(parts).tolist()
         n = len(extra)
         tracker = int(values[n + 1])
-        record = values[-len(RECORD_LANES) :]
+        record = values[-len(RECORD_KEYS) :]
         counter_values = values[n + 2 : n + 2 + len(counters)]
         if self.packed is not None:
             tracker, policy_values = self.packed.read(counter_values, record)
@@ -292,11 +301,11 @@ class DeviceState:
         return values[:n], HostValues(values[n], tracker, policy_values), record
 
     def fold(self, record: list[float]) -> None:
-        """Zero the record's counts (``record``: its lanes as read) after the host has added them to
+        """Zero the record's counts (``record``: its values as read) after the host has added them to
         its own (between iterations only: a pending verdict holds ``num_updates + 1`` from before
         the fold). Packed counters follow (one more op)."""
         if self.packed is not None:
-            self.packed.fold(record, self.lanes[0])
+            self.packed.fold(record, self.counts[0])
         self.record[:3].zero_()
 
     def write(self, values: HostValues) -> None:
@@ -372,7 +381,7 @@ class ScalerState:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
         record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
         the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
-        the clamp with bounds; ``ends``: the verdict epilogue's lanes, :meth:`DeviceState.epilogue`,
+        the clamp with bounds; ``ends``: what the inf check's ``_foreach_addcdiv`` made, :meth:`DeviceState.epilogue`,
         else one more op makes them). Returns whether the periodic host read is due (every
         ``skip_log_interval`` and :data:`FOLD_EVERY` updates, the same update on every rank; never
         inside CUDA graph capture).
