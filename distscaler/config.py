@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import _validation as V
-from .policies import POLICIES, PolicyName, ScaleRule
+from .policies import PolicyName, ScaleRule, get_policy
 
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "ScalerSettings", "settings_problems"]
 
@@ -68,11 +68,13 @@ class ScalerConfig:
     """Clean steps, in optimizer steps, before the scale grows (DeepSpeed's ``loss_scale_window``);
     in [1, 2**31 - 1] (torch's growth tracker is an int32 tensor)."""
     policy: PolicyName = "torch"
-    """The update rule: ``"torch"``, ``"deepspeed"``, ``"megatron"`` or ``"static"``."""
+    """The update rule: ``"torch"``, ``"deepspeed"``, ``"megatron"``, ``"static"`` or the name of
+    a registered one (:func:`distscaler.policies.register_policy`)."""
     hysteresis: int = 1
-    """Overflows tolerated before a backoff (>= 1; > 1 for ``"deepspeed"``/``"megatron"`` only)."""
+    """Overflows tolerated before a backoff (>= 1; > 1 where the policy accepts it:
+    ``"deepspeed"``, ``"megatron"``)."""
     consecutive_hysteresis: bool = False
-    """Refill the hysteresis on every clean step (``"deepspeed"`` only)."""
+    """Refill the hysteresis on every clean step (where the policy accepts it: ``"deepspeed"``)."""
     min_scale: float | None = None
     """Floor of the scale, or None."""
     max_scale: float | None = None
@@ -80,7 +82,8 @@ class ScalerConfig:
     raise_error_at_min_scale: bool = False
     """Raise at an overflow with the scale at ``min_scale`` (one host read per update)."""
     skip_nonfinite: bool = True
-    """Skip steps with inf/NaN gradients (False only with ``policy="static"``)."""
+    """Skip steps with inf/NaN gradients (False only with a policy whose scale does not react to
+    overflows: ``"static"``)."""
     skip_log_interval: int = 100
     """Updates between two reads of the skip record for logging (0: only when read anyway)."""
 
@@ -178,26 +181,14 @@ def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]
             fn(name, s[name], **kwargs)
         except (TypeError, ValueError) as e:
             problems.append((type(e), str(e)))
-    if s["policy"] not in POLICIES:
-        problems.append((ValueError, f"policy must be one of {POLICIES}, got: {s['policy']!r}"))
+    try:
+        policy = get_policy(s["policy"])
+    except ValueError as e:
+        problems.append((ValueError, str(e)))
     if problems:  # the cross-field checks need valid fields
         return problems
-    policy = s["policy"]
-    if policy in ("torch", "static") and s["hysteresis"] != 1:
-        problems.append(
-            (
-                ValueError,
-                f"hysteresis must be 1 for policy={policy!r} (it has none; use policy='deepspeed' "
-                f"or 'megatron'), got: {s['hysteresis']}",
-            )
-        )
-    if policy != "deepspeed" and s["consecutive_hysteresis"]:
-        problems.append(
-            (
-                ValueError,
-                f"consecutive_hysteresis=True needs policy='deepspeed', got: policy={policy!r}",
-            )
-        )
+    # What the rule accepts (hysteresis, consecutive_hysteresis, skip_nonfinite), in its words.
+    problems += [(ValueError, m) for m in policy.settings_problems(s)]
     low = s["min_scale"] if s["min_scale"] is not None else 0.0
     high = s["max_scale"] if s["max_scale"] is not None else math.inf
     if low > high:
@@ -219,14 +210,6 @@ def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]
     if s["raise_error_at_min_scale"] and s["min_scale"] is None:
         problems.append(
             (ValueError, "raise_error_at_min_scale=True needs min_scale, got: min_scale=None")
-        )
-    if not s["skip_nonfinite"] and policy != "static":
-        problems.append(
-            (
-                ValueError,
-                f"skip_nonfinite=False needs policy='static' (a dynamic scale must skip the "
-                f"overflows it reacts to), got: policy={policy!r}",
-            )
         )
     return problems
 

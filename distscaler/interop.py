@@ -1,6 +1,8 @@
 """Other stacks' loss-scaler formats: DeepSpeed's ``fp16`` config section and saved scaler states.
 
 Nothing here imports DeepSpeed or Megatron; the formats are recognised by their keys or attributes.
+Which policy continues another stack's scaler is the policy's to say (``same_rule_as``,
+:func:`distscaler.policies.policy_for`); this module holds only the formats.
 
 Configs: :func:`read_deepspeed_config` reads DeepSpeed's ``fp16`` (and ``bf16``) sections with
 DeepSpeed's key names, defaults and meaning (``deepspeed/runtime/precision_config.py``,
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _validation as V
+from .policies import get_policy, policy_for
 
 __all__ = ["DEEPSPEED_FP16_DEFAULTS", "detect_format", "read_deepspeed_config", "to_native_state"]
 
@@ -51,6 +54,12 @@ _BF16_KEYS = ("enabled", "check_grad_overflow")
 _BF16_SECTIONS = ("bf16", "bfloat16")  # "bfloat16": DeepSpeed's older name
 # DeepSpeed caps nothing; 2**p must be a normal float32 for our scale.
 _SCALE_POWER_RANGE = (-126, 127)
+# The other stacks' scaler classes, by their rule (``LossScalePolicy.same_rule_as``).
+_DEEPSPEED_DYNAMIC = "deepspeed.DynamicLossScaler"
+_DEEPSPEED_STATIC = (
+    "deepspeed.LossScaler"  # also DeepSpeed's bf16 and fp32 (no scaler): a fixed scale
+)
+_MEGATRON = "megatron.core.optimizer.DynamicGradScaler"
 
 
 def read_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
@@ -120,12 +129,13 @@ def read_deepspeed_config(config: Mapping[str, Any] | str | os.PathLike[str]) ->
             "not applied by the scaler",
             stacklevel=2,
         )
+    static = policy_for(_DEEPSPEED_STATIC)
     if not fp16_values["enabled"]:
-        return {"policy": "static", "init_scale": 1.0, "skip_nonfinite": bool(check_overflow)}
+        return {"policy": static, "init_scale": 1.0, "skip_nonfinite": bool(check_overflow)}
     if fp16_values["loss_scale"] > 0:
-        return {"policy": "static", "init_scale": float(fp16_values["loss_scale"])}
+        return {"policy": static, "init_scale": float(fp16_values["loss_scale"])}
     return {
-        "policy": "deepspeed",
+        "policy": policy_for(_DEEPSPEED_DYNAMIC),
         "init_scale": 2.0 ** fp16_values["initial_scale_power"],
         "growth_factor": 2.0,
         "backoff_factor": 0.5,
@@ -260,14 +270,6 @@ def detect_format(state: object) -> str:
     return "native"
 
 
-def _deepspeed_growth_tracker(cur_iter: int, last_overflow_iter: int, window: int) -> int:
-    """The clean steps since the last overflow or growth, as the ``deepspeed`` policy counts them."""
-    stable = cur_iter - last_overflow_iter - 1
-    if stable <= window:
-        return max(stable, 0)
-    return (stable - window - 1) % window
-
-
 def _from_deepspeed(
     cur_scale: Any,
     dynamic: bool,
@@ -292,10 +294,13 @@ def _from_deepspeed(
         last_overflow_iter=last_overflow_iter,
     )
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (cur_iter, window))
+    tracker = None
     if ints and isinstance(last_overflow_iter, int) and window >= 1:
-        out["_growth_tracker"] = _deepspeed_growth_tracker(cur_iter, last_overflow_iter, window)
-    else:
-        out["_growth_tracker"] = 0  # the invalid values above are reported by the validation
+        # The clean steps since the last overflow or growth, as the policy counts them.
+        counters = {"cur_iter": cur_iter, "last_overflow_iter": last_overflow_iter}
+        tracker = get_policy(policy_for(_DEEPSPEED_DYNAMIC)).growth_tracker_from(counters, window)
+    # None: the invalid values above are reported by the validation.
+    out["_growth_tracker"] = 0 if tracker is None else tracker
     return out
 
 
@@ -304,8 +309,9 @@ def to_native_state(state: object, current: Mapping[str, Any]) -> tuple[str, Map
 
     ``current`` holds this scaler's ``growth_factor``, ``backoff_factor`` and ``growth_interval``,
     used where the saved format does not carry them (Megatron's). The result may also hold
-    ``policy`` (the rule the state was saved under), policy state keys (``cur_iter``,
-    ``last_overflow_iter``, ``cur_hysteresis``, ``hysteresis_tracker``) and DeepSpeed's
+    ``policy`` (the policy whose rule saved the state, :func:`~distscaler.policies.policy_for`),
+    the counters the format saves under their own names (DeepSpeed's ``cur_iter``,
+    ``last_overflow_iter``, ``cur_hysteresis``; Megatron's ``hysteresis_tracker``), and DeepSpeed's
     ``hysteresis``, ``consecutive_hysteresis`` and ``min_scale``. Values are not validated here.
     """
     fmt = detect_format(state)
@@ -317,7 +323,7 @@ def to_native_state(state: object, current: Mapping[str, Any]) -> tuple[str, Map
         out.update(
             scale=state["scale"],
             _growth_tracker=state["growth_tracker"],
-            policy="megatron",
+            policy=policy_for(_MEGATRON),
         )
         if "hysteresis_tracker" in state:
             out["hysteresis_tracker"] = state["hysteresis_tracker"]
@@ -334,7 +340,7 @@ def to_native_state(state: object, current: Mapping[str, Any]) -> tuple[str, Map
             state.get("scale_window", current["growth_interval"]),
             current,
         )
-        out["policy"] = "deepspeed" if dynamic else "static"
+        out["policy"] = policy_for(_DEEPSPEED_DYNAMIC if dynamic else _DEEPSPEED_STATIC)
         return fmt, out
     obj: Any = state if _is_deepspeed_scaler(state) else state[_ZERO_KEY]  # type: ignore[index]
     dynamic = bool(getattr(obj, "dynamic", False))
@@ -347,7 +353,7 @@ def to_native_state(state: object, current: Mapping[str, Any]) -> tuple[str, Map
         getattr(obj, "scale_window", current["growth_interval"]),
         current,
     )
-    out["policy"] = "deepspeed" if dynamic else "static"
+    out["policy"] = policy_for(_DEEPSPEED_DYNAMIC if dynamic else _DEEPSPEED_STATIC)
     if dynamic:
         out.update(
             hysteresis=getattr(obj, "delayed_shift", 1),

@@ -24,7 +24,7 @@ import torch
 from . import _validation as V
 from .config import FIELD_CHECKS, ScalerConfig, raise_problems, settings_problems
 from .interop import to_native_state
-from .policies import POLICIES, get_policy
+from .policies import get_policy, policy_names
 from .state import HostValues
 from .telemetry import SkipTotals
 
@@ -69,8 +69,8 @@ class LoadedState:
 
 
 def _check_policy_name(name: str, value: object) -> str:
-    if value not in POLICIES:
-        raise ValueError(f"{name} must be one of {POLICIES}, got: {value!r}")
+    if value not in policy_names():
+        raise ValueError(f"{name} must be one of {policy_names()}, got: {value!r}")
     return str(value)
 
 
@@ -89,14 +89,18 @@ _OPTIONAL: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("policy", _check_policy_name, {}),
     ("hysteresis", *FIELD_CHECKS["hysteresis"]),
     ("consecutive_hysteresis", *FIELD_CHECKS["consecutive_hysteresis"]),
-    ("cur_iter", V.check_int, {"minimum": 0}),
-    ("last_overflow_iter", V.check_int, {"minimum": -1}),
-    ("cur_hysteresis", V.check_int, {"minimum": 1}),
-    # Megatron's tracker keeps counting down below 0 through a run of overflows.
-    ("hysteresis_tracker", V.check_int, {"minimum": -(2**62), "maximum": 2**62}),
 )
-#: Keys of the policies' counters in a state.
-POLICY_STATE_KEYS = tuple(dict.fromkeys(k for p in POLICIES for k in get_policy(p).state_keys))
+
+
+def _counter_checks() -> dict[str, dict[str, int]]:
+    """Every registered policy's counters, with their ranges (``LossScalePolicy.counter_ranges``)."""
+    checks: dict[str, dict[str, int]] = {}
+    for name in policy_names():
+        policy = get_policy(name)
+        for key in policy.state_keys:
+            low, high = policy.counter_ranges.get(key, (-V.INT64_MAX, V.INT64_MAX))
+            checks.setdefault(key, {"minimum": low, "maximum": high})
+    return checks
 
 
 def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
@@ -148,6 +152,10 @@ def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
     for key, fn, kwargs in _OPTIONAL:
         if key in state:
             check(key, fn, kwargs)
+    counter_checks = _counter_checks()
+    for key, ranges in counter_checks.items():
+        if key in state:
+            check(key, V.check_int, ranges)
     if problems:
         raise ValueError("invalid GradScaler state_dict:\n- " + "\n- ".join(problems))
 
@@ -189,7 +197,7 @@ def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
         [(t, f"state_dict settings: {m}") for t, m in settings_problems(merged)],
     )
     new_config = dataclasses.replace(config, **changes)
-    saved = {k: parsed[k] for k in (*POLICY_STATE_KEYS, "num_updates") if k in parsed}
+    saved = {k: parsed[k] for k in (*counter_checks, "num_updates") if k in parsed}
     policy_values = get_policy(new_config.policy).state_from_checkpoint(
         saved, parsed["_growth_tracker"], new_config.rule()
     )

@@ -7,9 +7,11 @@ a value on the host and a CUDA graph replay advances it exactly as an eager step
 ``scale``                   0-dim float32, the loss scale (torch's ``_scale``).
 ``growth_tracker``          0-dim int32, clean steps since the last backoff or growth
                             (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``).
-``policy_lanes``            a hysteresis policy's counters, packed in float32 lanes and
-                            updated with the skip record (:mod:`distscaler.policies`);
-                            packed at the first update, until then host numbers.
+``policy``                  the policy holding its counters (:mod:`distscaler.policies`),
+                            or for the DeepSpeed and Megatron rules ``packed``: their
+                            counters packed in two float32 values, updated with the skip
+                            record (:mod:`distscaler._packed`); made at the first update,
+                            until then host numbers.
 ``record``                  float32 ``(4,)``: updates, skipped updates, the number (1-based)
                             of the last skipped update, all counted since the last *fold*,
                             and the loss scale that update used.
@@ -32,40 +34,48 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._validation import check_scale
-from .policies import (
+from ._packed import (
     EXACT_GROWTH_INTERVAL,
     Lerp,
-    PolicyConstants,
-    ScalePolicy,
-    ScaleRule,
-    UpdateContext,
-    get_policy,
+    PackedCounters,
+    _packed_update_,
+    packed_counters_for,
 )
+from ._validation import check_scale
+from .policies import LossScalePolicy, ScaleRule, get_policy
 from .telemetry import SkipLog, SkipTotals
 
 if TYPE_CHECKING:
     from .config import ScalerConfig
 
-__all__ = ["FOLD_EVERY", "RECORD_LANES", "DeviceState", "Epilogue", "HostValues", "ScalerState"]
+__all__ = [
+    "FOLD_EVERY",
+    "RECORD_KEYS",
+    "RECORD_LANES",
+    "DeviceState",
+    "Epilogue",
+    "HostValues",
+    "ScalerState",
+]
 
-#: Names of the record's lanes, in order.
-RECORD_LANES = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+#: Names of the record's values, in order.
+RECORD_KEYS = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+RECORD_LANES = RECORD_KEYS  # the former name
 #: The host folds the record at least this often (in updates): float32 counts stay exact.
 FOLD_EVERY = 1 << 20
 
 
 class Epilogue(NamedTuple):
     """What a verdict's epilogue makes for the next update, in its one ``_foreach_addcdiv``
-    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed policy's lanes,
+    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed counters' terms,
     each 0-dim float32 on the scale's device."""
 
     #: The record's ``num_updates + 1``.
     num_updates: torch.Tensor
     #: The record's ``num_skipped + 1``.
     num_skipped: torch.Tensor
-    #: The policy's lanes, named by it (:meth:`ScalePolicy.name_ends`); ``()`` without lanes.
-    policy: tuple[torch.Tensor, ...]
+    #: The packed counters' terms (:meth:`PackedCounters.terms`); ``()`` when not packed.
+    policy: tuple[torch.Tensor | None, ...]
     #: The packing they were made for (see :meth:`DeviceState.epilogue_valid`).
     packed: Any
 
@@ -85,11 +95,16 @@ class DeviceState:
     Args:
         device: where the scale lives (the device of the first scaled loss).
         values: initial scale, growth tracker and policy counters.
+        pack_counters: run the DeepSpeed and Megatron rules on packed counters (the torch rule's
+            ops + 2, :mod:`distscaler._packed`); False runs every policy's plain ``update_``
+            (their reference, for tests).
 
     Creating it costs a few small device writes, once; nothing here reads a value on the host.
     """
 
-    def __init__(self, device: torch.device, values: HostValues) -> None:
+    def __init__(
+        self, device: torch.device, values: HostValues, *, pack_counters: bool = True
+    ) -> None:
         def full(value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((), value, dtype=dtype, device=device)
 
@@ -98,20 +113,23 @@ class DeviceState:
         self.device = device
         self.scale = full(values.scale, torch.float32)
         self.growth_tracker = full(values.growth_tracker, torch.int32)
-        #: The policy's counters as host numbers, until the first update packs them.
+        self.pack_counters = pack_counters
+        #: The policy's counters as host numbers, until the first update makes them tensors.
         self.pending = values
-        #: (policy, rule) the packed lanes hold, None while not packed (see ``prepare``).
-        self.packed: tuple[ScalePolicy, ScaleRule] | None = None
-        #: The packed counters: 0-dim float32 views of one tensor (``ScalePolicy.pack``).
-        self.policy_lanes: list[torch.Tensor] = []
-        self.consts: PolicyConstants | None = None
-        #: Host numbers the packed policy keeps beside its lanes (``ScalePolicy.unpack``).
-        self.policy_host: dict[str, int] = {}
-        self._operands_for: tuple[ScalePolicy, ScaleRule] | None = None
+        #: The policy with its counters on the device, None before the first update or if packed.
+        self.policy: LossScalePolicy | None = None
+        #: The DeepSpeed or Megatron rule's packed counters, None if not packed.
+        self.packed: PackedCounters | None = None
+        #: The settings the counters follow (see ``prepare``).
+        self._rule: ScaleRule | None = None
+        #: Changes whenever the packed operands do (a new packing, a changed rule).
+        self._packing: object | None = None
+        self._operands_for: PackedCounters | None = None
+        self._operands_key: object | None = None
         self._epilogue: tuple[Any, tuple[list, list, list]] | None = None
-        self.record = torch.zeros(len(RECORD_LANES), dtype=torch.float32, device=device)
-        #: 0-dim views of the record's lanes, for the foreach update.
-        self.lanes = list(self.record.unbind())
+        self.record = torch.zeros(len(RECORD_KEYS), dtype=torch.float32, device=device)
+        #: 0-dim views of the record's values, for the foreach update.
+        self.counts = list(self.record.unbind())
         self.zero = full(0.0, torch.float32)
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
@@ -155,113 +173,149 @@ class DeviceState:
         one = self.one
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(
-            [*self.lanes, *(t for t, _, _ in extra)],
+            [*self.counts, *(t for t, _, _ in extra)],
             [nu1, ns1, nu1, self.scale, *(e for _, e, _ in extra)],
             [one, found_inf, found_inf, found_inf, *(w for _, _, w in extra)],
         )
 
     def epilogue(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """``(a, b, c)`` lists of the ``a + b / c`` lanes an update needs, for the verdict's own
+        """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the verdict's own
         multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
-        packed policy's operands (:meth:`ScalePolicy.operands`)."""
+        packed counters' operands (:meth:`PackedCounters.operands`)."""
         self._operands_for = packed = self.packed
+        self._operands_key = key = self._packing
         cached = self._epilogue
-        if cached is not None and cached[0] is packed:  # the same tensors at every step
+        if cached is not None and cached[0] is key:  # the same tensors at every step
             return cached[1]
         one = self.one
-        a, b, c = [self.lanes[0], self.lanes[1]], [one, one], [one, one]
+        a, b, c = [self.counts[0], self.counts[1]], [one, one], [one, one]
         if packed is not None:
-            assert self.consts is not None
-            pa, pb, pc = packed[0].operands(
-                self.policy_lanes, self.lanes[0], self.consts, one, self.zero, self.minus_one
-            )
+            pa, pb, pc = packed.operands(self.counts[0], one, self.zero, self.minus_one)
             a, b, c = a + pa, b + pb, c + pc
-        self._epilogue = (packed, (a, b, c))
+        self._epilogue = (key, (a, b, c))
         return a, b, c
 
     def name_ends(self, values: Sequence[torch.Tensor]) -> Epilogue:
-        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its lanes past the verdict's
-        own), named: the record's next counts and the packed policy's lanes."""
+        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its results past the inf check's
+        own), named: the record's next counts and the packed counters' terms."""
         packed = self._operands_for
-        policy = packed[0].name_ends(list(values[2:])) if packed is not None else ()
-        return Epilogue(values[0], values[1], policy, packed)
+        policy = packed.terms(list(values[2:])) if packed is not None else ()
+        return Epilogue(values[0], values[1], policy, self._operands_key)
 
     def epilogue_valid(self, ends: Epilogue | None) -> bool:
-        """Whether ``ends`` came from an :meth:`epilogue` of the lanes as they are packed now."""
-        return ends is not None and ends.packed is self.packed
+        """Whether ``ends`` came from an :meth:`epilogue` of the counters as they are packed now."""
+        return ends is not None and ends.packed is self._packing
 
-    # ------------------------------------------------------------------ packed policy counters
+    # ------------------------------------------------------------------ policy counters
 
-    def prepare(self, policy: ScalePolicy, rule: ScaleRule) -> None:
-        """Pack the policy's counters on their first update (host numbers written to the device,
-        no read), or follow a changed rule (a changed growth interval moves the counter lane)."""
-        packed = self.packed
-        if policy.num_lanes == 0 or (
-            packed is not None and packed[0] is policy and (packed[1] is rule or packed[1] == rule)
-        ):
+    def prepare(self, policy: type[LossScalePolicy], rule: ScaleRule) -> None:
+        """Make the policy's counters device tensors at their first update (host numbers written
+        to the device, no read), or follow a changed rule (the counters keep their values)."""
+        held = self.packed.policy if self.packed is not None else type(self.policy)
+        if held is policy and (self._rule is rule or self._rule == rule):
             return
-        if self.packed is None or self.packed[0] is not policy:
-            if rule.growth_interval > EXACT_GROWTH_INTERVAL:
-                warnings.warn(
-                    f"policy={policy.name!r} counts its growth interval in float32: with "
-                    f"growth_interval={rule.growth_interval} > {EXACT_GROWTH_INTERVAL} growth may "
-                    "come a few steps early or late",
-                    stacklevel=4,
-                )
-            values, host = policy.pack(self.pending.growth_tracker, self.pending.policy, rule)
-            lanes = torch.tensor(values, dtype=torch.float32).to(self.device)
-            self.policy_lanes = list(lanes.unbind())
-            self.policy_host = host
+        if self.policy is None and self.packed is None or held is not policy:
+            pending = self.pending
+            form = packed_counters_for(policy) if self.pack_counters else None
+            if form is not None:
+                if rule.growth_interval > EXACT_GROWTH_INTERVAL:
+                    warnings.warn(
+                        f"policy={policy.name!r} counts its growth interval in float32: with "
+                        f"growth_interval={rule.growth_interval} > {EXACT_GROWTH_INTERVAL} growth "
+                        "may come a few steps early or late",
+                        stacklevel=4,
+                    )
+                self.packed = form(rule, pending.growth_tracker, pending.policy, self.device)
+                self.policy = None
+                self._packing = object()
+            else:
+                self.policy = policy(rule, self.scale, self.growth_tracker, pending.policy)
+                self.packed = None
+                self._packing = None
+        elif self.packed is not None:
+            self.packed.set_rule(rule, self.counts[0])
+            self._packing = object()
         else:
-            assert packed is not None
-            old = packed[1]
-            if old.growth_interval != rule.growth_interval:
-                # Keep the count; past the new interval, grow at the next clean step.
-                anchor = self.policy_lanes[0]
-                anchor.add_(rule.growth_interval - old.growth_interval)
-                anchor.copy_(torch.maximum(anchor, self.lanes[0] - 1.0))
-        self.consts = PolicyConstants.make(rule, self.device)
-        self.packed = (policy, rule)
+            assert self.policy is not None
+            self.policy.set_rule(rule)
+        self._rule = rule
+
+    def update_(
+        self,
+        found_inf: torch.Tensor,
+        ends: Epilogue,
+        raise_at_minimum: bool,
+        extra: Sequence[Lerp] = (),
+    ) -> None:
+        """The skip record (with ``extra`` lerps) and the policy's update, after :meth:`prepare`
+        (``ends``: an :meth:`epilogue` of the counters as they are now)."""
+        if self.packed is not None:
+
+            def record(lerps: list[Lerp]) -> None:
+                self.record_(found_inf, ends, [*extra, *lerps])
+
+            _packed_update_(
+                self.packed,
+                found_inf,
+                ends.policy,  # type: ignore[arg-type]
+                record,
+                scale=self.scale,
+                one=self.one,
+                zero=self.zero,
+                minus_one=self.minus_one,
+                raise_at_minimum=raise_at_minimum,
+            )
+            return
+        policy = self.policy
+        assert policy is not None
+        if raise_at_minimum:
+            policy.check_minimum(found_inf)
+        self.record_(found_inf, ends, extra)
+        policy.update_(found_inf)
 
     # ------------------------------------------------------------------ host reads
 
     def read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, list[float]]:
         """Read ``extra`` 0-dim tensors, the state and the record in one host transfer.
 
-        Returns (values of ``extra``, the state as host numbers, the record's four lanes).
+        Returns (values of ``extra``, the state as host numbers, the record's four values).
         """
-        lanes = self.policy_lanes if self.packed is not None else []
+        if self.packed is not None:
+            counters = self.packed.tensors()
+        else:
+            counters = self.policy.counter_tensors() if self.policy is not None else []
         parts = [t.reshape(1).to(torch.float64) for t in (*extra, self.scale, self.growth_tracker)]
-        parts += [t.reshape(1).to(torch.float64) for t in lanes]
+        parts += [t.reshape(1).to(torch.float64) for t in counters]
         parts.append(self.record.to(torch.float64))
         values = torch.cat(parts).tolist()
         n = len(extra)
         tracker = int(values[n + 1])
-        record = values[-len(RECORD_LANES) :]
-        if self.packed is None:
-            policy_values = dict(self.pending.policy)
+        record = values[-len(RECORD_KEYS) :]
+        counter_values = values[n + 2 : n + 2 + len(counters)]
+        if self.packed is not None:
+            tracker, policy_values = self.packed.read(counter_values, record)
+        elif self.policy is not None:
+            tracker, policy_values = self.policy.read(tracker, counter_values)
         else:
-            policy, rule = self.packed
-            lane_values = values[n + 2 : n + 2 + len(lanes)]
-            tracker, policy_values = policy.unpack(lane_values, record, self.policy_host, rule)
+            policy_values = dict(self.pending.policy)
         return values[:n], HostValues(values[n], tracker, policy_values), record
 
     def fold(self, record: list[float]) -> None:
-        """Zero the record's counts (``record``: its lanes as read) after the host has added them to
+        """Zero the record's counts (``record``: its values as read) after the host has added them to
         its own (between iterations only: a pending verdict holds ``num_updates + 1`` from before
-        the fold). A packed policy's counter lane follows (one more op)."""
+        the fold). Packed counters follow (one more op)."""
         if self.packed is not None:
-            self.packed[0].fold(record, self.policy_host)
-            self.policy_lanes[0].sub_(self.lanes[0])
+            self.packed.fold(record, self.counts[0])
         self.record[:3].zero_()
 
     def write(self, values: HostValues) -> None:
-        """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills; a
-        packed policy packs them again at the next update."""
+        """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills; the
+        counters become tensors again at the next update."""
         self.scale.fill_(values.scale)
         self.growth_tracker.fill_(values.growth_tracker)
         self.pending = values
-        self.packed = None
+        self.packed = self.policy = self._rule = None
+        self._packing = None
         self.record.zero_()
 
 
@@ -271,10 +325,12 @@ class ScalerState:
 
     Args:
         initial: scale, growth tracker and policy counters to start from.
+        pack_counters: see :class:`DeviceState` (False: every policy's plain ``update_``).
     """
 
-    def __init__(self, initial: HostValues) -> None:
+    def __init__(self, initial: HostValues, *, pack_counters: bool = True) -> None:
         self.initial = initial
+        self.pack_counters = pack_counters
         self.device: DeviceState | None = None
         self.skips = SkipLog()
         #: The agreed flag of the last update (0-dim float32 on the device), None before one.
@@ -291,7 +347,9 @@ class ScalerState:
     def materialize(self, device: torch.device | str) -> DeviceState:
         """The device state, created on ``device`` the first time (idempotent)."""
         if self.device is None:
-            self.device = DeviceState(torch.device(device), self.initial)
+            self.device = DeviceState(
+                torch.device(device), self.initial, pack_counters=self.pack_counters
+            )
         return self.device
 
     def read(
@@ -322,8 +380,8 @@ class ScalerState:
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
         record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
-        the device (two ops with the torch policy, four with DeepSpeed's or Megatron's, plus the
-        clamp with bounds; ``ends``: the verdict epilogue's lanes, :meth:`DeviceState.epilogue`,
+        the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
+        the clamp with bounds; ``ends``: what the inf check's ``_foreach_addcdiv`` made, :meth:`DeviceState.epilogue`,
         else one more op makes them). Returns whether the periodic host read is due (every
         ``skip_log_interval`` and :data:`FOLD_EVERY` updates, the same update on every rank; never
         inside CUDA graph capture).
@@ -339,32 +397,11 @@ class ScalerState:
             rule = config.rule()
             if not torch.compiler.is_compiling():  # no cache written while traced (recompiles)
                 self._config, self._rule = config, rule
-        policy = get_policy(config.policy)
         assert rule is not None
-        state.prepare(policy, rule)
+        state.prepare(get_policy(config.policy), rule)
         if ends is None or not state.epilogue_valid(ends):
             ends = state.name_ends(torch._foreach_addcdiv(*state.epilogue()))
-        epilogue = ends
-
-        def record(lerps: list[Lerp]) -> None:
-            state.record_(found_inf, epilogue, [*extra, *lerps])
-
-        policy.update_(
-            UpdateContext(
-                scale=state.scale,
-                growth_tracker=state.growth_tracker,
-                found=found_inf,
-                lanes=state.policy_lanes,
-                ends=ends.policy,
-                consts=state.consts,
-                one=state.one,
-                zero=state.zero,
-                minus_one=state.minus_one,
-                rule=rule,
-                raise_at_minimum=config.raise_error_at_min_scale,
-                record=record,
-            )
-        )
+        state.update_(found_inf, ends, config.raise_error_at_min_scale, extra)
         self.last_found_inf = found_inf
         if torch.compiler.is_compiling():
             # As in a CUDA graph replay, the host's count stays where it was inside compiled code:

@@ -10,6 +10,7 @@ available, the real class runs on CPU under a device-rewriting mode: see
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -28,7 +29,9 @@ from torch.overrides import TorchFunctionMode
 
 import distscaler
 from common.probes import HostReadSpy
-from distscaler import GradScaler, LossScaleAtMinimumError
+from distscaler import GradScaler, LossScaleAtMinimumError, ScalerConfig, policies
+from distscaler.policies import LossScalePolicy, ScaleRule, get_policy, register_policy
+from distscaler.state import HostValues, ScalerState
 
 DS_PARITY_EXAMPLES = 400  # random overflow sequences of test_deepspeed_policy_matches_...
 _ds_examples_run: list[int] = []
@@ -559,3 +562,199 @@ def test_a_growth_interval_past_float32_counting_warns_once_packed():
         scaler.update_scale(False)
     scaler.update_scale(False)  # packed already: no second warning (pytest errors on unexpected)
     assert scaler.state_dict()["_growth_tracker"] == 2
+
+
+# ----------------------------------------------------------------------------- plain vs packed
+
+
+def _state_pair(config: ScalerConfig) -> tuple[ScalerState, ScalerState]:
+    """The same initial state, run plainly (each policy's ``update_``) and packed."""
+    counters = get_policy(config.policy).initial_state(config.rule())
+    states = []
+    for pack in (False, True):
+        state = ScalerState(HostValues(config.init_scale, 0, counters), pack_counters=pack)
+        state.materialize("cpu")
+        states.append(state)
+    return states[0], states[1]
+
+
+def _step_both(
+    plain: ScalerState, packed: ScalerState, config: ScalerConfig, overflow: bool, fold: bool
+) -> tuple[str | None, HostValues]:
+    """One update of both from ``overflow``, compared; returns (the error raised, the state)."""
+    errors: list[str | None] = []
+    read = []
+    for state in (plain, packed):
+        found = torch.tensor(1.0 if overflow else 0.0)
+        try:
+            state.update(found, None, config)
+            errors.append(None)
+        except LossScaleAtMinimumError as e:
+            errors.append(str(e))
+        read.append(state.read(fold=fold, world_size=1)[1])
+    assert errors[0] == errors[1]
+    assert read[0] == read[1]  # scale, growth tracker and every counter
+    return errors[0], read[1]
+
+
+packed_params = st.fixed_dictionaries(
+    {
+        "policy": st.sampled_from(["deepspeed", "megatron"]),
+        "init": st.builds(lambda m, e: m * 2.0**e, st.sampled_from([1, 3, 5]), st.integers(0, 12)),
+        "growth_factor": st.sampled_from([2.0, 1.5, 4.0]),
+        "backoff_factor": st.sampled_from([0.5, 0.25, 0.3]),
+        "window": st.integers(1, 6),
+        "hyst": st.integers(1, 4),
+        "consec": st.booleans(),
+        "min_exp": st.none() | st.integers(-2, 6),
+        "max_exp": st.none() | st.integers(0, 16),
+        "raise_": st.booleans(),
+    }
+)
+#: One update: (overflow, a new growth interval set before it or None, fold the record after it).
+packed_steps = st.lists(
+    st.tuples(st.booleans(), st.none() | st.integers(1, 6), st.booleans()), min_size=1, max_size=60
+)
+
+
+def _packed_config(p: dict) -> ScalerConfig:
+    deepspeed = p["policy"] == "deepspeed"
+    min_scale = None if p["min_exp"] is None else min(2.0 ** p["min_exp"], p["init"])
+    max_scale = None if p["max_exp"] is None else max(2.0 ** p["max_exp"], p["init"])
+    return ScalerConfig(
+        init_scale=p["init"],
+        growth_factor=p["growth_factor"],
+        backoff_factor=p["backoff_factor"],
+        growth_interval=p["window"],
+        policy=p["policy"],
+        hysteresis=p["hyst"],
+        consecutive_hysteresis=p["consec"] and deepspeed,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        raise_error_at_min_scale=p["raise_"] and min_scale is not None,
+    )
+
+
+def _run_plain_and_packed(p: dict, steps: list) -> dict[str, int]:
+    config = _packed_config(p)
+    plain, packed = _state_pair(config)
+    seen = {"growths": 0, "backoffs": 0, "absorbed": 0, "interval_changes": 0, "raised": 0}
+    scale = config.init_scale
+    for overflow, interval, fold in steps:
+        if interval is not None and interval != config.growth_interval:
+            config = dataclasses.replace(config, growth_interval=interval)
+            seen["interval_changes"] += 1
+        error, now = _step_both(plain, packed, config, overflow, fold)
+        if error is not None:
+            seen["raised"] += 1
+            return seen
+        seen["growths"] += now.scale > scale
+        seen["backoffs"] += now.scale < scale
+        seen["absorbed"] += overflow and now.scale == scale
+        scale = now.scale
+    return seen
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(p=packed_params, steps=packed_steps)
+def test_packed_update_equals_the_plain_update_step_for_step(p, steps):
+    _run_plain_and_packed(p, steps)
+
+
+def test_plain_vs_packed_exercised_every_branch():
+    """Guard: the sequences above grow, back off, absorb, change the interval and raise."""
+    seen: dict[str, int] = {}
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        d = torch.rand(8, generator=gen).tolist()
+        p = {
+            "policy": "deepspeed" if d[0] < 0.5 else "megatron",
+            "init": 2.0 ** int(d[1] * 8),
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "window": 1 + int(d[2] * 4),
+            "hyst": 1 + int(d[3] * 3),
+            "consec": d[4] < 0.5,
+            "min_exp": int(d[5] * 3),
+            "max_exp": None,
+            "raise_": d[6] < 0.3,
+        }
+        draws = torch.rand(50, 3, generator=gen).tolist()
+        steps = [(a < 0.35, 1 + int(b * 5) if b < 0.1 else None, c < 0.5) for a, b, c in draws]
+        for key, n in _run_plain_and_packed(p, steps).items():
+            seen[key] = seen.get(key, 0) + n
+    assert all(n > 0 for n in seen.values()), seen
+
+
+# ----------------------------------------------------------------------------- a fourth policy
+
+
+class _CountdownPolicy(LossScalePolicy):
+    """A toy rule defined only here: every ``growth_interval``-th update grows the scale (unless it
+    overflowed); an overflow backs off, never below FLOOR."""
+
+    name = "test_countdown"
+    state_keys = ("updates_to_growth",)
+    counter_ranges = {"updates_to_growth": (1, 2**31)}
+    FLOOR = 4.0
+
+    @classmethod
+    def initial_state(cls, rule: ScaleRule) -> dict[str, int]:
+        return {"updates_to_growth": rule.growth_interval}
+
+    def update_(self, found_inf: torch.Tensor) -> None:
+        r, scale, left = self.rule, self.scale, self.counters["updates_to_growth"]
+        overflow, grow = found_inf > 0, left <= 1
+        left.copy_(torch.where(grow, r.growth_interval, left - 1))
+        backed_off = torch.minimum(scale, torch.clamp(scale * r.backoff_factor, min=self.FLOOR))
+        scale.copy_(torch.where(overflow, backed_off, torch.where(grow, scale * 2.0, scale)))
+
+
+@pytest.fixture
+def countdown_policy():
+    register_policy(_CountdownPolicy)
+    yield _CountdownPolicy
+    policies._REGISTRY.pop(_CountdownPolicy.name)
+
+
+def test_a_fourth_policy_is_one_class_and_register_policy(countdown_policy):
+    overflows = [False, True, False, False, True, True, True, False, False, False]
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=3, policy="test_countdown")
+    step, stats = real_step_driver(scaler, "fused")
+    scale, left = 16.0, 3  # the rule, in Python
+    scales = []
+    for i, overflow in enumerate(overflows):
+        grow = left <= 1
+        left = 3 if grow else left - 1
+        scale = min(scale, max(scale * 0.5, 4.0)) if overflow else scale * 2 if grow else scale
+        step(overflow)
+        state = scaler.state_dict()
+        assert (state["scale"], state["updates_to_growth"]) == (scale, left), f"step {i}"
+        scales.append(scale)
+    assert stats["skipped"] == stats["overflows"] == sum(overflows)  # guard: infs seen, skipped
+    assert scales[5:7] == [4.0, 4.0] and max(scales) == 16.0  # guard: the floor held, it grew
+    resumed = GradScaler("cpu", growth_interval=3, policy="test_countdown")
+    resumed.load_state_dict(scaler.state_dict())
+    assert resumed.state_dict() == scaler.state_dict()
+    with pytest.raises(ValueError, match=r"use policy='deepspeed' or 'megatron'\), got: 2"):
+        GradScaler("cpu", policy="test_countdown", hysteresis=2)
+    with pytest.raises(ValueError, match=r"not taken .*got: .test_countdown."):
+        register_policy(type("Other", (LossScalePolicy,), {"name": "test_countdown"}))
+
+
+def test_register_policy_refuses_what_is_not_a_policy():
+    with pytest.raises(TypeError, match="LossScalePolicy subclass"):
+        register_policy(object)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="got: 'torch'"):
+        register_policy(type("Mine", (LossScalePolicy,), {"name": "torch"}))
+    assert policies.policy_names() == policies.POLICIES
+
+
+def test_hysteresis_counter_names_the_state_key_of_each_policy():
+    counters = {n: get_policy(n).hysteresis_counter for n in policies.POLICIES}
+    assert counters == {
+        "torch": None,
+        "deepspeed": "cur_hysteresis",
+        "megatron": "hysteresis_tracker",
+        "static": None,
+    }

@@ -1,0 +1,250 @@
+"""The DeepSpeed and Megatron rules on packed counters: the torch rule's ops + 2 per update.
+
+Run plainly (:class:`~distscaler.policies.DeepSpeedPolicy`, :class:`~distscaler.policies.MegatronPolicy`),
+a hysteresis rule costs a dozen small device ops. Here the same rule keeps its counters in two
+float32 values of one device tensor and moves them in ops the update runs anyway: the terms it
+needs are made in the inf check's one ``_foreach_addcdiv`` (:meth:`PackedCounters.operands`),
+the overflow values ride in the skip record's ``_foreach_lerp_``, and torch's scale kernel moves
+the scale, so that :func:`_packed_update_` adds one ``_foreach_clamp_min`` and one
+``_foreach_lerp_`` to the torch rule (pinned in ``tests/test_step_cost.py``). The plain rules are
+its reference: ``tests/test_policies.py`` runs both over random overflow sequences and compares
+the scale and every counter at every step.
+
+The two values, with ``n`` the skip record's update count (so that a clean step changes nothing
+here) and ``W`` the growth interval:
+
+* ``anchor = n - g + W - 2``, where ``g`` is the growth counter (Megatron's growth tracker;
+  DeepSpeed's :attr:`~distscaler.policies.DeepSpeedPolicy.growth_count`): ``G = n - anchor =
+  g - (W - 2)`` is 1.0 exactly when this clean step grows, <= 0.0 otherwise;
+* ``hyst = 2 - hysteresis counter``: > 0.0 exactly when an overflow now backs off.
+
+DeepSpeed's ``cur_iter`` and ``last_overflow_iter`` are the record's update count and last
+skipped update (every overflow skips its step) plus host offsets, exact at any length. Counters
+are exact while ``growth_interval`` <= :data:`EXACT_GROWTH_INTERVAL` and the hysteresis fits
+float32's 24-bit integers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .policies import (
+    DeepSpeedPolicy,
+    LossScalePolicy,
+    MegatronPolicy,
+    ScaleRule,
+    _clamp_,
+    check_minimum,
+)
+
+__all__ = ["EXACT_GROWTH_INTERVAL", "PackedCounters", "packed_counters_for"]
+
+#: Above this growth interval the packed counters (float32) no longer count every step exactly.
+EXACT_GROWTH_INTERVAL = 1 << 22
+#: torch's scale kernel's growth interval here: its growth tracker is the int32 view of a float32
+#: that holds exactly 1.0 (bits 0x3F800000) when the scale must grow and 0.0 when it must not, so
+#: ``tracker + 1 == interval`` only for 1.0.
+_GROW_BITS = 0x3F800000 + 1
+
+#: One in-place lerp of the skip record's ``_foreach_lerp_``: (tensor, end, weight of 0.0 or 1.0).
+Lerp = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class PackedTerms(NamedTuple):
+    """What the inf check's ``_foreach_addcdiv`` makes for a packed update (0-dim float32)."""
+
+    #: ``G = n - anchor``: the growth counter relative to ``growth_interval - 2``.
+    growth: torch.Tensor
+    #: ``n + W - 1``: the anchor that puts the counter at 0 after this update.
+    reset: torch.Tensor
+    #: ``hyst + 1``: its value after an overflow that does not back off.
+    hyst_plus_one: torch.Tensor
+    #: DeepSpeed only: ``n + W``, the anchor after an overflow (the counter at -1).
+    overflow_anchor: torch.Tensor | None = None
+    #: DeepSpeed only: a copy of ``hyst`` (its value where an exhausted overflow keeps it).
+    hyst_copy: torch.Tensor | None = None
+
+
+class PackedCounters:
+    """One scaler's counters of a packed rule (Megatron's; :class:`_DeepSpeedCounters`).
+
+    Args:
+        rule: the settings.
+        growth_tracker, values: torch's growth tracker and the policy's counters (host ints).
+        device: the scale's device.
+    """
+
+    policy: type[LossScalePolicy] = MegatronPolicy
+    #: Number of operands this rule takes from the inf check's ``_foreach_addcdiv``.
+    num_terms = 3
+
+    def __init__(
+        self, rule: ScaleRule, growth_tracker: int, values: dict[str, int], device: torch.device
+    ) -> None:
+        values_on_host, self.host = self._pack(growth_tracker, values, rule)
+        self.anchor, self.hyst = torch.tensor(values_on_host, dtype=torch.float32).to(device)
+        self.device = device
+        self._set_constants(rule)
+
+    def _set_constants(self, rule: ScaleRule) -> None:
+        self.rule = rule
+        w = rule.growth_interval
+        # W - 1, W, 2 - hysteresis (``hyst`` after a refill)
+        values = torch.tensor([w - 1, w, 2 - rule.hysteresis], dtype=torch.float32)
+        self.interval_minus_one, self.interval, self.refill = values.to(self.device)
+
+    def set_rule(self, rule: ScaleRule, num_updates: torch.Tensor) -> None:
+        """Follow changed settings; a changed growth interval keeps the count, and past the new
+        interval the next clean step grows (``num_updates``: the record's count)."""
+        old = self.rule.growth_interval
+        if old != rule.growth_interval:
+            self.anchor.add_(rule.growth_interval - old)
+            self.anchor.copy_(torch.maximum(self.anchor, num_updates - 1.0))
+        self._set_constants(rule)
+
+    def _pack(
+        self, growth_tracker: int, values: dict[str, int], rule: ScaleRule
+    ) -> tuple[list[float], dict[str, int]]:
+        tracker = min(growth_tracker, rule.growth_interval - 1)
+        anchor = rule.growth_interval - 2 - tracker
+        return [float(anchor), float(2 - values["hysteresis_tracker"])], {}
+
+    def read(self, values: list[float], record: list[float]) -> tuple[int, dict[str, int]]:
+        """(growth tracker, counters) from :meth:`tensors` and the skip record read on the host
+        (``[num_updates, num_skipped, last_skipped, scale]`` since the last fold)."""
+        anchor, hyst = values
+        tracker = int(record[0] - anchor) + self.rule.growth_interval - 2
+        return tracker, {"hysteresis_tracker": 2 - int(hyst)}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The two packed values, for the host read."""
+        return [self.anchor, self.hyst]
+
+    def fold(self, record: list[float], num_updates: torch.Tensor) -> None:
+        """The record's counts (``record``, as read) move to the host: rebase ``anchor`` on the
+        record's ``num_updates`` before the state zeroes it (one op)."""
+        self.anchor.sub_(num_updates)
+
+    def operands(
+        self, n: torch.Tensor, one: torch.Tensor, zero: torch.Tensor, minus_one: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """``(a, b, c)`` lists of the ``a + b / c`` the inf check's ``_foreach_addcdiv`` makes
+        (``n``: the record's update count), in the order of :class:`PackedTerms`."""
+        # G = n - anchor, n + W - 1, hyst + 1
+        return [n, n, self.hyst], [self.anchor, self.interval_minus_one, one], [minus_one, one, one]
+
+    def terms(self, values: list[torch.Tensor]) -> PackedTerms:
+        """The results of :meth:`operands`, named."""
+        return PackedTerms(*values)
+
+
+class _DeepSpeedCounters(PackedCounters):
+    """DeepSpeed's: ``cur_iter`` and ``last_overflow_iter`` are host offsets plus the skip
+    record's counts; the growth counter restarts at -1 after an overflow."""
+
+    policy = DeepSpeedPolicy
+    num_terms = 5
+
+    def _pack(self, growth_tracker, values, rule):  # type: ignore[no-untyped-def]
+        g = DeepSpeedPolicy.growth_count_from(
+            values["cur_iter"], values["last_overflow_iter"], rule.growth_interval
+        )
+        host = {"iter": values["cur_iter"], "last": values["last_overflow_iter"]}
+        return [float(rule.growth_interval - 2 - g), float(2 - values["cur_hysteresis"])], host
+
+    def read(self, values, record):  # type: ignore[no-untyped-def]
+        num_updates, _, last, _ = record
+        counters = {
+            "cur_iter": self.host["iter"] + int(num_updates),
+            "last_overflow_iter": self.host["iter"] + int(last) - 1
+            if last > 0
+            else self.host["last"],
+            "cur_hysteresis": 2 - int(values[1]),
+        }
+        return DeepSpeedPolicy.growth_tracker_from(counters, self.rule.growth_interval), counters
+
+    def fold(self, record, num_updates):  # type: ignore[no-untyped-def]
+        n, _, last, _ = record
+        if last > 0:
+            self.host["last"] = self.host["iter"] + int(last) - 1
+        self.host["iter"] += int(n)
+        super().fold(record, num_updates)
+
+    def operands(self, n, one, zero, minus_one):  # type: ignore[no-untyped-def]
+        a, b, c = super().operands(n, one, zero, minus_one)
+        # n + W (the counter after an overflow: -1), and a copy of hyst.
+        return [*a, n, self.hyst], [*b, self.interval, zero], [*c, one, one]
+
+
+_FORMS: dict[type[LossScalePolicy], type[PackedCounters]] = {
+    form.policy: form for form in (PackedCounters, _DeepSpeedCounters)
+}
+
+
+def packed_counters_for(policy: type[LossScalePolicy]) -> type[PackedCounters] | None:
+    """The packed form of ``policy``'s counters, None where it runs plainly."""
+    return _FORMS.get(policy)
+
+
+def _packed_update_(
+    counters: PackedCounters,
+    found_inf: torch.Tensor,
+    terms: PackedTerms,
+    record: Callable[[list[Lerp]], None],
+    *,
+    scale: torch.Tensor,
+    one: torch.Tensor,
+    zero: torch.Tensor,
+    minus_one: torch.Tensor,
+    raise_at_minimum: bool,
+) -> None:
+    """One update of a packed rule: the plain rule's ``update_`` in torch's rule's ops + 2.
+
+    1. ``_foreach_clamp_min`` of ``[G, G, hyst, -1]`` at 0: ``[grow, grow, exhausted, 0]``
+       (``g`` never exceeds ``growth_interval - 1`` and a DeepSpeed counter never drops below 1,
+       so the first three are exactly 0.0 or 1.0; Megatron's may exceed 1, read only as nonzero);
+    2. one ``_foreach_lerp_``: the counters as after a clean step (a growth resets the counter and
+       refills the hysteresis), the overflow values, and for the scale kernel a "grow now" flag
+       (``grow`` unless overflow) and a "back off now" flag (``found_inf * exhausted``);
+    3. ``record`` runs the skip record's ``_foreach_lerp_`` (there anyway) with the counters'
+       overflow lerps (to their overflow values where ``found_inf`` is 1.0);
+    4. ``torch._amp_update_scale_`` backs off where "back off now" is nonzero and grows where the
+       int32 view of "grow now" is the bits of 1.0 (:data:`_GROW_BITS`), so growth and backoff are
+       torch's exact products and a growth past float32 is skipped as torch skips it; then the
+       clamp to ``[min_scale, max_scale]`` (with bounds).
+    """
+    rule = counters.rule
+    deepspeed = isinstance(counters, _DeepSpeedCounters)
+    anchor, hyst, found = counters.anchor, counters.hyst, found_inf
+    # DeepSpeed backs off at every overflow with delayed_shift 1, whatever cur_hysteresis.
+    hyst_in = one if deepspeed and rule.hysteresis == 1 else hyst
+    grow, grow_now, exhausted, backoff_now = torch._foreach_clamp_min(
+        [terms.growth, terms.growth, hyst_in, minus_one], 0.0
+    )
+    if raise_at_minimum:
+        check_minimum(found, scale, exhausted, rule.min_scale)
+    if deepspeed:
+        assert terms.overflow_anchor is not None and terms.hyst_copy is not None
+        refill = one if rule.consecutive_hysteresis else grow
+        # clean: a growth resets the counter to 0 (refills too); overflow: the counter at -1 and
+        # the hysteresis down by one unless exhausted (then it stays at 1).
+        selves = [anchor, hyst, terms.hyst_plus_one]
+        targets = [terms.reset, counters.refill, terms.hyst_copy]
+        weights = [grow, refill, exhausted]
+        overflow = [(anchor, terms.overflow_anchor, found), (hyst, terms.hyst_plus_one, found)]
+    else:
+        # clean: a growth resets the tracker and refills; overflow: reset, hysteresis - 1.
+        selves, targets, weights = [anchor, hyst], [terms.reset, counters.refill], [grow, grow]
+        overflow = [(anchor, terms.reset, found), (hyst, terms.hyst_plus_one, found)]
+    torch._foreach_lerp_(
+        [*selves, grow_now, backoff_now], [*targets, zero, exhausted], [*weights, found, found]
+    )
+    record(overflow)
+    torch._amp_update_scale_(
+        scale, grow_now.view(torch.int32), backoff_now, rule.growth_factor, rule.backoff_factor,
+        _GROW_BITS,
+    )  # fmt: skip
+    _clamp_(scale, rule)
