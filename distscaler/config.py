@@ -13,13 +13,13 @@ import math
 import os
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import _validation as V
 from .policies import PolicyName, ScaleRule, get_policy
 
-__all__ = ["FIELD_CHECKS", "ScalerConfig", "ScalerSettings", "settings_problems"]
+__all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
 
 #: What a config's problems are reported as: "ScalerConfig", or the arguments it was built from
 #: (:meth:`ScalerConfig.of_arguments`).
@@ -223,53 +223,3 @@ def raise_problems(what: str, problems: list[tuple[type[Exception], str]]) -> No
     if len(messages) == 1:
         raise kind(messages[0])
     raise kind(f"invalid {what}:\n- " + "\n- ".join(messages))
-
-
-class ScalerSettings:
-    """Mixin: torch's getters and setters of a scaler's settings, over its ``_config``.
-
-    Every setter validates through :class:`ScalerConfig` (``dataclasses.replace``): a bad value
-    raises ``ValueError`` naming the setting, the value and the range, and changes nothing.
-    """
-
-    _config: ScalerConfig
-
-    def _set_config(self, **changes: Any) -> None:
-        self._config = replace(self._config, **changes)  # validated there
-
-    @property
-    def config(self) -> ScalerConfig:
-        """The scaler's settings (a frozen :class:`ScalerConfig`)."""
-        return self._config
-
-    def get_growth_factor(self) -> float:
-        """The scale growth factor."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1)."""
-        self._set_config(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The scale backoff factor."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1))."""
-        self._set_config(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The growth interval, in optimizer steps."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (in [1, 2**31 - 1] steps)."""
-        self._set_config(growth_interval=new_interval)
-
-    def get_min_scale(self) -> float | None:
-        """The lower bound of the scale, or None."""
-        return self._config.min_scale
-
-    def get_max_scale(self) -> float | None:
-        """The upper bound of the scale, or None."""
-        return self._config.max_scale

@@ -112,7 +112,7 @@ class GradScaler(torch.amp.GradScaler):
         grad_layout: GradLayout | None = None,
         min_scale: float | None = None,
         max_scale: float | None = None,
-        policy: PolicyName = "torch",
+        policy: PolicyName | str = "torch",
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         raise_error_at_min_scale: bool = False,
@@ -810,12 +810,9 @@ class GradScaler(torch.amp.GradScaler):
         Raises:
             AttributeError: the policy has no hysteresis (``"torch"``, ``"static"``).
         """
-        key = getattr(get_policy(self._config.policy), "hysteresis_counter", None)
-        if key is None:
-            key = "cur_hysteresis"
-            if "hysteresis_tracker" in get_policy(self._config.policy).state_keys:
-                key = "hysteresis_tracker"
-        return self._policy_counter(key)
+        return self._policy_counter(
+            get_policy(self._config.policy).hysteresis_counter or "cur_hysteresis"
+        )
 
     def update_scale(self, overflow: Any) -> None:
         """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.

@@ -86,6 +86,7 @@ from megatron.core.optimizer.optimizer import (
 from megatron.core.transformer.module import param_is_not_shared
 
 from ..config import ScalerConfig
+from ..policies import get_policy
 from ..scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
@@ -213,7 +214,7 @@ class MegatronBinding:
     def megatron_state(self) -> dict[str, Any]:
         """The scale in Megatron's ``DynamicGradScaler.state_dict()`` keys (one host read);
         ``{}`` for a static scale, as ``ConstantGradScaler``."""
-        if self.scaler.config.policy == "static":
+        if not get_policy(self.scaler.config.policy).reacts_to_overflow:  # a static scale
             return {}
         state = self.scaler.state_dict()
         return {
