@@ -264,7 +264,7 @@ def test_cpu_gets_fp16_autocast_whether_installed_before_or_after_prepare(make_a
     assert dtypes["before"] == dtypes["after"]
 
 
-def test_install_validates_and_uninstall_restores(make_accelerator):
+def test_install_validates_and_uninstall_restores(make_accelerator, tmp_path):
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
         install(object())
     accelerator = make_accelerator(mixed_precision="no")
@@ -275,6 +275,12 @@ def test_install_validates_and_uninstall_restores(make_accelerator):
         install(accelerator, torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="device type must be the accelerator's"):
         install(accelerator, GradScaler("cuda", enabled=False))
+    # A DeepSpeed config path that is not a file: the documented ValueError, which is also the
+    # FileNotFoundError that ScalerConfig.from_deepspeed raises for it.
+    missing = str(tmp_path / "ds_config.json")
+    with pytest.raises(ValueError, match=r"got: '.*ds_config.json' \(no such file\)") as err:
+        install(accelerator, missing)
+    assert isinstance(err.value, FileNotFoundError)
     assert accelerator.scaler is None and installed_scaler(accelerator) is None  # untouched
 
     model = mlp(0)
