@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -125,6 +126,32 @@ def train(engine: Any, steps: range, *, inf_steps: tuple[int, ...] = ()) -> list
     return records
 
 
+#: How long the last rank waits before it writes distscaler's file: a rank that returns from
+#: ``save_checkpoint`` without waiting for the others lists the directory before it exists.
+SLOW_WRITE_S = 1.0
+
+
+def save_and_list(engine: Any, path: str) -> list[str]:
+    """``save_checkpoint`` with the last rank slow to write distscaler's file; what rank 0 (every
+    rank, in fact) sees in the directory right after ``save_checkpoint`` returns."""
+    slow = dist.get_rank() == dist.get_world_size() - 1
+    real_save = torch.save
+
+    def slow_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if slow and "distscaler_world_size" in str(f):
+            time.sleep(SLOW_WRITE_S)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = slow_save  # type: ignore[assignment]
+    try:
+        engine.save_checkpoint(path, global_step=3)
+        listing = sorted(os.listdir(path))  # right after it returns
+    finally:
+        torch.save = real_save  # type: ignore[assignment]
+    dist.barrier()  # the next scenario starts together
+    return listing
+
+
 def _release(engine: Any) -> None:
     del engine
     dist.barrier()
@@ -146,7 +173,12 @@ def everything(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
         out[f"{name}_engine"] = type(engine).__module__
         path = os.path.join(ckpt_root[0], name)
         first = train(engine, range(3), inf_steps=(1,))
-        engine.save_checkpoint(path, global_step=3)
+        if ours:
+            report = engine.scaler.last_overflow
+            out["ours_overflow"] = [(e.rank, e.param) for e in report.entries]
+            out["ours_overflow_text"] = report.describe()
+            out["param_names"] = [n for n, _ in engine.module.named_parameters()]
+        out[f"{name}_listing"] = save_and_list(engine, path)
         rest = train(engine, range(3, 5))
         out[name] = first + rest
         out[f"{name}_final"] = digest(local_shards(engine))

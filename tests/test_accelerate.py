@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import pickle
 import socket
 import subprocess
 import sys
@@ -34,6 +35,7 @@ accelerate = pytest.importorskip("accelerate")  # a test extra; CI installs it
 from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import GradScalerKwargs  # noqa: E402
 
 from distscaler import GradScaler, ScalerConfig  # noqa: E402
 from distscaler.integrations.accelerate import (  # noqa: E402
@@ -262,7 +264,7 @@ def test_cpu_gets_fp16_autocast_whether_installed_before_or_after_prepare(make_a
     assert dtypes["before"] == dtypes["after"]
 
 
-def test_install_validates_and_uninstall_restores(make_accelerator):
+def test_install_validates_and_uninstall_restores(make_accelerator, tmp_path):
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
         install(object())
     accelerator = make_accelerator(mixed_precision="no")
@@ -273,6 +275,12 @@ def test_install_validates_and_uninstall_restores(make_accelerator):
         install(accelerator, torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="device type must be the accelerator's"):
         install(accelerator, GradScaler("cuda", enabled=False))
+    # A DeepSpeed config path that is not a file: the documented ValueError, which is also the
+    # FileNotFoundError that ScalerConfig.from_deepspeed raises for it.
+    missing = str(tmp_path / "ds_config.json")
+    with pytest.raises(ValueError, match=r"got: '.*ds_config.json' \(no such file\)") as err:
+        install(accelerator, missing)
+    assert isinstance(err.value, FileNotFoundError)
     assert accelerator.scaler is None and installed_scaler(accelerator) is None  # untouched
 
     model = mlp(0)
@@ -289,6 +297,167 @@ def test_install_validates_and_uninstall_restores(make_accelerator):
     assert not hasattr(model, "_original_forward")
     with pytest.raises(RuntimeError, match="not installed"):
         uninstall(accelerator)
+
+
+def _prepared(accelerator, stock: bool, kind: str = "fused", scheduler: bool = False):
+    """A model and optimizer (and a StepLR halving the LR each step) prepared on ``accelerator``;
+    ``stock``: Accelerate with torch's GradScaler as it builds it for fp16 on GPUs."""
+    if stock:
+        accelerator.scaler = torch.amp.GradScaler("cpu")
+        accelerator.native_amp = True
+    model = mlp(0)
+    optimizer = _optimizer(model, kind)
+    if not scheduler:
+        return accelerator.prepare(model, optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return accelerator.prepare(model, optimizer, sched)
+
+
+@pytest.mark.parametrize("installed", ["stock", "before_prepare", "after_prepare"])
+def test_accelerator_pickles_after_install_as_it_does_without(make_accelerator, installed):
+    accelerator = make_accelerator(mixed_precision="fp16")
+    if installed == "before_prepare":
+        install(accelerator)
+    model = mlp(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8)))
+    optimizer = _optimizer(model, "foreach")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    prepared = accelerator.prepare(model, optimizer, scheduler, loader)
+    if installed == "after_prepare":
+        install(accelerator)  # wraps the prepared model's forward in autocast itself
+    # Accelerate's test_can_pickle_dataloader: dumps and loads the accelerator.
+    loaded = pickle.loads(pickle.dumps(accelerator))
+    assert len(loaded._dataloaders) == 1 and len(loaded._optimizers) == 1
+    assert len(loaded._models) == 1 and len(loaded._schedulers) == 1
+    pickle.dumps(prepared[0])  # the prepared model alone too
+    if installed == "stock":
+        assert installed_scaler(loaded) is None
+        return
+    assert accelerator.native_amp and "_original_forward" in vars(prepared[0])  # really wrapped
+    scaler = installed_scaler(loaded)
+    assert isinstance(scaler, GradScaler) and loaded.scaler is scaler
+    assert type(loaded._optimizers[0]) is ScaledAcceleratedOptimizer
+    assert loaded._optimizers[0].scaler is scaler
+    # The installed methods are bound to the loaded accelerator, not the original one.
+    for name in ("clip_grad_norm_", "prepare_optimizer", "prepare_scheduler"):
+        assert vars(loaded)[name].args == (loaded,), name
+    assert uninstall(loaded) is scaler and loaded.scaler is None
+
+
+def test_write_to_is_overflow_marks_a_skipped_step_as_with_accelerate(make_accelerator):
+    # Accelerate's test_scheduler.lambda_test: the test marks a skipped step by writing
+    # optimizer._is_overflow, and the scheduler holds the LR.
+    lrs = {}
+    for kind in ("stock", "ours"):
+        accelerator = make_accelerator()  # fp32, each with a scaler (so a step sets the flag)
+        if kind == "ours":
+            install(accelerator, GradScaler("cpu"))
+        else:
+            accelerator.scaler = torch.amp.GradScaler("cpu")
+        model = torch.nn.Linear(2, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda n: 1 - n / 10)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        seen = []
+        optimizer._is_overflow = False  # stepped
+        scheduler.step()
+        seen.append((scheduler.get_last_lr()[0], accelerator.optimizer_step_was_skipped))
+        optimizer._is_overflow = True  # skipped
+        scheduler.step()
+        seen.append((scheduler.get_last_lr()[0], accelerator.optimizer_step_was_skipped))
+        # A real step replaces the written value with the step's own verdict.
+        accelerator.backward(model(torch.randn(3, 2)).pow(2).mean())
+        optimizer.step()
+        scheduler.step()
+        seen.append((scheduler.get_last_lr()[0], accelerator.optimizer_step_was_skipped))
+        lrs[kind] = seen
+    assert lrs["stock"] == [(0.9, False), (0.9, True), (0.8, False)]
+    assert lrs["ours"] == lrs["stock"]
+
+
+def _closure_step(accelerator, enabled: bool, stock: bool) -> tuple:
+    """``optimizer.step(closure)`` on a prepared SGD; returns the number of closure calls, whether
+    the parameters moved, and the skip flag."""
+    handler = accelerator.scaler_handler
+    if stock:  # as Accelerate builds it on GPUs, from the same GradScalerKwargs
+        accelerator.scaler = torch.amp.GradScaler("cpu", **handler.to_kwargs())
+        accelerator.native_amp = True
+    else:
+        assert install(accelerator).is_enabled() is enabled
+    model = mlp(0)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        accelerator.backward(loss)
+        return loss
+
+    optimizer.step(closure)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return len(calls), changed, accelerator.optimizer_step_was_skipped
+
+
+def test_step_with_closure_runs_it_when_the_scaler_is_disabled(make_accelerator):
+    def disabled():
+        return make_accelerator(
+            mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(enabled=False)]
+        )
+
+    # Stock: the disabled scaler runs the optimizer's own step, closure included.
+    stock = _closure_step(disabled(), enabled=False, stock=True)
+    assert stock == (1, True, False)
+    assert _closure_step(disabled(), enabled=False, stock=False) == stock
+    # Enabled, the closure is refused with torch's words (it would run on scaled gradients).
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        _closure_step(make_accelerator(mixed_precision="fp16"), enabled=True, stock=False)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_lr_is_held_on_skipped_steps_unless_lr_on_skip_step(make_accelerator, kind, when):
+    def lrs(accelerator, model, optimizer, scheduler):
+        out = []
+        for step in range(3):
+            accelerator.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+            if step == 1:
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            out.append((accelerator.optimizer_step_was_skipped, scheduler.get_last_lr()[0]))
+        return out
+
+    accelerator = make_accelerator(mixed_precision="fp16")
+    stock = lrs(accelerator, *_prepared(accelerator, stock=True, kind=kind, scheduler=True))
+    runs = {}
+    for lr_on_skip in ("hold", "step"):
+        accelerator = make_accelerator(mixed_precision="fp16")
+        if when == "before":
+            install(accelerator, lr_on_skip=lr_on_skip)
+        prepared = _prepared(accelerator, stock=False, kind=kind, scheduler=True)
+        if when == "after":
+            install(accelerator, lr_on_skip=lr_on_skip)
+        runs[lr_on_skip] = lrs(accelerator, *prepared)
+        uninstall(accelerator)
+        assert type(prepared[2]).__name__ == "AcceleratedScheduler"  # restored
+    # Stock Accelerate holds the LR only where it sees the skip: not with a fused optimizer.
+    assert [s for s, _ in stock] == [False, kind == "foreach", False]
+    assert [lr for _, lr in stock] == (
+        [5e-3, 2.5e-3, 1.25e-3] if kind == "fused" else [5e-3, 5e-3, 2.5e-3]
+    )
+    # distscaler: the skip is reported either way; "hold" holds the LR, "step" steps it.
+    for run in runs.values():
+        assert [s for s, _ in run] == [False, True, False]
+    assert [lr for _, lr in runs["hold"]] == [5e-3, 5e-3, 2.5e-3]
+    assert [lr for _, lr in runs["step"]] == [5e-3, 2.5e-3, 1.25e-3]
+    with pytest.raises(
+        ValueError, match=r"lr_on_skip must be one of \('hold', 'step'\), got: 'keep'"
+    ):
+        install(make_accelerator(mixed_precision="fp16"), lr_on_skip="keep")
 
 
 # ----------------------------------------------------------------------- two gloo ranks

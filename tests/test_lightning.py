@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import pickle
 
 import _lightning_scenarios as S
 import pytest
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 pl = pytest.importorskip("lightning.pytorch")  # a test extra; CI installs it
 
 from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins import MixedPrecision as FabricMixedPrecision  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
@@ -50,6 +52,7 @@ class _Tiny(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         self.batch = batch_idx
+        self.input_dtypes = [*getattr(self, "input_dtypes", []), batch[0].dtype]
         return self.net(batch[0]).float().pow(2).mean() * S.LOSS_FACTOR
 
     def on_after_backward(self):
@@ -165,6 +168,98 @@ def test_fabric_cpu_fp16_and_clipping_with_a_fused_optimizer():
         assert (
             torch.nn.functional.linear(torch.randn(2, 8), torch.randn(3, 8)).dtype == torch.float16
         )
+
+
+def test_fabric_casts_floating_inputs_to_fp16_as_its_mixed_precision_and_the_trainer_does_not():
+    seen = {}
+    for kind in ("stock", "ours"):
+        if kind == "stock":  # Fabric's own fp16 plugin, with a scaler built for the CPU
+            plugin = FabricMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        else:
+            plugin = _ours()
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = fabric.setup(mlp(0))
+        inputs: list = []
+        model.module[0].register_forward_pre_hook(
+            lambda m, args, inputs=inputs: inputs.append(args[0].dtype)
+        )
+        out = model(torch.randn(2, 8))
+        ints = plugin.convert_input((torch.arange(3), torch.ones(2, dtype=torch.bool)))
+        seen[kind] = (inputs[0], out.dtype, ints[0].dtype, ints[1].dtype)
+    assert seen["stock"] == (torch.float16, torch.float32, torch.int64, torch.bool)
+    assert seen["ours"] == seen["stock"]
+
+    # The Trainer's MixedPrecision leaves the batch as it is (autocast casts inside): so does ours.
+    batches = {}
+    for kind in ("stock", "ours"):
+        plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+        model = _Tiny(fused=False)
+        _trainer(plugin if kind == "stock" else _ours(), max_steps=2).fit(model, _data())
+        batches[kind] = set(model.input_dtypes)
+    assert batches["stock"] == {torch.float32}
+    assert batches["ours"] == batches["stock"]
+
+
+def test_the_plugin_pickles_as_lightnings_and_a_copy_starts_clean():
+    stock = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    assert type(pickle.loads(pickle.dumps(stock))) is MixedPrecision
+    # Ours, after a Fabric run that filled its per-run records (weak references).
+    plugin = _ours(growth_interval=7)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = mlp(0)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), fused=True))
+    fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+    next(model.parameters()).grad.view(-1)[0] = math.inf
+    optimizer.step()
+    assert plugin.step_was_skipped(optimizer) and len(plugin._found_inf) == 1
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert type(copy) is DistScalerPrecision and copy is not plugin
+    assert (copy.precision, copy.device, copy.log_metrics) == ("16-mixed", "cpu", True)
+    assert copy.scaler.state_dict() == plugin.scaler.state_dict()  # scale 512, skip counts
+    assert copy.scaler.get_scale() == 512.0 and copy.scaler.get_growth_interval() == 7
+    assert len(copy._found_inf) == 0 and copy._registered is None and copy._guarded == []
+    assert copy.convert_input(torch.ones(1)).dtype == torch.float16  # not a Trainer's yet
+
+
+class _SpawnTiny(pl.LightningModule):
+    """Picklable (no hooks), for ``ddp_spawn``: an inf on rank 1 only, at batch 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp(0)
+
+    def training_step(self, batch, batch_idx):
+        self.batch = batch_idx
+        return self.net(batch[0]).float().pow(2).mean()
+
+    def on_after_backward(self):
+        if self.batch == 1 and self.global_rank == 1:
+            self.net[0].weight.grad.view(-1)[0] = math.inf
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+@pytest.mark.xdist_group("lightning_spawn")
+def test_ddp_spawn_fits_on_two_cpu_ranks_with_an_inf_on_one(monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # Lightning picks a free port
+    plugin = _ours()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", plugins=[plugin], max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    model = _SpawnTiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(model, _data())  # stock launch: pickles the trainer, plugin included
+    assert trainer.state.finished
+    # Rank 0's metrics, sent back by Lightning's launcher: rank 0 skipped the step of rank 1's
+    # inf (the only skip), and its scale backed off once.
+    metrics = trainer.callback_metrics
+    assert float(metrics["distscaler/skipped_epoch"]) == 1.0
+    assert float(metrics["distscaler/scale"]) == 512.0
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # trained
+    assert plugin.scaler.get_scale() == 1024.0  # this process's plugin: the launch copied it
 
 
 # ----------------------------------------------------------------------- one process, the plugin

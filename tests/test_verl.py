@@ -161,6 +161,40 @@ def test_resume_keeps_the_scale_and_matches_the_uninterrupted_run(runs):
         assert [s["scale"] for s in r["stock"][3:]] == [32768.0, 32768.0]
 
 
+@needs_verl
+@TWO_RANKS
+def test_save_checkpoint_returns_when_every_ranks_scaler_file_exists(runs):
+    import _verl_scenarios as S
+
+    assert S.SLOW_WRITE_S > 0  # guard: the last rank writes its file late
+    verl_files = {
+        f"{kind}_world_size_2_rank_{rank}.pt"
+        for kind in ("model", "optim", "extra_state")
+        for rank in (0, 1)
+    }
+    ours_files = {f"distscaler_world_size_2_rank_{rank}.pt" for rank in (0, 1)}
+    _, results = runs
+    for r in results:  # results[0]: rank 0's listing right after save_checkpoint returned
+        # Stock: verl's own files all exist when its save returns (its closing barrier).
+        assert verl_files <= set(r["stock_listing"])
+        # Ours: the same, plus every rank's scaler file (one more barrier after writing it).
+        assert set(r["ours_listing"]) == set(r["stock_listing"]) | ours_files
+
+
+@needs_verl
+@TWO_RANKS
+def test_the_overflow_warning_names_the_parameter_by_its_module_path(runs):
+    strategy, results = runs
+    for r in results:
+        # The inf went into rank 1's first gradient shard: the embedding's (FSDP1: the flat
+        # parameter that holds it).
+        ((rank, param),) = r["ours_overflow"]
+        assert rank == 1 and not param.startswith("param_groups"), param
+        if strategy == "fsdp2":
+            assert param == "model.embed_tokens.weight" == r["param_names"][0]
+        assert f"inf in `{param}` on rank 1" in r["ours_overflow_text"]
+
+
 def _without_reads(steps):
     return [{k: v for k, v in s.items() if k != "host_reads"} for s in steps]
 
@@ -234,6 +268,61 @@ def test_configure_validates_before_it_changes_anything(ds_verl):
     options = ds_verl.configure(scaler={"fp16": {"enabled": True, "initial_scale_power": 12}})
     assert options.lr_on_skip == "hold" and ds_verl.options() is options
     assert ds_verl._new_scaler("cpu").get_scale() == 2.0**12  # DeepSpeed's semantics
+
+
+@needs_verl
+def test_configure_refuses_a_missing_deepspeed_config_path_with_a_valueerror(ds_verl, tmp_path):
+    from distscaler import ScalerConfig
+
+    missing = tmp_path / "missing.json"
+    # ScalerConfig.from_deepspeed alone raises FileNotFoundError; configure's error is a
+    # ValueError, as documented, and still a FileNotFoundError.
+    with pytest.raises(FileNotFoundError):
+        ScalerConfig.from_deepspeed(missing)
+    for given in (missing, str(missing)):
+        with pytest.raises(
+            ValueError,
+            match=r"scaler must be a path to a DeepSpeed config JSON "
+            r"file when it is a path, got: '.*missing.json' \(no such file\)",
+        ):
+            ds_verl.configure(scaler=given)
+        with pytest.raises(FileNotFoundError):
+            ds_verl.configure(scaler=given)
+    assert ds_verl._options is None  # nothing kept
+
+
+@needs_verl
+def test_configure_checks_the_scalers_device_against_this_process(ds_verl, monkeypatch):
+    import torch
+    from verl.utils import device
+
+    from distscaler import GradScaler
+
+    assert not torch.cuda.is_available()  # this test's premise: a CPU-only process
+    # verl names "cuda" here (its default platform); torch disables GradScaler("cuda") without
+    # CUDA, so fp16 would train with no scale. Refused when configured, not at the engine build.
+    assert device.get_device_name() == "cuda"
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        cuda = GradScaler("cuda")
+    assert not cuda.is_enabled()
+    with pytest.raises(
+        ValueError,
+        match=r"scaler's device type must be available in this process, got: 'cuda' "
+        r"\(torch.cuda.is_available\(\) is False",
+    ):
+        ds_verl.configure(scaler=cuda)
+    # A device type other than verl's.
+    with pytest.raises(
+        ValueError,
+        match=r"scaler's device type must be verl's device \(get_device_name\(\)\) \('cuda'\), "
+        r"got: 'cpu'",
+    ):
+        ds_verl.configure(scaler=GradScaler("cpu"))
+    assert ds_verl._options is None  # nothing kept
+    # On verl's CPU platform (the spawned tests' launch/common/verl_cpu.py), a CPU scaler is kept.
+    monkeypatch.setattr(device, "get_device_name", lambda: "cpu")
+    scaler = GradScaler("cpu")
+    assert ds_verl.configure(scaler=scaler).scaler is scaler
 
 
 @needs_verl

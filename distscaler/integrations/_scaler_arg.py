@@ -9,7 +9,13 @@ from typing import Any
 from ..config import ScalerConfig
 from ..scaler import GradScaler
 
-__all__ = ["scaler_from_argument"]
+__all__ = ["ConfigFileNotFoundError", "scaler_from_argument"]
+
+
+class ConfigFileNotFoundError(FileNotFoundError, ValueError):
+    """A ``scaler`` path that is not a file: the ``ValueError`` the integrations document for a
+    bad ``scaler``, and the ``FileNotFoundError`` ``ScalerConfig.from_deepspeed`` raises for it
+    (as ``io.UnsupportedOperation`` is both an ``OSError`` and a ``ValueError``)."""
 
 
 def scaler_from_argument(scaler: Any, device_type: str, owner: str) -> GradScaler | None:
@@ -23,7 +29,9 @@ def scaler_from_argument(scaler: Any, device_type: str, owner: str) -> GradScale
         owner: what sets the device type, for the error message ("the accelerator's").
 
     Raises:
-        ValueError: a GradScaler on another device type; a DeepSpeed config that does not parse.
+        ValueError: a GradScaler on another device type; a DeepSpeed config that does not parse;
+            a path that is not a file (:class:`ConfigFileNotFoundError`, a ``FileNotFoundError``
+            too).
         TypeError: anything else.
     """
     if isinstance(scaler, GradScaler):
@@ -33,6 +41,11 @@ def scaler_from_argument(scaler: Any, device_type: str, owner: str) -> GradScale
                 f"{scaler.device_type!r}"
             )
         return scaler
+    if isinstance(scaler, (str, os.PathLike)) and not os.path.isfile(scaler):
+        raise ConfigFileNotFoundError(
+            "scaler must be a path to a DeepSpeed config JSON file when it is a path, got: "
+            f"{os.fspath(scaler)!r} (no such file)"
+        )
     if isinstance(scaler, (Mapping, str, os.PathLike)):
         scaler = ScalerConfig.from_deepspeed(scaler)  # DeepSpeed's fp16 section semantics
     if isinstance(scaler, ScalerConfig):

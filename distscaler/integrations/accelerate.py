@@ -49,6 +49,16 @@ What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py
 ``save_state`` / ``load_state`` store the scaler through ``accelerator.scaler`` as Accelerate does
 (``scaler.pt``, loadable by ``torch.amp.GradScaler`` too).
 
+* **LR scheduler on skipped steps.** Accelerate's ``AcceleratedScheduler.step`` does not step after a
+  step its optimizers report skipped. Since every skip is reported here, the LR is held on every
+  skipped step (default, ``lr_on_skip="hold"``), also where Accelerate would not see the skip (fused
+  optimizers, the CPU). ``install(accelerator, lr_on_skip="step")`` steps the prepared schedulers
+  whether or not the step was skipped; ``optimizer_step_was_skipped`` still tells the truth.
+* **``optimizer._is_overflow``.** Code that marks a skipped step by writing it (Accelerate's tests,
+  trainers) is honoured: the written value is ``step_was_skipped`` until the next ``step()``.
+* **Pickling.** Everything :func:`install` stores on the accelerator is picklable, so
+  ``pickle.dumps(accelerator)`` works as it does without it.
+
 Not supported: DeepSpeed and Megatron-LM plugins (they scale the loss themselves; to keep a DeepSpeed
 ``fp16`` section's behaviour on FSDP, pass ``ScalerConfig.from_deepspeed(...)`` to :func:`install`),
 XLA, and MS-AMP's fp8 optimizers.
@@ -56,17 +66,20 @@ XLA, and MS-AMP's fp8 optimizers.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from types import MethodType
+from typing import Any, Literal
 
 import torch
 
 try:
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
     from accelerate.utils import (
         DistributedType,
         convert_outputs_to_fp32,
@@ -90,6 +103,7 @@ _UNSUPPORTED = {
 }
 
 _ATTR = "_distscaler_installation"
+_LR_ON_SKIP = ("hold", "step")
 
 
 class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
@@ -104,16 +118,36 @@ class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
 
     # The agreed found_inf (0-dim float32 on the scale's device) of the last step; None before it.
     _distscaler_found_inf: torch.Tensor | None = None
+    # A value written to ``_is_overflow`` since the last step; None when none was written.
+    _distscaler_written_overflow: bool | None = None
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
-        """Step through the scaler when gradients are synchronized: every rank skips, or none does."""
+        """Step through the scaler when gradients are synchronized: every rank skips, or none does.
+
+        Args:
+            closure (callable | None): passed to the wrapped optimizer's ``step`` when the scaler is
+                disabled (``GradScalerKwargs(enabled=False)``), as Accelerate does. Default: None.
+
+        Raises:
+            RuntimeError: a ``closure`` with an enabled scaler (torch's ``GradScaler`` refuses it).
+        """
         scaler = self.scaler
         if not isinstance(scaler, GradScaler):  # uninstalled: Accelerate's own behaviour
             return super().step(closure)
         if not self.gradient_state.sync_gradients:
             return None
+        self.__dict__.pop("_distscaler_written_overflow", None)
+        if not scaler.is_enabled():
+            # A true no-op scaler: the optimizer's own step, closure included (torch's and
+            # Accelerate's behaviour with a disabled scaler).
+            self._distscaler_found_inf = None
+            if closure is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.step(closure)
+            return None
         if closure is not None:
-            # torch.amp.GradScaler.step's wording; Accelerate would pass the closure there too.
+            # torch.amp.GradScaler.step's wording.
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scaler.step(self.optimizer)
         scaler.update()
@@ -126,12 +160,45 @@ class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
         """Whether this optimizer's last step was skipped, the same on every rank.
 
         Reads the agreed device flag (one host read, the explicit sync). False before the first
-        step and with a disabled scaler.
+        step and with a disabled scaler. A value written to ``_is_overflow`` since the last step
+        (how Accelerate's tests and trainers mark a skipped step) is returned instead.
         """
-        if not isinstance(self.scaler, GradScaler):
-            return bool(self._is_overflow)
+        written = self._distscaler_written_overflow
+        if written is not None:
+            return written
         flag = self._distscaler_found_inf
-        return flag is not None and bool(flag.item())
+        if not isinstance(self.scaler, GradScaler) or flag is None:
+            return False
+        return bool(flag.item())
+
+    # Accelerate's attribute behind ``step_was_skipped``: reads give the agreed flag, writes are
+    # kept until the next step (a data descriptor, so the instance's own ``_is_overflow`` set by
+    # ``AcceleratedOptimizer.__init__`` is shadowed while the class is this one).
+    @property
+    def _is_overflow(self) -> bool:
+        return self.step_was_skipped
+
+    @_is_overflow.setter
+    def _is_overflow(self, value: bool) -> None:
+        self.__dict__["_distscaler_written_overflow"] = bool(value)
+
+
+class _LRStepsOnSkip(AcceleratedScheduler):
+    """An ``AcceleratedScheduler`` that steps whether or not its optimizers skipped the step.
+
+    :func:`install` with ``lr_on_skip="step"`` turns the prepared schedulers into this class (same
+    object). Accelerate's own ``step`` runs with no optimizers to ask, so its accumulation and
+    ``num_processes`` rules stay Accelerate's.
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        state = self.__dict__
+        optimizers = state["optimizers"]
+        state["optimizers"] = []
+        try:
+            super().step(*args, **kwargs)
+        finally:
+            state["optimizers"] = optimizers
 
 
 @dataclass(slots=True)
@@ -141,14 +208,21 @@ class _Installation:
     scaler: GradScaler
     old_scaler: Any
     old_native_amp: bool
+    lr_on_skip: str = "hold"
     hook: Any = None
     optimizers: list[tuple[AcceleratedOptimizer, type, Any]] = field(default_factory=list)
+    schedulers: list[tuple[AcceleratedScheduler, type]] = field(default_factory=list)
     autocast_models: list[torch.nn.Module] = field(default_factory=list)
     registered_models: list[torch.nn.Module] = field(default_factory=list)
     warned_unmatched: bool = False
 
 
-def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
+def install(
+    accelerator: Accelerator,
+    scaler: Any = None,
+    *,
+    lr_on_skip: Literal["hold", "step"] = "hold",
+) -> GradScaler:
     """Make ``accelerator`` scale, skip, clip and checkpoint with a ``distscaler.GradScaler``.
 
     One call, before or after ``accelerator.prepare(...)``, on every rank. It sets
@@ -172,6 +246,10 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
             the same, through ``ScalerConfig.from_deepspeed``, so a DeepSpeed user moving to FSDP
             keeps the loss-scale behaviour in one call.
             Without ``mixed_precision="fp16"`` a scaler must be given explicitly.
+        lr_on_skip: ``"hold"`` (default): a prepared LR scheduler does not step after a skipped
+            step (Accelerate's rule, applied to every skip since every skip is reported).
+            ``"step"``: prepared schedulers step after every optimizer step, skipped or not, as
+            Accelerate's do where it does not see the skip (fused optimizers, the CPU).
 
     Returns:
         The installed scaler (also ``accelerator.scaler``).
@@ -181,7 +259,7 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
             (a ``torch.amp.GradScaler`` included: it decides per rank).
         ValueError: the accelerator uses DeepSpeed, Megatron-LM, XLA or MS-AMP; ``scaler`` is None
             and ``mixed_precision`` is not ``"fp16"``; the scaler's device type differs from the
-            accelerator's.
+            accelerator's; ``lr_on_skip`` is not ``"hold"`` or ``"step"``.
         RuntimeError: distscaler is already installed on ``accelerator``.
 
     Cost: no collective and no host read here. Per optimizer step afterwards: the scaler's (one
@@ -197,6 +275,8 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
             "distscaler is already installed on this accelerator; call uninstall(accelerator) "
             "before installing another scaler."
         )
+    if lr_on_skip not in _LR_ON_SKIP:
+        raise ValueError(f"lr_on_skip must be one of {_LR_ON_SKIP}, got: {lr_on_skip!r}")
     reason = _UNSUPPORTED.get(accelerator.distributed_type)
     if reason is not None:
         raise ValueError(
@@ -216,6 +296,7 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
         scaler=new_scaler,
         old_scaler=accelerator.scaler,
         old_native_amp=accelerator.native_amp,
+        lr_on_skip=lr_on_skip,
     )
     accelerator.scaler = new_scaler
     if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:
@@ -225,20 +306,17 @@ def install(accelerator: Accelerator, scaler: Any = None) -> GradScaler:
             _add_autocast(accelerator, model, inst)
     for optimizer in accelerator._optimizers:
         _adopt(optimizer, new_scaler, inst)
+    for scheduler in accelerator._schedulers:
+        _adopt_scheduler(scheduler, inst)
     _register_models(accelerator, inst)
-    inst.hook = accelerator.register_load_state_pre_hook(_make_load_hook(accelerator))
-    # Instance attributes shadow the two methods; uninstall() deletes them again.
-    original_prepare_optimizer = accelerator.prepare_optimizer
-
-    def prepare_optimizer(
-        optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-    ) -> AcceleratedOptimizer:
-        prepared = original_prepare_optimizer(optimizer, device_placement=device_placement)
-        _adopt(prepared, new_scaler, inst)
-        return prepared
-
-    accelerator.prepare_optimizer = prepare_optimizer  # type: ignore[method-assign]
-    accelerator.clip_grad_norm_ = _make_clip(accelerator, inst)  # type: ignore[method-assign]
+    # Instance attributes shadow the methods; uninstall() deletes them again. Module functions
+    # bound with functools.partial, not closures: the accelerator stays picklable.
+    inst.hook = accelerator.register_load_state_pre_hook(
+        functools.partial(_restore_scaler, accelerator)
+    )
+    accelerator.prepare_optimizer = functools.partial(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
+    accelerator.prepare_scheduler = functools.partial(_prepare_scheduler, accelerator)  # type: ignore[method-assign]
+    accelerator.clip_grad_norm_ = functools.partial(_clip_grad_norm, accelerator)  # type: ignore[method-assign]
     setattr(accelerator, _ATTR, inst)
     return new_scaler
 
@@ -262,14 +340,19 @@ def uninstall(accelerator: Accelerator) -> GradScaler:
     if inst is None:
         raise RuntimeError("distscaler is not installed on this accelerator")
     for optimizer, cls, old_scaler in inst.optimizers:
+        skipped = optimizer.step_was_skipped  # Accelerate's flag keeps saying the same
         optimizer.__class__ = cls
         optimizer.scaler = old_scaler
         optimizer.__dict__.pop("_distscaler_found_inf", None)
+        optimizer.__dict__.pop("_distscaler_written_overflow", None)
+        optimizer._is_overflow = skipped
+    for scheduler, cls in inst.schedulers:
+        scheduler.__class__ = cls
     for model in inst.autocast_models:
         model.forward = model.__dict__.pop("_original_forward")  # type: ignore[method-assign]
     if inst.hook is not None:
         inst.hook.remove()
-    for name in ("prepare_optimizer", "clip_grad_norm_"):
+    for name in ("prepare_optimizer", "prepare_scheduler", "clip_grad_norm_"):
         accelerator.__dict__.pop(name, None)
     accelerator.scaler = inst.old_scaler
     accelerator.native_amp = inst.old_native_amp
@@ -318,14 +401,49 @@ def _adopt(optimizer: Any, scaler: GradScaler, inst: _Installation) -> None:
     optimizer.scaler = scaler
 
 
+def _adopt_scheduler(scheduler: Any, inst: _Installation) -> None:
+    """With ``lr_on_skip="step"``, let a prepared scheduler step on skipped steps too."""
+    if inst.lr_on_skip == "hold" or type(scheduler) is not AcceleratedScheduler:
+        return
+    inst.schedulers.append((scheduler, type(scheduler)))
+    scheduler.__class__ = _LRStepsOnSkip  # same instance layout: only step changes
+
+
+def _prepare_optimizer(
+    accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+) -> AcceleratedOptimizer:
+    """``accelerator.prepare_optimizer`` after :func:`install`: Accelerate's, then adopted."""
+    prepared = type(accelerator).prepare_optimizer(
+        accelerator, optimizer, device_placement=device_placement
+    )
+    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    if inst is not None:
+        _adopt(prepared, inst.scaler, inst)
+    return prepared
+
+
+def _prepare_scheduler(accelerator: Accelerator, scheduler: Any) -> AcceleratedScheduler:
+    """``accelerator.prepare_scheduler`` after :func:`install`: Accelerate's, then adopted."""
+    prepared = type(accelerator).prepare_scheduler(accelerator, scheduler)
+    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    if inst is not None:
+        _adopt_scheduler(prepared, inst)
+    return prepared
+
+
 def _add_autocast(accelerator: Accelerator, model: torch.nn.Module, inst: _Installation) -> None:
-    """Wrap an already prepared model's forward in fp16 autocast, as ``prepare_model`` would have."""
+    """Wrap an already prepared model's forward in fp16 autocast, as ``prepare_model`` would have
+    (a bound method stays a bound method, so the model pickles as Accelerate's does)."""
     inner = accelerator.unwrap_model(model, keep_fp32_wrapper=True)
     if hasattr(inner, "_original_forward"):
         return
     context = get_mixed_precision_context_manager(True, accelerator.autocast_handler)
-    inner._original_forward = inner.forward
-    inner.forward = convert_outputs_to_fp32(context(inner.forward))
+    forward = inner.forward
+    inner._original_forward = forward
+    if hasattr(forward, "__func__"):
+        inner.forward = MethodType(convert_outputs_to_fp32(context(forward.__func__)), inner)
+    else:
+        inner.forward = convert_outputs_to_fp32(context(forward))
     inst.autocast_models.append(inner)
 
 
@@ -343,31 +461,30 @@ def _register_models(accelerator: Accelerator, inst: _Installation) -> None:
             inst.registered_models.append(model)
 
 
-def _make_clip(accelerator: Accelerator, inst: _Installation) -> Callable[..., torch.Tensor]:
-    original = type(accelerator).clip_grad_norm_
-
-    def clip_grad_norm_(
-        parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
-    ) -> torch.Tensor:
-        """``Accelerator.clip_grad_norm_`` through distscaler: the global norm of the unscaled
-        gradients, folded into the step's one collective (see ``GradScaler.clip_grad_norm_``)."""
-        params = list(parameters)
-        optimizer = _optimizer_holding(accelerator, params)
-        if optimizer is None:
-            if not inst.warned_unmatched:
-                warnings.warn(
-                    "accelerator.clip_grad_norm_: the parameters are not exactly those of one "
-                    "prepared optimizer, so clipping falls back to Accelerate's unscale_ + "
-                    "torch.nn.utils.clip_grad_norm_ (an extra pass and, when sharded, an extra "
-                    "collective); pass all of one optimizer's parameters to fold it into the verdict",
-                    stacklevel=2,
-                )
-                inst.warned_unmatched = True
-            return original(accelerator, params, max_norm, norm_type=norm_type)
-        _register_models(accelerator, inst)
-        return inst.scaler.clip_grad_norm_(optimizer.optimizer, max_norm, norm_type=norm_type)
-
-    return clip_grad_norm_
+def _clip_grad_norm(
+    accelerator: Accelerator,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2,
+) -> torch.Tensor:
+    """``Accelerator.clip_grad_norm_`` through distscaler: the global norm of the unscaled
+    gradients, folded into the step's one collective (see ``GradScaler.clip_grad_norm_``)."""
+    inst: _Installation = getattr(accelerator, _ATTR)
+    params = list(parameters)
+    optimizer = _optimizer_holding(accelerator, params)
+    if optimizer is None:
+        if not inst.warned_unmatched:
+            warnings.warn(
+                "accelerator.clip_grad_norm_: the parameters are not exactly those of one "
+                "prepared optimizer, so clipping falls back to Accelerate's unscale_ + "
+                "torch.nn.utils.clip_grad_norm_ (an extra pass and, when sharded, an extra "
+                "collective); pass all of one optimizer's parameters to fold it into the verdict",
+                stacklevel=2,
+            )
+            inst.warned_unmatched = True
+        return type(accelerator).clip_grad_norm_(accelerator, params, max_norm, norm_type=norm_type)
+    _register_models(accelerator, inst)
+    return inst.scaler.clip_grad_norm_(optimizer.optimizer, max_norm, norm_type=norm_type)
 
 
 def _optimizer_holding(
@@ -384,18 +501,18 @@ def _optimizer_holding(
     return None
 
 
-def _make_load_hook(accelerator: Accelerator) -> Callable[[list[Any], str], None]:
-    def restore_scaler(models: list[Any], input_dir: str) -> None:
-        # Accelerate runs load-state pre-hooks after the optimizers are loaded. Under FSDP2 that
-        # load ran a dummy optimizer step, whose scaler.update() moved the restored state.
-        inst: _Installation | None = getattr(accelerator, _ATTR, None)
-        if inst is None or not accelerator.is_fsdp2:
-            return
-        path = os.path.join(input_dir, SCALER_NAME)
-        if not os.path.isfile(path):
-            return
-        inst.scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        for optimizer, _, _ in inst.optimizers:
-            optimizer.__dict__.pop("_distscaler_found_inf", None)  # the dummy step's flag
+def _restore_scaler(accelerator: Accelerator, models: list[Any], input_dir: str) -> None:
+    """The ``load_state`` pre-hook: load the saved scaler state again after FSDP2's dummy step.
 
-    return restore_scaler
+    Accelerate runs load-state pre-hooks after the optimizers are loaded. Under FSDP2 that load ran
+    a dummy optimizer step, whose ``scaler.update()`` moved the restored state.
+    """
+    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    if inst is None or not accelerator.is_fsdp2:
+        return
+    path = os.path.join(input_dir, SCALER_NAME)
+    if not os.path.isfile(path):
+        return
+    inst.scaler.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    for optimizer, _, _ in inst.optimizers:
+        optimizer.__dict__.pop("_distscaler_found_inf", None)  # the dummy step's flag

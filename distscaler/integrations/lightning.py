@@ -57,8 +57,10 @@ FSDP1; not yet exercised by the tests, which run on CPU processes) and ``ModelPa
 every rank (Lightning's epoch-level warning about it can be ignored). DeepSpeed and XLA bring their own precision (Lightning refuses
 this plugin there). Fabric: scaling, agreed skips, ``unscale_gradients`` for
 ``fabric.clip_gradients`` (fused optimizers too; pass ``error_if_nonfinite=False``, as with
-Lightning's own plugin, since an overflow reaches torch's norm), checkpoint state; the folded clip
-and the scheduler guard are Trainer-only. Only the unified ``lightning`` package is supported
+Lightning's own plugin, since an overflow reaches torch's norm), checkpoint state, floating-point
+inputs cast to float16 as Fabric's ``MixedPrecision`` does (the Trainer's leaves them as they are,
+so does the plugin there); the folded clip and the scheduler guard are Trainer-only. The plugin
+pickles (``strategy="ddp_spawn"``): a copy keeps the settings and the scaler's state. Only the unified ``lightning`` package is supported
 (``pytorch_lightning`` has its own class hierarchy).
 """
 
@@ -81,6 +83,7 @@ try:
     from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
     from lightning.pytorch.plugins.precision.precision import Precision as _TrainerPrecision
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning_utilities.core.apply_func import apply_to_collection
 except ImportError as e:  # pragma: no cover - exercised only without lightning
     raise ImportError(
         "distscaler.integrations.lightning needs Lightning >= 2.4: "
@@ -164,8 +167,12 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         self.precision = "16-mixed"
         self.device = device
         self.log_metrics = log_metrics
-        # FSDPPrecision's attribute (tensor dtype for "16-mixed": float32, see convert_input).
+        # FSDPPrecision's attribute (FSDPPrecision("16-mixed")'s float32; convert_input decides).
         self._desired_input_dtype = torch.float32
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What one process learns while training: none of it is copied (see ``__getstate__``)."""
         # Per optimizer: the agreed found_inf of its last step, and its last clipping norm.
         self._found_inf: weakref.WeakKeyDictionary[Optimizer, torch.Tensor] = (
             weakref.WeakKeyDictionary()
@@ -176,6 +183,30 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         self._registered: weakref.ref[torch.nn.Module] | None = None
         self._guarded: list[tuple[Any, type]] = []
         self._backward_skipped = False
+        # Set by connect(), which only the Trainer calls: Fabric casts inputs, the Trainer does not.
+        self._trainer_connected = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings and scaler, without the run's weak references (they do not pickle).
+
+        ``strategy="ddp_spawn"`` pickles the plugin into each new process before training, as it
+        pickles Lightning's ``MixedPrecision``; a copy starts like a new plugin with this scaler.
+        """
+        state = self.__dict__.copy()
+        for key in (
+            "_found_inf",
+            "_norms",
+            "_registered",
+            "_guarded",
+            "_backward_skipped",
+            "_trainer_connected",
+        ):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_run_state()
 
     # ------------------------------------------------------------------ what the strategy asks
 
@@ -191,6 +222,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         Raises:
             ValueError: the Trainer's device type is not the plugin's ``device``.
         """
+        self._trainer_connected = True
         module = next((m for m in model.modules() if isinstance(m, pl.LightningModule)), None)
         trainer = None if module is None else module._trainer
         if trainer is not None and trainer.strategy.root_device.type != self.device:
@@ -220,8 +252,12 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         return torch.autocast(self.device, dtype=torch.float16, cache_enabled=False)
 
     def convert_input(self, data: Any) -> Any:
-        """Inputs unchanged, as the Trainer's ``MixedPrecision``; autocast casts where it matters."""
-        return data
+        """As Lightning's ``MixedPrecision("16-mixed")``: under the Trainer, inputs unchanged
+        (autocast casts where it matters); under Fabric, floating-point tensors cast to float16
+        (integer and bool tensors, and anything else, unchanged)."""
+        if self._trainer_connected:
+            return data
+        return apply_to_collection(data, torch.Tensor, _to_float16)
 
     # ------------------------------------------------------------------ backward
 
@@ -349,11 +385,12 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
                     return
 
     def teardown(self) -> None:
-        """Give the guarded schedulers their class back."""
+        """Give the guarded schedulers their class back; the next run may be Fabric's."""
         for scheduler, cls in self._guarded:
             scheduler.__class__ = cls
             _SCHEDULER_OWNERS.pop(scheduler, None)
         self._guarded.clear()
+        self._trainer_connected = False
 
     # ------------------------------------------------------------------ helpers
 
@@ -402,6 +439,11 @@ class _SkipAwareScheduler:
         if owner is not None and owner.step_was_skipped(getattr(self, "optimizer", None)):
             return None
         return super().step(*args, **kwargs)  # type: ignore[misc]
+
+
+def _to_float16(tensor: torch.Tensor) -> torch.Tensor:
+    """Fabric's input cast for ``"16-mixed"`` (its ``_convert_fp_tensor``): floating point only."""
+    return tensor.to(torch.float16) if torch.is_floating_point(tensor) else tensor
 
 
 def _unwrap(optimizer: Any) -> Any:

@@ -32,7 +32,7 @@ What an FSDP engine then does in fp16, on verl's device (``get_device_name()``),
 * **Metrics**, in the step's ``metrics``: ``grad_norm`` (verl's), ``distscaler/scale`` (the scale
   for the next step), ``distscaler/skipped`` (0 or 1) and, after a skip,
   ``distscaler/overflow_step`` and ``distscaler/overflow_tensors`` with a warning that names the
-  ranks and parameters (:meth:`GradScaler.report_overflow
+  ranks and parameters (by module path, FSDP1 and FSDP2) (:meth:`GradScaler.report_overflow
   <distscaler.GradScaler.report_overflow>`, one ``all_gather``, only after a skip). One more host
   read per step (the scale).
 * **LR scheduler held** on skipped steps (default, ``lr_on_skip="hold"``): verl's worker calls
@@ -43,7 +43,8 @@ What an FSDP engine then does in fp16, on verl's device (``get_device_name()``),
 * **Checkpoints**: ``save_checkpoint``/``load_checkpoint`` (verl's ``FSDPCheckpointManager``, as
   stock) also write/read the scaler's state (scale, growth tracker, skip counts) to
   ``distscaler_world_size_{W}_rank_{R}.pt`` beside verl's ``extra_state_*`` files, when the
-  checkpoint contents include ``extra``. A checkpoint without it (a stock one) loads with a warning
+  checkpoint contents include ``extra``; ``save_checkpoint`` returns once every rank's file exists
+  (one ``barrier`` after verl's, every rank). A checkpoint without it (a stock one) loads with a warning
   and the scale starts from the initial value.
 
 The Megatron engine (``backend="megatron"``, fp16): its optimizer goes through
@@ -102,6 +103,7 @@ TESTED_VERSION = "0.9.1"
 VERL_SCALER = ScalerConfig(growth_interval=400)
 
 _LR_ON_SKIP = ("hold", "step")
+_DEVICE = "verl's device (get_device_name())"
 
 logger = logging.getLogger("distscaler")
 
@@ -133,17 +135,22 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
         lr_on_skip: ``"hold"`` or ``"step"``.
 
     Cost: validation only (a ``ScalerConfig`` or DeepSpeed config is built once on the CPU and
-    dropped): no collective, no host sync. Per process: call it in every worker that builds an
-    engine, before it builds it.
+    dropped; a DeepSpeed JSON path is read): no collective, no host sync. Per process: call it in
+    every worker that builds an engine, before it builds it.
 
     Raises:
-        ValueError: ``lr_on_skip`` is not one of them; a DeepSpeed config that does not parse.
+        ValueError: ``lr_on_skip`` is not one of them; a ``GradScaler`` whose device type is not
+            verl's (``verl.utils.device.get_device_name()``: ``GradScaler("cuda")`` in a CPU-only
+            process); a DeepSpeed config that does not parse, or a path that is not a readable
+            file.
         TypeError: ``scaler`` is none of the accepted kinds.
     """
     global _options
     _check_lr_on_skip(lr_on_skip, "lr_on_skip")
-    if not isinstance(scaler, GradScaler):
-        scaler_from_argument(scaler, "cpu", "verl's device")  # validates; nothing kept
+    if isinstance(scaler, GradScaler):
+        _check_scaler_device(scaler)
+    else:
+        scaler_from_argument(scaler, "cpu", _DEVICE)  # validates; nothing kept
     _options = VerlScalerOptions(scaler=scaler, lr_on_skip=lr_on_skip)
     return _options
 
@@ -169,9 +176,26 @@ def _check_lr_on_skip(value: Any, name: str) -> None:
         raise ValueError(f"{name} must be one of {_LR_ON_SKIP}, got: {value!r}")
 
 
+def _check_scaler_device(scaler: GradScaler) -> None:
+    """A given scaler's device type must be verl's and exist in this process; torch disables
+    ``GradScaler("cuda")`` without CUDA (fp16 with no scale), and verl names ``"cuda"`` there."""
+    from verl.utils.device import get_device_name
+
+    device_type = scaler.device_type
+    scaler_from_argument(scaler, get_device_name(), _DEVICE)
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    if device_type != "cpu" and is_available is not None and not is_available():
+        raise ValueError(
+            f"scaler's device type must be available in this process, got: {device_type!r} "
+            f"(torch.{device_type}.is_available() is False: a GradScaler({device_type!r}) here is "
+            "disabled, fp16 with no loss scale)"
+        )
+
+
 def _new_scaler(device_type: str) -> GradScaler:
     chosen = options().scaler
-    scaler = scaler_from_argument(chosen, device_type, "verl's device (get_device_name())")
+    scaler = scaler_from_argument(chosen, device_type, _DEVICE)
     return scaler if scaler is not None else GradScaler.from_config(VERL_SCALER, device_type)
 
 
@@ -264,12 +288,12 @@ class DistScalerFSDPEngine(_DistScalerEngine):
         module = super()._build_fsdp_module(module)  # type: ignore[misc]
         # verl decides fp16 there: it leaves a ShardedGradScaler in self.scaler, else None.
         if self.scaler is not None and not self.engine_config.forward_only:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from verl.utils.device import get_device_name
 
             scaler = _new_scaler(get_device_name())
-            if isinstance(module, FSDP):
-                scaler.register_model(module)  # FSDP1's flat shards; FSDP2's DTensors say it
+            # FSDP1: the flat shards' layout. Both: the parameters' module paths, which the
+            # overflow report names (FSDP2's DTensors give their layout themselves).
+            scaler.register_model(module)
             self.scaler = scaler
         self._distscaler_ledger = _StepLedger()
         return module
@@ -300,9 +324,14 @@ class DistScalerFSDPEngine(_DistScalerEngine):
     def save_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().save_checkpoint(local_path, *args, **kwargs)  # type: ignore[misc]
         scaler = self._distscaler()
-        if scaler is not None and local_path is not None:
-            if self.checkpoint_manager.should_save_extra:
-                torch.save({"grad_scaler": scaler.state_dict()}, _checkpoint_file(local_path))
+        if scaler is None or local_path is None or not self.checkpoint_manager.should_save_extra:
+            return
+        import torch.distributed as dist
+
+        torch.save({"grad_scaler": scaler.state_dict()}, _checkpoint_file(local_path))
+        # verl's own files are complete when its save returns (its closing barrier); the scaler's
+        # file is written after that barrier, so one more: on return every rank's file exists.
+        dist.barrier()
 
     def load_checkpoint(self, local_path: str, *args: Any, **kwargs: Any) -> None:
         super().load_checkpoint(local_path, *args, **kwargs)  # type: ignore[misc]
