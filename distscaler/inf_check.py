@@ -7,7 +7,7 @@ fused optimizer divides by, the global ``total_norm`` and the per-tensor flags a
 reads. Each pass is torch's multi-tensor kernels, one launch per (device, dtype) group, then at most
 one ``all_reduce`` of two float32 (:func:`_all_reduce_`, the only collective of a step), then a
 few small device ops that also compute the counters the next ``update()`` needs (the state's
-``epilogue()`` operands ride in the pass's own ``_foreach_addcdiv``). Nothing is read on the host
+``counter_terms()`` ride in the pass's own ``_foreach_addcdiv``). Nothing is read on the host
 but where the plan says so.
 
 Per-tensor flags: one float32 per gradient tensor, taken from the statistic the pass reads anyway
@@ -50,7 +50,7 @@ from ._torch_compat import amp_check_and_unscale_
 from .attribution import flag_tensors
 from .layouts import GradGroups
 from .plan import GradPass, StepPlan
-from .state import DeviceState, Epilogue
+from .state import DeviceState, NextCounters
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
 
@@ -77,7 +77,7 @@ class StepResult:
         clean_read: ``found_inf`` was read on the host and no flags were taken for it (a clean
             step): the optimizer's overflow record stays as it is.
         flags_after_read: the flags were taken after the host read ``found_inf`` (on a skip only).
-        next_counters: the update's counters made by this pass (``DeviceState.epilogue``), or None
+        next_counters: the update's counters made by this pass (``DeviceState.next_counters``), or None
             (the update makes them).
         skipped: ``found_inf`` as read on the host, None where it was not read.
     """
@@ -90,7 +90,7 @@ class StepResult:
     flags_taken: bool = False
     clean_read: bool = False
     flags_after_read: bool = False
-    next_counters: Epilogue | None = None
+    next_counters: NextCounters | None = None
     skipped: bool | None = None
     max_norm: float | None = None
 
@@ -215,14 +215,14 @@ def _check(
         found = state.zero.clone()
         counters = None
     else:
-        a, b, c = state.epilogue()
+        a, b, c = state.counter_terms()
         # The smallest flag is negative exactly when a gradient is inf/NaN: -min, clamped to
         # [0, 1], is found_inf; the update's counters come in the same op.
         neg_min, *next_values = torch._foreach_addcdiv(
             [state.zero, *a], [flags.amin(), *b], [state.minus_one, *c]
         )
         found = neg_min.clamp(0.0, 1.0)
-        counters = state.name_ends(next_values)
+        counters = state.next_counters(next_values)
     _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
     return StepResult(
         found,
@@ -248,10 +248,10 @@ def _check_kernel(
     launch per group), the ``all_reduce(MAX)`` of one float32 at world size > 1; where the flag is
     read, one host read, and on a skip ``_foreach_norm``, ``stack``, ``nan_to_num``.
     """
-    a, b, c = state.epilogue()
+    a, b, c = state.counter_terms()
     zero, one = state.zero, state.one
     found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
-    counters = state.name_ends(next_values)
+    counters = state.next_counters(next_values)
     _check_and_unscale_into_(grads, found, one)
     _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
     if not plan.read_found_inf:
@@ -484,11 +484,11 @@ def _norm(
     scale = state.scale
     if norm_type == 2.0 and plan.skip_nonfinite and not plan.read_found_inf:
         return _norm_on_device(plan, grads, params, state, max_norm_t, group, world_size)
-    counters: Epilogue | None = None
+    counters: NextCounters | None = None
     if norm_type == 2.0:
-        stacked = _stacked_two_norm(grads, state.device, world_size, group, state.verdict, ())
+        stacked = _stacked_two_norm(grads, state.device, world_size, group, state.norm_buffer, ())
         total, per_tensor = stacked[0], stacked[1]
-        a, b, c = state.epilogue()
+        a, b, c = state.counter_terms()
         zero = state.zero
         # norm = T / scale, q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
         # the update's counters, in one multi-tensor op.
@@ -497,7 +497,7 @@ def _norm(
             [total, total, total, *b],
             [scale, max_norm_t, state.inf, *c],
         )
-        counters = state.name_ends(next_values)
+        counters = state.next_counters(next_values)
         if plan.read_found_inf:  # others read it anyway
             skipped = not math.isfinite(nonfinite.item())
             found = state.one if skipped else state.zero
@@ -571,10 +571,10 @@ def _norm_on_device(
     """
     assert plan.max_norm is not None
     zero, one, scale = state.zero, state.one, state.scale
-    a, b, c = state.epilogue()
+    a, b, c = state.counter_terms()
     tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
     total, per_tensor, buffer = _stacked_two_norm(
-        grads, state.device, world_size, group, state.verdict, tail
+        grads, state.device, world_size, group, state.norm_buffer, tail
     )
     assert buffer is not None
     num_grads = 0 if per_tensor is None else per_tensor.numel()
@@ -598,7 +598,7 @@ def _norm_on_device(
         per_tensor_flags=flagged[:num_grads] if taking else None,
         params=params,
         flags_taken=True,
-        next_counters=state.name_ends(list(slots[7:].unbind())),
+        next_counters=state.next_counters(list(slots[7:].unbind())),
         max_norm=plan.max_norm,
     )
 

@@ -54,7 +54,7 @@ from .plan import (
 )
 from .policies import PolicyName, get_policy
 from .process_group import ScalerGroup
-from .state import DeviceState, Epilogue, HostValues, ScalerState
+from .state import DeviceState, HostValues, NextCounters, ScalerState
 from .step_record import StepRecord, torch_states
 from .telemetry import SkipTotals
 
@@ -407,8 +407,10 @@ class GradScaler(torch.amp.GradScaler):
         # Per-tensor flags are kept only while a periodic report will read them.
         return self._config.skip_log_interval > 0
 
-    def _apply(self, found_inf: torch.Tensor, ends: Epilogue | None, lerps: Sequence = ()) -> None:
-        if self._state.update(found_inf, ends, self._config, lerps):
+    def _apply(
+        self, found_inf: torch.Tensor, counters: NextCounters | None, lerps: Sequence = ()
+    ) -> None:
+        if self._state.update(found_inf, counters, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
 
     def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:

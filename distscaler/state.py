@@ -53,7 +53,7 @@ __all__ = [
     "RECORD_KEYS",
     "RECORD_LANES",
     "DeviceState",
-    "Epilogue",
+    "NextCounters",
     "HostValues",
     "ScalerState",
 ]
@@ -65,10 +65,10 @@ RECORD_LANES = RECORD_KEYS  # the former name
 FOLD_EVERY = 1 << 20
 
 
-class Epilogue(NamedTuple):
-    """What a verdict's epilogue makes for the next update, in its one ``_foreach_addcdiv``
-    (:meth:`DeviceState.epilogue`): the skip record's next counts and the packed counters' terms,
-    each 0-dim float32 on the scale's device."""
+class NextCounters(NamedTuple):
+    """The counters' next values an update needs, computed ahead by the inf check in the one
+    ``_foreach_addcdiv`` it runs anyway (:meth:`DeviceState.counter_terms`): the skip record's
+    next counts and the packed counters' terms, each 0-dim float32 on the scale's device."""
 
     #: The record's ``num_updates + 1``.
     num_updates: torch.Tensor
@@ -76,7 +76,7 @@ class Epilogue(NamedTuple):
     num_skipped: torch.Tensor
     #: The packed counters' terms (:meth:`PackedCounters.terms`); ``()`` when not packed.
     policy: tuple[torch.Tensor | None, ...]
-    #: The packing they were made for (see :meth:`DeviceState.epilogue_valid`).
+    #: The packing they were made for (see :meth:`DeviceState.counters_valid`).
     packed: Any
 
 
@@ -126,7 +126,7 @@ class DeviceState:
         self._packing: object | None = None
         self._operands_for: PackedCounters | None = None
         self._operands_key: object | None = None
-        self._epilogue: tuple[Any, tuple[list, list, list]] | None = None
+        self._terms: tuple[Any, tuple[list, list, list]] | None = None
         self.record = torch.zeros(len(RECORD_KEYS), dtype=torch.float32, device=device)
         #: 0-dim views of the record's values, for the foreach update.
         self.counts = list(self.record.unbind())
@@ -134,12 +134,12 @@ class DeviceState:
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
         self.inf = full(float("inf"), torch.float32)
-        #: ``[flag, sum of squares]`` of the clip verdict at world size > 1 (all-reduced in place).
-        self.verdict = torch.zeros(2, dtype=torch.float32, device=device)
+        #: ``[found_inf, sum of squares]`` of a clip at world size > 1 (all-reduced in place).
+        self.norm_buffer = torch.zeros(2, dtype=torch.float32, device=device)
         self._max_norm: tuple[float, torch.Tensor] | None = None
-        # The unpacked epilogue from the start (no op: existing tensors), so that a compiled phase
+        # The unpacked counter terms from the start (no op: existing tensors), so that a compiled phase
         # sees the same cache at its first and later calls (dynamo guards on it: recompiles).
-        self.epilogue()
+        self.counter_terms()
 
     # ------------------------------------------------------------------ constants
 
@@ -159,17 +159,17 @@ class DeviceState:
 
     # ------------------------------------------------------------------ the skip record
 
-    def record_(self, found_inf: torch.Tensor, ends: Epilogue, extra: Sequence[Lerp] = ()) -> None:
+    def record_(self, found_inf: torch.Tensor, counters: NextCounters, extra: Sequence[Lerp] = ()) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
         and the scale it used; ``extra`` lerps (the overflow record's, the policy's) ride in the
         same ``_foreach_lerp_``, the one op of this call. Call before the policy changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
-            ends: the epilogue's (:meth:`epilogue`): ``num_updates + 1``, ``num_skipped + 1``.
+            counters: :meth:`next_counters`'s: ``num_updates + 1``, ``num_skipped + 1``.
             extra: ``(tensor, end, weight)`` triples, lerped in place with the record.
         """
-        nu1, ns1 = ends.num_updates, ends.num_skipped
+        nu1, ns1 = counters.num_updates, counters.num_skipped
         one = self.one
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(
@@ -178,13 +178,13 @@ class DeviceState:
             [one, found_inf, found_inf, found_inf, *(w for _, _, w in extra)],
         )
 
-    def epilogue(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the verdict's own
+    def counter_terms(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the inf check's own
         multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
         packed counters' operands (:meth:`PackedCounters.operands`)."""
         self._operands_for = packed = self.packed
         self._operands_key = key = self._packing
-        cached = self._epilogue
+        cached = self._terms
         if cached is not None and cached[0] is key:  # the same tensors at every step
             return cached[1]
         one = self.one
@@ -192,19 +192,20 @@ class DeviceState:
         if packed is not None:
             pa, pb, pc = packed.operands(self.counts[0], one, self.zero, self.minus_one)
             a, b, c = a + pa, b + pb, c + pc
-        self._epilogue = (key, (a, b, c))
+        self._terms = (key, (a, b, c))
         return a, b, c
 
-    def name_ends(self, values: Sequence[torch.Tensor]) -> Epilogue:
-        """The results of an :meth:`epilogue`'s ``_foreach_addcdiv`` (its results past the inf check's
-        own), named: the record's next counts and the packed counters' terms."""
+    def next_counters(self, values: Sequence[torch.Tensor]) -> NextCounters:
+        """The results of :meth:`counter_terms`' ``_foreach_addcdiv`` (past the inf check's own),
+        named: the record's next counts and the packed counters' terms."""
         packed = self._operands_for
         policy = packed.terms(list(values[2:])) if packed is not None else ()
-        return Epilogue(values[0], values[1], policy, self._operands_key)
+        return NextCounters(values[0], values[1], policy, self._operands_key)
 
-    def epilogue_valid(self, ends: Epilogue | None) -> bool:
-        """Whether ``ends`` came from an :meth:`epilogue` of the counters as they are packed now."""
-        return ends is not None and ends.packed is self._packing
+    def counters_valid(self, counters: NextCounters | None) -> bool:
+        """Whether ``counters`` came from :meth:`counter_terms` of the counters as they are packed
+        now."""
+        return counters is not None and counters.packed is self._packing
 
     # ------------------------------------------------------------------ policy counters
 
@@ -243,21 +244,21 @@ class DeviceState:
     def update_(
         self,
         found_inf: torch.Tensor,
-        ends: Epilogue,
+        counters: NextCounters,
         raise_at_minimum: bool,
         extra: Sequence[Lerp] = (),
     ) -> None:
         """The skip record (with ``extra`` lerps) and the policy's update, after :meth:`prepare`
-        (``ends``: an :meth:`epilogue` of the counters as they are now)."""
+        (``counters``: :meth:`next_counters` of the counters as they are now)."""
         if self.packed is not None:
 
             def record(lerps: list[Lerp]) -> None:
-                self.record_(found_inf, ends, [*extra, *lerps])
+                self.record_(found_inf, counters, [*extra, *lerps])
 
             _packed_update_(
                 self.packed,
                 found_inf,
-                ends.policy,  # type: ignore[arg-type]
+                counters.policy,  # type: ignore[arg-type]
                 record,
                 scale=self.scale,
                 one=self.one,
@@ -270,7 +271,7 @@ class DeviceState:
         assert policy is not None
         if raise_at_minimum:
             policy.check_minimum(found_inf)
-        self.record_(found_inf, ends, extra)
+        self.record_(found_inf, counters, extra)
         policy.update_(found_inf)
 
     # ------------------------------------------------------------------ host reads
@@ -302,7 +303,7 @@ class DeviceState:
 
     def fold(self, record: list[float]) -> None:
         """Zero the record's counts (``record``: its values as read) after the host has added them to
-        its own (between iterations only: a pending verdict holds ``num_updates + 1`` from before
+        its own (between iterations only: a pending inf check holds ``num_updates + 1`` from before
         the fold). Packed counters follow (one more op)."""
         if self.packed is not None:
             self.packed.fold(record, self.counts[0])
@@ -374,15 +375,15 @@ class ScalerState:
     def update(
         self,
         found_inf: torch.Tensor,
-        ends: Epilogue | None,
+        counters: NextCounters | None,
         config: ScalerConfig,
         extra: Sequence[Lerp] = (),
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
         record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
         the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
-        the clamp with bounds; ``ends``: what the inf check's ``_foreach_addcdiv`` made, :meth:`DeviceState.epilogue`,
-        else one more op makes them). Returns whether the periodic host read is due (every
+        the clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
+        :meth:`DeviceState.counter_terms`, else one more op makes them). Returns whether the periodic host read is due (every
         ``skip_log_interval`` and :data:`FOLD_EVERY` updates, the same update on every rank; never
         inside CUDA graph capture).
 
@@ -399,9 +400,9 @@ class ScalerState:
                 self._config, self._rule = config, rule
         assert rule is not None
         state.prepare(get_policy(config.policy), rule)
-        if ends is None or not state.epilogue_valid(ends):
-            ends = state.name_ends(torch._foreach_addcdiv(*state.epilogue()))
-        state.update_(found_inf, ends, config.raise_error_at_min_scale, extra)
+        if counters is None or not state.counters_valid(counters):
+            counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
+        state.update_(found_inf, counters, config.raise_error_at_min_scale, extra)
         self.last_found_inf = found_inf
         if torch.compiler.is_compiling():
             # As in a CUDA graph replay, the host's count stays where it was inside compiled code:

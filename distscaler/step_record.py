@@ -22,7 +22,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .attribution import StepFlags, TensorFlags
-from .state import Epilogue
+from .state import NextCounters
 
 if TYPE_CHECKING:
     from .inf_check import StepResult
@@ -44,7 +44,7 @@ class StepRecord:
     #: :meth:`clip_grad_norm_` ran.
     clipped: bool = False
     #: The update's next counters, made by the inf check (None: the update makes them).
-    next_counters: Epilogue | None = None
+    next_counters: NextCounters | None = None
     #: The gradients' per-tensor flags for the overflow report; None: not taken yet.
     flags: StepFlags | None = None
 

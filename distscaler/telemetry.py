@@ -24,7 +24,7 @@ class SkipTotals:
     """Counts of a run so far (also across a resume).
 
     Attributes:
-        num_updates: ``update()`` calls that consumed a verdict.
+        num_updates: ``update()`` calls that consumed an agreed ``found_inf``.
         num_skipped: of those, the ones whose optimizer step(s) were skipped.
         last_skipped: the number (1-based) of the last skipped update, 0 before any.
         last_skipped_scale: the loss scale that update used (0.0 before any).

@@ -152,7 +152,7 @@ def test_inductor_kernels_of_the_whole_phase(runs):
     kernels = _whole(results[0]["kernels"])
     for counts in kernels.values():
         assert counts["eager_ops"]["aten._fused_adamw_.default"] == 1, counts  # the step counted
-    # With clipping the verdict's epilogue and the step counts fuse: fewer kernels than eager ops.
+    # With clipping the inf check's counter terms and the step counts fuse: fewer kernels than eager ops.
     assert kernels["clip"]["compiled"] < kernels["clip"]["eager"], kernels
     assert kernels["clip"]["compiled"] < kernels["clip"]["eager_gpu_verdict"], kernels
     # Without clipping there is little to fuse, and the copy of the kernel's outputs back into

@@ -52,7 +52,7 @@ OURS_WITHOUT_CLIP_SKIPPED = dict(
 )
 #: The verdict a GPU runs (no host read: the fused step's promise), counted on the CPU with
 #: the scaler on the path a GPU runs (``gpu_path``). With clipping: the per-tensor norms are stacked into one buffer with the
-#: global norm's slot and the epilogue's lanes, so that one nan_to_num codes them together and one
+#: global norm's slot and the next counters' slots, so that one nan_to_num flags them together and one
 #: clamp makes both the flag and grad_scale.
 GPU_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient

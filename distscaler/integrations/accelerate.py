@@ -13,7 +13,7 @@
             loss = loss_fn(model(x), y)
             accelerator.backward(loss)           # scaler.scale(loss).backward()
             if accelerator.sync_gradients:
-                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # folded into the verdict
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # rides on the step's one collective
             optimizer.step()                     # every rank skips, or none does
             optimizer.zero_grad()
         if not accelerator.optimizer_step_was_skipped:
@@ -28,7 +28,7 @@ What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py
   so Accelerate never sees its skips (accelerate issue 4242). Here the prepared optimizers become
   :class:`ScaledAcceleratedOptimizer`, whose ``step`` calls ``scaler.step`` / ``scaler.update`` on the
   wrapped optimizer *without* swapping its ``step``, and whose ``step_was_skipped`` is the scaler's
-  agreed verdict: right on every rank, for every kind of optimizer, including overflows that a
+  agreed ``found_inf``: right on every rank, for every kind of optimizer, including overflows that a
   hysteresis policy absorbs (those skip the step too).
 * **Clipping.** ``accelerator.clip_grad_norm_`` unscales every optimizer and then calls torch's
   ``clip_grad_norm_`` (a second pass and, when sharded, a second collective). Here it goes to
@@ -107,7 +107,7 @@ _LR_ON_SKIP = ("hold", "step")
 
 
 class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
-    """An ``AcceleratedOptimizer`` whose step and skip flag come from distscaler's agreed verdict.
+    """An ``AcceleratedOptimizer`` whose step and skip flag come from distscaler's agreed ``found_inf``.
 
     :func:`install` turns the accelerator's prepared optimizers into this class (same object, same
     state; ``isinstance(opt, AcceleratedOptimizer)`` still holds). ``step()`` runs
@@ -396,7 +396,7 @@ def _adopt(optimizer: Any, scaler: GradScaler, inst: _Installation) -> None:
     elif not isinstance(optimizer, ScaledAcceleratedOptimizer):
         raise TypeError(
             "cannot take over a subclass of AcceleratedOptimizer: "
-            f"{type(optimizer).__qualname__}; its step would not use distscaler's verdict"
+            f"{type(optimizer).__qualname__}; its step would not use distscaler's agreed found_inf"
         )
     optimizer.scaler = scaler
 
@@ -478,7 +478,7 @@ def _clip_grad_norm(
                 "accelerator.clip_grad_norm_: the parameters are not exactly those of one "
                 "prepared optimizer, so clipping falls back to Accelerate's unscale_ + "
                 "torch.nn.utils.clip_grad_norm_ (an extra pass and, when sharded, an extra "
-                "collective); pass all of one optimizer's parameters to fold it into the verdict",
+                "collective); pass all of one optimizer's parameters to fold it into the step's one collective",
                 stacklevel=2,
             )
             inst.warned_unmatched = True

@@ -333,8 +333,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         """Trainer clipping (``gradient_clip_val`` or ``LightningModule.clip_gradients``).
 
         ``"norm"``: :meth:`GradScaler.clip_grad_norm_` (the global norm of the unscaled gradients,
-        in the verdict's collective; fused optimizers included). ``"value"``: ``scaler.unscale_``
-        (which takes the verdict first, so an inf still skips) and ``clip_grad_value_``. Every rank
+        in the step's one collective; fused optimizers included). ``"value"``: ``scaler.unscale_``
+        (which runs the inf check first, so an inf still skips) and ``clip_grad_value_``. Every rank
         must call. No-op for ``clip_val <= 0``.
         """
         if clip_val <= 0 or self._backward_skipped:
