@@ -115,6 +115,7 @@ def setup_model_and_optimizer(args: argparse.Namespace, world_size: int) -> tupl
         grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
     )
     model = [DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))]
+    # --8<-- [start:optimizer]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -135,6 +136,7 @@ def setup_model_and_optimizer(args: argparse.Namespace, world_size: int) -> tupl
 
         ds_megatron.install(optimizer)  # every rank, before loading a checkpoint, before step 1
     # (a checkpoint would load here: load_checkpoint(model, optimizer, opt_param_scheduler))
+    # --8<-- [end:optimizer]
     return model, optimizer
 
 
@@ -171,6 +173,7 @@ def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[torch.Tensor
     return per_token, loss_func
 
 
+# --8<-- [start:train_step]
 def train_step(
     forward_step_func: Any,
     data_iterator: Iterator[Any],
@@ -212,6 +215,9 @@ def train_step(
     return loss, not update_successful, grad_norm
 
 
+# --8<-- [end:train_step]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from common.megatron_cpu import stub_gpu_only_imports
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lr_decay_steps=args.steps * MICROBATCHES * BATCH, lr_decay_style="cosine",
             start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
         )  # fmt: skip
+        # --8<-- [start:loop]
         # What Megatron-LM's train() sets before its loop: the loss scaling the schedule applies
         # before each backward (one scale for all sub-optimizers once distscaler is installed) and
         # the gradient reduction at the end of the schedule.
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             norms.append(grad_norm)
             if was_skipped:
                 skipped.append(step)
+        # --8<-- [end:loop]
         seconds = time.perf_counter() - start
         subs = getattr(optimizer, "chained_optimizers", [optimizer])
         scales = [float(s.get_loss_scale().reshape(-1)[0]) for s in subs]
