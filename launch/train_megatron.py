@@ -4,7 +4,14 @@ A tiny mixture-of-experts GPT (megatron-core's ``GPTModel``, its local layer spe
 2 experts, expert-parallel over the ranks) under ``Float16Module`` and Megatron's
 ``DistributedDataParallel``, trained on bytes of the Python standard library sources with
 ``get_megatron_optimizer(fp16=True)``, which builds a dense and an expert optimizer, and
-``distscaler.integrations.megatron.install`` on it. Two CPU processes (gloo)::
+``distscaler.integrations.megatron.install`` on it. The script has the shape of Megatron-LM's
+``pretrain``: :func:`setup_model_and_optimizer` builds the model chunks and the optimizer and
+calls ``install`` right after ``get_megatron_optimizer`` (before a checkpoint would be loaded into
+the optimizer); the loop sets ``config.grad_scale_func = optimizer.scale_loss`` and
+``config.finalize_model_grads_func``, and :func:`train_step` zeroes the grad buffers, runs
+Megatron's ``get_forward_backward_func()`` schedule over the microbatches and calls
+``optimizer.step()``, stepping the LR scheduler only when the update succeeded. Two CPU processes
+(gloo)::
 
     torchrun --nproc-per-node 2 launch/train_megatron.py --inject-inf 3
 
@@ -31,6 +38,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,8 @@ import torch.distributed as dist
 
 from common.requirements import require
 
-VOCAB, SEQ, BATCH, HIDDEN = 256, 64, 8, 128
+VOCAB, SEQ, BATCH, HIDDEN = 256, 64, 4, 128
+MICROBATCHES = 2  # per optimizer step, per rank
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,8 +67,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace, world_size: int) -> tuple[Any, Any]:
-    """(model, optimizer): GPTModel with 2 experts under Float16Module and Megatron's DDP."""
+def setup_model_and_optimizer(args: argparse.Namespace, world_size: int) -> tuple[list[Any], Any]:
+    """(model chunks, optimizer): GPTModel with 2 experts under Float16Module and Megatron's DDP,
+    and ``get_megatron_optimizer``'s chained optimizer with distscaler installed (unless
+    ``--stock``). Megatron-LM's function of the same name loads the checkpoint after building the
+    optimizer: ``install`` goes between the two, so that the checkpoint's scale and trackers load
+    into the one scaler."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -101,11 +114,13 @@ def build(args: argparse.Namespace, world_size: int) -> tuple[Any, Any]:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
     )
-    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    model = [DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))]
+    # --8<-- [start:optimizer]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
             lr=args.lr,
+            min_lr=args.lr / 10,  # the LR scheduler's floor (its param groups carry it)
             fp16=True,
             initial_loss_scale=2.0**12,
             min_loss_scale=1.0,
@@ -114,14 +129,21 @@ def build(args: argparse.Namespace, world_size: int) -> tuple[Any, Any]:
             clip_grad=1.0,
             use_distributed_optimizer=args.distributed_optimizer,
         ),
-        [model],
+        model,
     )
+    if not args.stock:
+        from distscaler.integrations import megatron as ds_megatron
+
+        ds_megatron.install(optimizer)  # every rank, before loading a checkpoint, before step 1
+    # (a checkpoint would load here: load_checkpoint(model, optimizer, opt_param_scheduler))
+    # --8<-- [end:optimizer]
     return model, optimizer
 
 
-def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Byte windows of the standard library sources, the same on every rank (data parallel
-    replicas would each read their own; the same batch keeps the check simple)."""
+def batches(steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, MICROBATCHES byte windows of the standard library sources, each (B, T), the same
+    on every rank (data-parallel replicas would each read their own; the same batch keeps the check
+    simple)."""
     from lm.data import stdlib_files
 
     blob = b"".join(f.read_bytes() for f in stdlib_files()[:40])
@@ -129,10 +151,71 @@ def batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(steps):
-        starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=gen)
-        window = data[starts[:, None] + torch.arange(SEQ + 1)].long()  # (B, T + 1)
-        out.append((window[:, :-1], window[:, 1:]))
+        step = []
+        for _ in range(MICROBATCHES):
+            starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=gen)
+            window = data[starts[:, None] + torch.arange(SEQ + 1)].long()  # (B, T + 1)
+            step.append((window[:, :-1], window[:, 1:]))
+        out.append(step)
     return out
+
+
+def forward_step(data_iterator: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron's forward step: the output tensor and the function that makes the loss from it."""
+    tokens, labels = next(data_iterator)
+    position_ids = torch.arange(SEQ, device=tokens.device).expand_as(tokens)
+    per_token = model(tokens, position_ids, None, labels=labels)  # (B, T) fp32
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+    return per_token, loss_func
+
+
+# --8<-- [start:train_step]
+def train_step(
+    forward_step_func: Any,
+    data_iterator: Iterator[Any],
+    model: list[Any],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    inject_inf: bool = False,
+) -> tuple[float, bool, float | None]:
+    """One optimizer step, as Megatron-LM's ``train_step``: (loss, skipped, grad_norm).
+
+    The schedule scales each microbatch's loss with ``config.grad_scale_func``
+    (``optimizer.scale_loss``: with distscaler installed, the one scale) before its backward, and
+    ends with ``config.finalize_model_grads_func`` (the data-parallel gradient reduction).
+    ``optimizer.step()`` then checks, unscales and clips every sub-optimizer's main gradients with
+    one collective, updates the one scale and steps unless a rank saw inf/NaN, and returns
+    Megatron's ``(update_successful, grad_norm, num_zeros_in_grad)``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for model_chunk in model:
+        model_chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=False,
+    )
+    if inject_inf:  # an overflow in one rank's expert gradients, after the gradient reduction
+        experts = [p for n, p in model[0].named_parameters() if "experts" in n]
+        experts[0].main_grad.view(-1)[0] = math.inf
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        opt_param_scheduler.step(increment=MICROBATCHES * BATCH)
+    loss = sum(float(x["lm loss"]) for x in losses_reduced) / len(losses_reduced)
+    return loss, not update_successful, grad_norm
+
+
+# --8<-- [end:train_step]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,31 +236,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     context = cpu_megatron() if not cuda else _nothing()
     with context:
-        model, optimizer = build(args, world_size)
-        if not args.stock:
-            from distscaler.integrations import megatron as ds_megatron
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.utils import get_model_config
 
-            ds_megatron.install(optimizer)
+        model, optimizer = setup_model_and_optimizer(args, world_size)
+        opt_param_scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.lr / 10,
+            lr_warmup_steps=2 * MICROBATCHES * BATCH,
+            lr_decay_steps=args.steps * MICROBATCHES * BATCH, lr_decay_style="cosine",
+            start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant",
+        )  # fmt: skip
+        # --8<-- [start:loop]
+        # What Megatron-LM's train() sets before its loop: the loss scaling the schedule applies
+        # before each backward (one scale for all sub-optimizers once distscaler is installed) and
+        # the gradient reduction at the end of the schedule.
+        config = get_model_config(model[0])
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
         device = torch.device("cuda") if cuda else torch.device("cpu")
-        position_ids = torch.arange(SEQ, device=device).expand(BATCH, SEQ)
         losses, skipped, norms = [], [], []
         start = time.perf_counter()
-        for step, (x, y) in enumerate(batches(rank, args.steps), start=1):
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            x, y = x.to(device), y.to(device)
-            per_token = model(x, position_ids, None, labels=y)  # (B, T) fp32
-            loss = per_token.float().mean()
-            optimizer.scale_loss(loss).backward()
-            model.finish_grad_sync()
-            if step in args.inject_inf and rank == 0:
-                experts = [p for n, p in model.named_parameters() if "experts" in n]
-                experts[0].main_grad.view(-1)[0] = math.inf
-            success, grad_norm, _ = optimizer.step()
-            losses.append(loss.item())
+        for step, micro in enumerate(batches(args.steps), start=1):
+            data_iterator = iter([(x.to(device), y.to(device)) for x, y in micro])
+            loss, was_skipped, grad_norm = train_step(
+                forward_step, data_iterator, model, optimizer, opt_param_scheduler,
+                inject_inf=step in args.inject_inf and rank == 0,
+            )  # fmt: skip
+            losses.append(loss)
             norms.append(grad_norm)
-            if not success:
+            if was_skipped:
                 skipped.append(step)
+        # --8<-- [end:loop]
         seconds = time.perf_counter() - start
         subs = getattr(optimizer, "chained_optimizers", [optimizer])
         scales = [float(s.get_loss_scale().reshape(-1)[0]) for s in subs]
@@ -186,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             skipped_steps=tuple(skipped),
             scale=scales[0],
             params_digest=params_digest(
-                p for n, p in model.named_parameters() if "experts" not in n
+                p for n, p in model[0].named_parameters() if "experts" not in n
             ),
         )
     views: list[Any] = [None] * world_size
@@ -200,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "final_loss": losses[-1],
         "grad_norms": norms,
         "skipped_steps": skipped,
+        # LR scheduler steps: train_step advances it only when the update succeeded.
+        "scheduler_steps": opt_param_scheduler.num_steps // (MICROBATCHES * BATCH),
         "scales": scales,
         "sub_optimizers": [type(s).__name__ for s in subs],
         "ranks_agree": not problems,

@@ -233,6 +233,7 @@ def test_train_megatron_gpt_moe_with_an_inf_in_one_ranks_experts_keeps_one_scale
     for summary in (ours, stock):
         assert summary["sub_optimizers"] == ["Float16OptimizerWithFloat16Params"] * 2
         assert summary["skipped_steps"] == [3] and summary["ranks_agree"] is True
+        assert summary["scheduler_steps"] == 5  # Megatron-LM's train_step: held on the skip
         assert math.isfinite(summary["final_loss"])
     assert ours["scales"] == [2048.0, 2048.0]  # one scale for the dense and the expert optimizer
     assert stock["scales"] == [4096.0, 2048.0]  # the expert scaler backed off alone
