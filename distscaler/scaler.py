@@ -77,20 +77,40 @@ class GradScaler(torch.amp.GradScaler):
     equal); :meth:`clip_grad_norm_` rides on it; fused
     optimizers get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every
     counter lives on the device, updated by a handful of ops, so a step can be replayed from a
-    CUDA graph; :attr:`last_overflow` names the ranks and parameters of the last inf/NaN.
+    CUDA graph; :attr:`last_overflow` names the ranks and parameters of the last inf/NaN. The
+settings and their ranges are those of :class:`~distscaler.config.ScalerConfig`.
 
     Args:
-        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's, in
-            its order, with its defaults (``"cuda"`` without CUDA warns and disables). Disabled:
-            every method is a no-op (``step`` calls ``optimizer.step()``).
-        process_group (ProcessGroup | None): the ranks that must agree; None: WORLD once
+        device (str): torch's device type, default ``"cuda"`` (``"cuda"`` without CUDA warns and
+            disables, as torch does).
+        init_scale (float): the initial scale, default ``2.0**16``, a normal float32 > 0.
+        growth_factor (float): factor (> 1) applied to the scale when it grows, default 2.0.
+        backoff_factor (float): factor in (0, 1) applied to the scale when it backs off, default
+            0.5.
+        growth_interval (int): clean steps, in optimizer steps, before the scale grows, default
+            2000, in [1, 2**31 - 1].
+        enabled (bool): default True. False: every method is a no-op (``step`` calls
+            ``optimizer.step()``): no collective, no host read.
+        process_group (ProcessGroup | None): the ranks that must agree; default None: WORLD once
             ``torch.distributed`` is initialized.
         grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients nothing
             else describes lie across the group, for :meth:`clip_grad_norm_`
-            (:mod:`distscaler.layouts`).
-        min_scale ... skip_log_interval: keyword-only settings, each with its range on
-            :class:`~distscaler.config.ScalerConfig` (bounds, the update rule of
-            :mod:`distscaler.policies`, DeepSpeed's hysteresis options, skip-log interval).
+            (:mod:`distscaler.layouts`); default None: unknown (an error in a multi-rank norm).
+        min_scale (float | None): keyword-only, floor of the scale; default None: none.
+        max_scale (float | None): keyword-only, ceiling of the scale; default None: none.
+        policy (str): keyword-only, the update rule, default ``"torch"``: ``"deepspeed"``,
+            ``"megatron"``, ``"static"`` or a registered one (:mod:`distscaler.policies`).
+        hysteresis (int): keyword-only, overflows absorbed before a backoff, default 1 (> 1 for
+            ``"deepspeed"`` and ``"megatron"`` only).
+        consecutive_hysteresis (bool): keyword-only, default False; True refills the hysteresis
+            on every clean step (``"deepspeed"`` only).
+        raise_error_at_min_scale (bool): keyword-only, default False; True raises
+            :class:`~distscaler.LossScaleAtMinimumError` at an overflow with the scale at
+            ``min_scale`` (one host read per update).
+        skip_nonfinite (bool): keyword-only, default True; False steps on inf/NaN gradients too
+            (``"static"`` only).
+        skip_log_interval (int): keyword-only, updates between two reads of the skip record for
+            the skip log, default 100 (0: only when read anyway).
 
     Raises:
         ValueError: a setting out of its range (all problems in one message naming each setting,
