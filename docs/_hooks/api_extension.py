@@ -79,8 +79,14 @@ def _torch_module() -> griffe.Module | None:
     return griffe.visit(TORCH_MODULE, filepath=path, code=path.read_text(encoding="utf-8"))
 
 
-def _docstring(text: str, parent: griffe.Object) -> griffe.Docstring:
-    return griffe.Docstring(text.strip(), parent=parent)
+def _docstring(text: str, parent: griffe.Object, like: griffe.Docstring | None) -> griffe.Docstring:
+    # Parsed as the package's own docstrings are (mkdocs.yml's docstring_style and options).
+    return griffe.Docstring(
+        text.strip(),
+        parent=parent,
+        parser=like.parser if like else None,
+        parser_options=like.parser_options if like else None,
+    )
 
 
 class DistscalerAPI(griffe.Extension):
@@ -109,12 +115,12 @@ class DistscalerAPI(griffe.Extension):
                 continue
             if isinstance(member, griffe.Function):
                 member.overloads = None  # one signature: torch's implementation's
-            member.docstring = _docstring(TORCH_METHODS[name], member)
+            member.docstring = _docstring(TORCH_METHODS[name], member, ours.docstring)
             ours.set_member(name, member)
             added.add(name)
         for name in sorted(set(TORCH_METHODS) - added):
             log.warning("TORCH_METHODS documents %s, which %s no longer inherits", name, SCALER)
         if "OptState" in scaler_module.members and scaler_module.members["OptState"].is_alias:
             opt_state = torch_module["OptState"]
-            opt_state.docstring = _docstring(OPT_STATE_DOC, opt_state)
+            opt_state.docstring = _docstring(OPT_STATE_DOC, opt_state, ours.docstring)
             scaler_module.set_member("OptState", opt_state)
