@@ -110,7 +110,9 @@ def _site_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return site
     missing = [m for m in ("mkdocs", "mkdocstrings_handlers.python", "material") if not _has(m)]
     if missing:
-        message = f"the docs extra is not installed (no {', '.join(missing)}): pip install -e '.[docs]'"
+        message = (
+            f"the docs extra is not installed (no {', '.join(missing)}): pip install -e '.[docs]'"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -171,7 +173,9 @@ def test_api_page_shows_exactly_all(site: Path, page: str, module: str) -> None:
     assert not missing, f"{page}: names of {module}.__all__ not rendered: {missing}"
     extra = sorted(top - set(exports))
     assert not extra, f"{page}: rendered but not in {module}.__all__: {extra}"
-    private = [h for h in headings if any(p.startswith("_") for p in h.split(".")[module.count(".") + 2 :])]
+    private = [
+        h for h in headings if any(p.startswith("_") for p in h.split(".")[module.count(".") + 2 :])
+    ]
     assert not private, f"{page}: private members rendered: {private}"
 
 
