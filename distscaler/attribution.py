@@ -137,8 +137,9 @@ class TensorFlags(NamedTuple):
 
     #: The parameters of the flagged gradients, in the order of ``flags``.
     params: tuple[torch.Tensor, ...]
-    #: float32 ``(len(params),)`` on the scale's device (see `flag_tensors()`); None for a
-    #: clean step whose flag was read on the host (nothing to record, the record is kept).
+    #: float32 ``(len(params),)`` on the scale's device (see
+    #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
+    #: was read on the host (nothing to record, the record is kept).
     flags: torch.Tensor | None
 
 
@@ -203,7 +204,8 @@ class OverflowTracker:
         self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = (
             weakref.WeakKeyDictionary()
         )
-        #: The most recent report (see `GradScaler.last_overflow`).
+        #: The most recent report (see
+        #: [`GradScaler.last_overflow`][distscaler.GradScaler.last_overflow]).
         self.last_overflow: OverflowReport | None = None
         self._attributed = 0  # the last step reported: the same on every rank
 

@@ -23,11 +23,12 @@ from .policies import PolicyName, ScaleRule, get_policy
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
 
 #: What a config's problems are reported as: "ScalerConfig", or the arguments it was built from
-#: (`ScalerConfig.of_arguments()`).
+#: ([`ScalerConfig.of_arguments()`][distscaler.config.ScalerConfig.of_arguments]).
 _WHAT: ContextVar[str] = ContextVar("distscaler_config_what", default="ScalerConfig")
 
 #: The check and valid range of each numeric or bool setting (``policy`` is checked apart), shared
-#: by `settings_problems()` and ``load_state_dict``'s per-key checks (`distscaler.persistence`).
+#: by [`settings_problems()`][distscaler.config.settings_problems] and ``load_state_dict``'s per-key
+#: checks (`distscaler.persistence`).
 FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "enabled": (V.check_bool, {}),
     "consecutive_hysteresis": (V.check_bool, {}),

@@ -73,7 +73,8 @@ class GroupKey(NamedTuple):
     weight: float
 
 
-#: Local gradients of one optimizer grouped by `GroupKey`, in parameter order.
+#: Local gradients of one optimizer grouped by [`GroupKey`][distscaler.layouts.GroupKey], in
+#: parameter order.
 GradGroups = dict[GroupKey, list[torch.Tensor]]
 
 
@@ -143,7 +144,8 @@ class LayoutResolver:
         self._checked_meshes: set[tuple[int, int]] = set()
         #: Bumped by every registration, so that cached gradient plans are rebuilt.
         self.version = 0
-        #: Gradient groupings planned once per optimizer (`plan_grads()`), held weakly.
+        #: Gradient groupings planned once per optimizer
+        #: ([`plan_grads()`][distscaler.layouts.plan_grads]), held weakly.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -446,9 +448,10 @@ class GradPlan:
         owners: dict[GroupKey, list[torch.Tensor]] = {}
         for group_key, params, _ in groups:
             owners.setdefault(group_key, []).extend(params)
-        #: The group keys in the order `grads()` returns them.
+        #: The group keys in the order [`grads()`][distscaler.layouts.GradPlan.grads] returns them.
         self.keys = list(owners)
-        #: Every planned parameter, in the order `grads()` returns their gradients.
+        #: Every planned parameter, in the order [`grads()`][distscaler.layouts.GradPlan.grads]
+        #: returns their gradients.
         self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
     def grads(self) -> tuple[GradGroups, tuple[torch.Tensor, ...]] | None:

@@ -56,7 +56,8 @@ __all__ = [
     "register_policy",
 ]
 
-#: The built-in policies' names (`policy_names()` adds the registered ones).
+#: The built-in policies' names ([`policy_names()`][distscaler.policies.policy_names] adds the
+#: registered ones).
 PolicyName = Literal["torch", "deepspeed", "megatron", "static"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
@@ -127,7 +128,8 @@ class LossScalePolicy:
     #: Whether the scale reacts to overflows (if not, ``skip_nonfinite=False`` is accepted).
     reacts_to_overflow: ClassVar[bool] = True
     #: Other stacks' loss scalers with the same rule (``"module.Class"``), whose configs and
-    #: checkpoints this policy continues (`policy_for()`, `distscaler.interop`).
+    #: checkpoints this policy continues ([`policy_for()`][distscaler.policies.policy_for],
+    #: [`distscaler.interop`][distscaler.interop]).
     same_rule_as: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ host side
@@ -187,7 +189,8 @@ class LossScalePolicy:
         self.rule = rule
         self.scale = scale
         self.growth_tracker = growth_tracker
-        #: The counters of `state_keys`: 0-dim int64 tensors on the scale's device.
+        #: The counters of [`state_keys`][distscaler.policies.LossScalePolicy.state_keys]: 0-dim
+        #: int64 tensors on the scale's device.
         self.counters = {
             k: torch.tensor(int(counters[k]), dtype=torch.int64).to(scale.device)
             for k in self.state_keys

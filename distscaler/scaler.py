@@ -179,7 +179,8 @@ class GradScaler(torch.amp.GradScaler):
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        #: This iteration's record per optimizer (``id(optimizer)``), dropped by `update()`.
+        #: This iteration's record per optimizer (``id(optimizer)``), dropped by
+        #: [`update()`][distscaler.GradScaler.update].
         self._records: dict[int, StepRecord] = {}
 
     # ------------------------------------------------------------------ the step path

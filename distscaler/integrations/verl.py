@@ -418,7 +418,8 @@ class DistScalerMegatronEngine(_DistScalerEngine):
 
 # ----------------------------------------------------------------------------- the registry
 
-#: stock engine class -> distscaler's, filled by `install()`.
+#: stock engine class -> distscaler's, filled by
+#: [`install()`][distscaler.integrations.verl.install].
 _REPLACEMENTS: dict[type, type] = {}
 
 

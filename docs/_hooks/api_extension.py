@@ -9,7 +9,10 @@ extension adds what the package's own source does not hold:
   torch's ``torch/amp/grad_scaler.py``, one file parsed, torch not imported) and a docstring that
   says what they do here (``TORCH_METHODS``). Loading torch itself for ``inherited_members`` would
   take about 45 s per build and render torch's reStructuredText docstrings raw;
-* ``OptState``, torch's enum re-exported by ``distscaler``, is documented from the same file.
+* ``OptState``, torch's enum re-exported by ``distscaler``, is documented from the same file;
+* an attribute documented by ``#:`` comment lines right above it (the package's convention for
+  constants and class attributes: ``__version__``, ``MIN_SCALE_MESSAGE``,
+  ``LossScalePolicy.name``...) gets them as its docstring, which griffe does not read itself.
 
 A public method of torch's GradScaler that GradScaler neither overrides nor ``TORCH_METHODS``
 documents (a newer torch) is a warning, which ``mkdocs build --strict`` turns into a failure.
@@ -90,7 +93,28 @@ def _docstring(text: str, parent: griffe.Object, like: griffe.Docstring | None) 
 
 
 class DistscalerAPI(griffe.Extension):
-    """Documents GradScaler's methods inherited from torch, and OptState."""
+    """Documents GradScaler's methods inherited from torch, OptState, and ``#:`` attributes."""
+
+    def on_attribute_instance(
+        self, *, attr: griffe.Attribute, agent: griffe.Visitor | griffe.Inspector, **kwargs: Any
+    ) -> None:
+        if attr.docstring is not None or not attr.lineno or not isinstance(agent, griffe.Visitor):
+            return
+        lines = agent.code.split("\n")
+        above = attr.lineno - 2  # the line above the assignment, 0-based
+        comment: list[str] = []
+        while above >= 0 and lines[above].lstrip().startswith("#:"):
+            comment.insert(0, lines[above].lstrip()[2:].strip())
+            above -= 1
+        if comment:
+            attr.docstring = griffe.Docstring(
+                "\n".join(comment),
+                lineno=above + 2,
+                endlineno=attr.lineno - 1,
+                parent=attr,
+                parser=agent.docstring_parser,
+                parser_options=agent.docstring_options,
+            )
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         if pkg.name != "distscaler":
