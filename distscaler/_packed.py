@@ -1,27 +1,27 @@
 """The DeepSpeed and Megatron rules on packed counters: the torch rule's ops + 2 per update.
 
-Run plainly (:class:`~distscaler.policies.DeepSpeedPolicy`, :class:`~distscaler.policies.MegatronPolicy`),
-a hysteresis rule costs a dozen small device ops. Here the same rule keeps its counters in two
-float32 values of one device tensor and moves them in ops the update runs anyway: the terms it
-needs are made in the inf check's one ``_foreach_addcdiv`` (:meth:`PackedCounters.operands`),
-the overflow values ride in the skip record's ``_foreach_lerp_``, and torch's scale kernel moves
-the scale, so that :func:`_packed_update_` adds one ``_foreach_clamp_min`` and one
-``_foreach_lerp_`` to the torch rule (pinned in ``tests/test_step_cost.py``). The plain rules are
-its reference: ``tests/test_policies.py`` runs both over random overflow sequences and compares
-the scale and every counter at every step.
+Run plainly ([`DeepSpeedPolicy`][distscaler.policies.DeepSpeedPolicy],
+[`MegatronPolicy`][distscaler.policies.MegatronPolicy]), a hysteresis rule costs a dozen small
+device ops. Here the same rule keeps its counters in two float32 values of one device tensor and
+moves them in ops the update runs anyway: the terms it needs are made in the inf check's one
+``_foreach_addcdiv`` (`PackedCounters.operands()`), the overflow values ride in the skip record's
+``_foreach_lerp_``, and torch's scale kernel moves the scale, so that `_packed_update_()` adds one
+``_foreach_clamp_min`` and one ``_foreach_lerp_`` to the torch rule (pinned in
+``tests/test_step_cost.py``). The plain rules are its reference: ``tests/test_policies.py`` runs
+both over random overflow sequences and compares the scale and every counter at every step.
 
 The two values, with ``n`` the skip record's update count (so that a clean step changes nothing
 here) and ``W`` the growth interval:
 
 * ``anchor = n - g + W - 2``, where ``g`` is the growth counter (Megatron's growth tracker;
-  DeepSpeed's :attr:`~distscaler.policies.DeepSpeedPolicy.growth_count`): ``G = n - anchor =
-  g - (W - 2)`` is 1.0 exactly when this clean step grows, <= 0.0 otherwise;
+  DeepSpeed's [`growth_count`][distscaler.policies.DeepSpeedPolicy.growth_count]): ``G = n - anchor
+  = g - (W - 2)`` is 1.0 exactly when this clean step grows, <= 0.0 otherwise;
 * ``hyst = 2 - hysteresis counter``: > 0.0 exactly when an overflow now backs off.
 
-DeepSpeed's ``cur_iter`` and ``last_overflow_iter`` are the record's update count and last
-skipped update (every overflow skips its step) plus host offsets, exact at any length. Counters
-are exact while ``growth_interval`` <= :data:`EXACT_GROWTH_INTERVAL` and the hysteresis fits
-float32's 24-bit integers.
+DeepSpeed's ``cur_iter`` and ``last_overflow_iter`` are the record's update count and last skipped
+update (every overflow skips its step) plus host offsets, exact at any length. Counters are exact
+while ``growth_interval`` <= `EXACT_GROWTH_INTERVAL` and the hysteresis fits float32's 24-bit
+integers.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class PackedTerms(NamedTuple):
 
 
 class PackedCounters:
-    """One scaler's counters of a packed rule (Megatron's; :class:`_DeepSpeedCounters`).
+    """One scaler's counters of a packed rule (Megatron's; `_DeepSpeedCounters`).
 
     Args:
         rule: the settings.
@@ -113,7 +113,7 @@ class PackedCounters:
         return [float(anchor), float(2 - values["hysteresis_tracker"])], {}
 
     def read(self, values: list[float], record: list[float]) -> tuple[int, dict[str, int]]:
-        """(growth tracker, counters) from :meth:`tensors` and the skip record read on the host
+        """(growth tracker, counters) from `tensors()` and the skip record read on the host
         (``[num_updates, num_skipped, last_skipped, scale]`` since the last fold)."""
         anchor, hyst = values
         tracker = int(record[0] - anchor) + self.rule.growth_interval - 2
@@ -132,12 +132,12 @@ class PackedCounters:
         self, n: torch.Tensor, one: torch.Tensor, zero: torch.Tensor, minus_one: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """``(a, b, c)`` lists of the ``a + b / c`` the inf check's ``_foreach_addcdiv`` makes
-        (``n``: the record's update count), in the order of :class:`PackedTerms`."""
+        (``n``: the record's update count), in the order of `PackedTerms`."""
         # G = n - anchor, n + W - 1, hyst + 1
         return [n, n, self.hyst], [self.anchor, self.interval_minus_one, one], [minus_one, one, one]
 
     def terms(self, values: list[torch.Tensor]) -> PackedTerms:
-        """The results of :meth:`operands`, named."""
+        """The results of `operands()`, named."""
         return PackedTerms(*values)
 
 
@@ -212,9 +212,9 @@ def _packed_update_(
     3. ``record`` runs the skip record's ``_foreach_lerp_`` (there anyway) with the counters'
        overflow lerps (to their overflow values where ``found_inf`` is 1.0);
     4. ``torch._amp_update_scale_`` backs off where "back off now" is nonzero and grows where the
-       int32 view of "grow now" is the bits of 1.0 (:data:`_GROW_BITS`), so growth and backoff are
-       torch's exact products and a growth past float32 is skipped as torch skips it; then the
-       clamp to ``[min_scale, max_scale]`` (with bounds).
+       int32 view of "grow now" is the bits of 1.0 (`_GROW_BITS`), so growth and backoff are torch's
+       exact products and a growth past float32 is skipped as torch skips it; then the clamp to
+       ``[min_scale, max_scale]`` (with bounds).
     """
     rule = counters.rule
     deepspeed = isinstance(counters, _DeepSpeedCounters)

@@ -6,36 +6,39 @@ GPU (which reads that instead of running torch's check-and-unscale kernel, whose
 nothing). A non-finite statistic says the tensor held inf or NaN, so naming the culprits costs the
 clean steps a few small device ops:
 
-1. **Per-tensor flags** (:func:`flag_tensors`, one ``nan_to_num`` per step): each gradient's
-   statistic when finite, :data:`NAN_CODE` when it holds a NaN, :data:`INF_CODE` when it holds an
-   inf or -inf (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
-2. **The record** (:meth:`OverflowTracker.record_`, in ``update()``, a lerp per optimizer that
-   rides in the skip record's one ``_foreach_lerp_``: no op of its own): a device tensor per
-   optimizer that takes the iteration's flags when the agreed ``found_inf`` is exactly 1.0 and
-   keeps its own when it is 0.0. It always holds this rank's flags of the most recent skipped step,
-   stays on the device and advances under CUDA graph replay.
-3. **The report** (:meth:`OverflowTracker.report`, with the periodic skip report, every
-   ``skip_log_interval`` updates on every rank at the same update): when a step was skipped since
-   the last report, each rank reads its record (one host read), names its offending tensors and the
-   ranks exchange them in one all_gather (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank;
-   nothing when no step was skipped. The result, :class:`OverflowReport`, is the same on every rank
-   and is logged on rank 0 (logger ``"distscaler"``, WARNING).
+1. **Per-tensor flags** ([`flag_tensors()`][distscaler.attribution.flag_tensors], one ``nan_to_num``
+   per step): each gradient's statistic when finite, [`NAN_CODE`][distscaler.attribution.NAN_CODE]
+   when it holds a NaN, [`INF_CODE`][distscaler.attribution.INF_CODE] when it holds an inf or -inf
+   (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
+2. **The record** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
+   ``update()``, a lerp per optimizer that rides in the skip record's one ``_foreach_lerp_``: no op
+   of its own): a device tensor per optimizer that takes the iteration's flags when the agreed
+   ``found_inf`` is exactly 1.0 and keeps its own when it is 0.0. It always holds this rank's flags
+   of the most recent skipped step, stays on the device and advances under CUDA graph replay.
+3. **The report** ([`OverflowTracker.report()`][distscaler.attribution.OverflowTracker.report], with
+   the periodic skip report, every ``skip_log_interval`` updates on every rank at the same update):
+   when a step was skipped since the last report, each rank reads its record (one host read), names
+   its offending tensors and the ranks exchange them in one all_gather (``all_gather_single``) of
+   `PAYLOAD_BYTES` per rank; nothing when no step was skipped. The result,
+   [`OverflowReport`][distscaler.attribution.OverflowReport], is the same on every rank and is
+   logged on rank 0 (logger ``"distscaler"``, WARNING).
 
 On the CPU, where a host read costs no sync, a fused step reads the agreed flag and flags its
-gradients only when it is 1.0 (:func:`distscaler.plan.host_read_is_free`): clean steps there pay
-nothing for the report but that read; without clipping the check stays torch's kernel and a skipped
-step takes one more read pass for the flags.
+gradients only when it is 1.0 (`distscaler.plan.host_read_is_free()`): clean steps there pay nothing
+for the report but that read; without clipping the check stays torch's kernel and a skipped step
+takes one more read pass for the flags.
 
 Paths whose inf check takes no per-tensor statistic: a non-fused optimizer without clipping reads
 the agreed flag on the host anyway and flags its gradients (one more read pass) only when it is 1.0;
 a fused optimizer stepped after an explicit ``unscale_()`` flags them at every step (one more read
-pass; :meth:`GradScaler.clip_grad_norm_` avoids it).
+pass; [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] avoids it).
 
-Parameter names come from :meth:`GradScaler.register_model` (the module's ``named_parameters()``
-without the wrappers' own attributes: DDP's ``module``, FSDP1's ``_fsdp_wrapped_module``, activation
-checkpointing's ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod``); FSDP1 flat
-parameters without ``use_orig_params`` keep the flat parameter's name. Any other parameter is named
-``param_groups[g][i]`` after its place in the optimizer.
+Parameter names come from [`GradScaler.register_model()`][distscaler.GradScaler.register_model] (the
+module's ``named_parameters()`` without the wrappers' own attributes: DDP's ``module``, FSDP1's
+``_fsdp_wrapped_module``, activation checkpointing's ``_checkpoint_wrapped_module``,
+``torch.compile``'s ``_orig_mod``); FSDP1 flat parameters without ``use_orig_params`` keep the flat
+parameter's name. Any other parameter is named ``param_groups[g][i]`` after its place in the
+optimizer.
 """
 
 from __future__ import annotations
@@ -106,9 +109,9 @@ class OverflowReport:
         step: the 1-based number of the ``update()`` call of the skipped iteration.
         scale: the loss scale that iteration used.
         entries: the offending tensors, sorted by rank, then parameter name (at most
-            :data:`LISTED_PER_RANK` per rank; empty when the overflow came from a finite sum too
-            large for float32, or before the record existed).
-        unlisted: offending tensors beyond :data:`LISTED_PER_RANK` on some rank, counted only.
+            `LISTED_PER_RANK` per rank; empty when the overflow came from a finite sum too large for
+            float32, or before the record existed).
+        unlisted: offending tensors beyond `LISTED_PER_RANK` on some rank, counted only.
     """
 
     step: int
@@ -134,14 +137,15 @@ class TensorFlags(NamedTuple):
 
     #: The parameters of the flagged gradients, in the order of ``flags``.
     params: tuple[torch.Tensor, ...]
-    #: float32 ``(len(params),)`` on the scale's device (see :func:`flag_tensors`); None for a
-    #: clean step whose flag was read on the host (nothing to record, the record is kept).
+    #: float32 ``(len(params),)`` on the scale's device (see
+    #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
+    #: was read on the host (nothing to record, the record is kept).
     flags: torch.Tensor | None
 
 
 class StepFlags(NamedTuple):
     """One stepped optimizer's per-tensor flags of this iteration, as
-    :meth:`OverflowTracker.record_` takes them."""
+    [`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_] takes them."""
 
     optimizer: torch.optim.Optimizer
     #: None: not flagged (a non-fused optimizer's clean step is not; its record is left as it was).
@@ -152,7 +156,9 @@ class StepFlags(NamedTuple):
 
 def flag_tensors(per_tensor: torch.Tensor) -> torch.Tensor:
     """Per-tensor flags of per-tensor statistics (norms: >= 0, inf or NaN): the finite statistic itself,
-    :data:`NAN_CODE` for NaN, :data:`INF_CODE` for inf. One ``nan_to_num``; same shape and dtype."""
+    [`NAN_CODE`][distscaler.attribution.NAN_CODE] for NaN,
+    [`INF_CODE`][distscaler.attribution.INF_CODE] for inf. One ``nan_to_num``; same shape and
+    dtype."""
     return torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
 
 
@@ -198,7 +204,8 @@ class OverflowTracker:
         self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = (
             weakref.WeakKeyDictionary()
         )
-        #: The most recent report (see :attr:`GradScaler.last_overflow`).
+        #: The most recent report (see
+        #: [`GradScaler.last_overflow`][distscaler.GradScaler.last_overflow]).
         self.last_overflow: OverflowReport | None = None
         self._attributed = 0  # the last step reported: the same on every rank
 
@@ -308,8 +315,8 @@ class OverflowTracker:
         already; every rank of ``group`` must call it at the same update (the periodic report).
 
         Cost when ``step`` is new: one host read of the records; at world size > 1 one all_gather
-        (``all_gather_single``) of :data:`PAYLOAD_BYTES` per rank over ``group`` and one host read
-        of its result. Otherwise nothing. Returns the new report, or None.
+        (``all_gather_single``) of `PAYLOAD_BYTES` per rank over ``group`` and one host read of its
+        result. Otherwise nothing. Returns the new report, or None.
         """
         if step <= self._attributed:
             return None

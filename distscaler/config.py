@@ -1,10 +1,11 @@
 """``ScalerConfig``: every setting of a ``GradScaler`` in one validated, frozen value.
 
 This module is the one place where settings are validated: ``GradScaler.__init__``, its setters and
-``load_state_dict`` use the same checks (:func:`settings_problems`), so a value is refused with the
-same message wherever it comes from, before anything changes. The ranges are what the device state
-can hold (float32 scale, int32 growth tracker, int64 policy counters). ``ScalerConfig.from_deepspeed``
-reads DeepSpeed's ``fp16`` config section (see :mod:`distscaler.interop`).
+``load_state_dict`` use the same checks
+([`settings_problems()`][distscaler.config.settings_problems]), so a value is refused with the same
+message wherever it comes from, before anything changes. The ranges are what the device state can
+hold (float32 scale, int32 growth tracker, int64 policy counters). ``ScalerConfig.from_deepspeed``
+reads DeepSpeed's ``fp16`` config section (see [`distscaler.interop`][distscaler.interop]).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from .policies import PolicyName, ScaleRule, get_policy
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
 
 #: What a config's problems are reported as: "ScalerConfig", or the arguments it was built from
-#: (:meth:`ScalerConfig.of_arguments`).
+#: ([`ScalerConfig.of_arguments()`][distscaler.config.ScalerConfig.of_arguments]).
 _WHAT: ContextVar[str] = ContextVar("distscaler_config_what", default="ScalerConfig")
 
 #: The check and valid range of each numeric or bool setting (``policy`` is checked apart), shared
-#: by :func:`settings_problems` and ``load_state_dict``'s per-key checks (:mod:`distscaler.persistence`).
+#: by [`settings_problems()`][distscaler.config.settings_problems] and ``load_state_dict``'s per-key
+#: checks (`distscaler.persistence`).
 FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "enabled": (V.check_bool, {}),
     "consecutive_hysteresis": (V.check_bool, {}),
@@ -50,7 +52,8 @@ FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScalerConfig:
-    """Settings of a :class:`distscaler.GradScaler`; see its docstring for each one's meaning.
+    """Settings of a [`distscaler.GradScaler`][distscaler.GradScaler]; see its docstring for each
+    one's meaning.
 
     Every field is checked in ``__post_init__``; all problems are reported in one error
     (``ValueError``; ``TypeError`` when every problem is a wrong type).
@@ -69,7 +72,8 @@ class ScalerConfig:
     in [1, 2**31 - 1] (torch's growth tracker is an int32 tensor)."""
     policy: PolicyName = "torch"
     """The update rule: ``"torch"``, ``"deepspeed"``, ``"megatron"``, ``"static"`` or the name of
-    a registered one (:func:`distscaler.policies.register_policy`)."""
+    a registered one
+    ([`distscaler.policies.register_policy()`][distscaler.policies.register_policy])."""
     hysteresis: int = 1
     """Overflows tolerated before a backoff (>= 1; > 1 where the policy accepts it:
     ``"deepspeed"``, ``"megatron"``)."""
@@ -109,11 +113,13 @@ class ScalerConfig:
             _WHAT.reset(token)
 
     def scaler_kwargs(self) -> dict[str, Any]:
-        """The config as keyword arguments of :class:`distscaler.GradScaler` (without ``device``)."""
+        """The config as keyword arguments of [`distscaler.GradScaler`][distscaler.GradScaler]
+        (without ``device``)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def rule(self) -> ScaleRule:
-        """The settings the scale update rule reads (:class:`~distscaler.policies.ScaleRule`)."""
+        """The settings the scale update rule reads
+        ([`ScaleRule`][distscaler.policies.ScaleRule])."""
         return ScaleRule(
             growth_factor=self.growth_factor,
             backoff_factor=self.backoff_factor,
@@ -167,7 +173,8 @@ class ScalerConfig:
 
 
 def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]:
-    """Every problem of a set of scaler settings (the fields of :class:`ScalerConfig`).
+    """Every problem of a set of scaler settings (the fields of
+    [`ScalerConfig`][distscaler.config.ScalerConfig]).
 
     Returns ``(exception type, message)`` pairs, each message naming the setting, its value and the
     valid range; empty when the settings are valid. Cross-field checks run once the fields are valid.

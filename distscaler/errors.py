@@ -27,8 +27,8 @@ class CallOrderError(RuntimeError, AssertionError):
 class LossScaleAtMinimumError(RuntimeError):
     """An overflow would lower a scale already at ``min_scale`` (``raise_error_at_min_scale``).
 
-    DeepSpeed raises a bare ``Exception`` with the same message (:data:`MIN_SCALE_MESSAGE`); this is
-    a subclass of it.
+    DeepSpeed raises a bare ``Exception`` with the same message
+    ([`MIN_SCALE_MESSAGE`][distscaler.errors.MIN_SCALE_MESSAGE]); this is a subclass of it.
     """
 
 
@@ -37,5 +37,5 @@ class UnknownLayoutError(ValueError):
 
     Raised by ``clip_grad_norm_`` on every rank, before anything changes and before any collective,
     instead of returning a norm off by a factor of the number of replicas (see
-    :mod:`distscaler.layouts`).
+    [`distscaler.layouts`][distscaler.layouts]).
     """

@@ -1,12 +1,13 @@
 """The optimizer step on the agreed ``found_inf``, and the hand-off to fused optimizers.
 
 Optimizers with ``_step_supports_amp_scaling`` (``Adam``/``AdamW``/``SGD(fused=True)``, and any
-optimizer that follows torch's contract, :mod:`distscaler.contract`) read ``optimizer.grad_scale`` and ``optimizer.found_inf``
-inside their step: they divide the gradients by ``grad_scale`` and skip (and undo their step count)
-when ``found_inf`` is exactly 1.0. The scaler sets both for the duration of the step only, so no
-value is read on the host and the gradients are never rewritten (other optimizers step in the
-scaler, unless the agreed flag, read once on the host, says overflow). Source:
-``torch/amp/grad_scaler.py`` (``GradScaler.step``), ``torch/optim/adam.py`` (``_fused_adam``).
+optimizer that follows torch's contract, `distscaler.contract`) read ``optimizer.grad_scale`` and
+``optimizer.found_inf`` inside their step: they divide the gradients by ``grad_scale`` and skip (and
+undo their step count) when ``found_inf`` is exactly 1.0. The scaler sets both for the duration of
+the step only, so no value is read on the host and the gradients are never rewritten (other
+optimizers step in the scaler, unless the agreed flag, read once on the host, says overflow).
+Source: ``torch/amp/grad_scaler.py`` (``GradScaler.step``), ``torch/optim/adam.py``
+(``_fused_adam``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def fused_step(
 
     The optimizer's ``grad_scale``/``found_inf`` attributes are left as they were, also when the
     step raises. No host read, no collective. While ``torch.compile`` traces, a fused torch
-    ``Adam``/``AdamW`` step is traced into the same graph (:mod:`distscaler.traced_step`; no
-    attribute is set: dynamo cannot set attributes on an optimizer).
+    ``Adam``/``AdamW`` step is traced into the same graph (`distscaler.traced_step`; no attribute is
+    set: dynamo cannot set attributes on an optimizer).
     """
     prior = {k: optimizer.__dict__[k] for k in _ATTRIBUTES if k in vars(optimizer)}
     user_scale = prior.get("grad_scale")

@@ -1,18 +1,18 @@
 """The inf check: one pass over this rank's gradients and the step's one collective.
 
-:func:`run` carries out a :class:`~distscaler.plan.StepPlan` over the gradients
-:func:`distscaler.layouts.local_grads` gathered and returns one :class:`StepResult`: the agreed
-``found_inf`` (every rank of the group gets the same), and as the plan asks, the ``grad_scale`` a
-fused optimizer divides by, the global ``total_norm`` and the per-tensor flags an overflow report
-reads. Each pass is torch's multi-tensor kernels, one launch per (device, dtype) group, then at most
-one ``all_reduce`` of two float32 (:func:`_all_reduce_`, the only collective of a step), then a
-few small device ops that also compute the counters the next ``update()`` needs (the state's
-``counter_terms()`` ride in the pass's own ``_foreach_addcdiv``). Nothing is read on the host
-but where the plan says so.
+`run()` carries out a `StepPlan` over the gradients `distscaler.layouts.local_grads()` gathered and
+returns one `StepResult`: the agreed ``found_inf`` (every rank of the group gets the same), and as
+the plan asks, the ``grad_scale`` a fused optimizer divides by, the global ``total_norm`` and the
+per-tensor flags an overflow report reads. Each pass is torch's multi-tensor kernels, one launch per
+(device, dtype) group, then at most one ``all_reduce`` of two float32 (`_all_reduce_()`, the only
+collective of a step), then a few small device ops that also compute the counters the next
+``update()`` needs (the state's ``counter_terms()`` ride in the pass's own ``_foreach_addcdiv``).
+Nothing is read on the host but where the plan says so.
 
 Per-tensor flags: one float32 per gradient tensor, taken from the statistic the pass reads anyway
 (its largest magnitude, or its norm when clipping), flagged by one ``nan_to_num``: the finite
-statistic itself, ``-1.0`` for a NaN, ``-2.0`` for an inf (:mod:`distscaler.attribution`).
+statistic itself, ``-1.0`` for a NaN, ``-2.0`` for an inf
+([`distscaler.attribution`][distscaler.attribution]).
 
 Device ops per pass (world size 1, one (device, dtype) group; world size > 1 adds the one
 ``all_reduce``, and with clipping one ``sqrt``):
@@ -28,8 +28,8 @@ Device ops per pass (world size 1, one (device, dtype) group; world size > 1 add
   ``_foreach_addcdiv`` for the norm, ``scaled norm / max_norm`` and the overflow flag; on the CPU
   (fused) the flag's host read and ``fmax`` for ``grad_scale``: 6. On a GPU: the ``stack`` also
   makes the slots of the total norm and of the update's counters, one ``nan_to_num`` flags the
-  per-tensor norms and the total norm together, the ``_foreach_addcdiv_`` writes into the slots,
-  one ``clamp`` gives the exact flag and ``grad_scale``: 6 (:func:`_norm_on_device`).
+  per-tensor norms and the total norm together, the ``_foreach_addcdiv_`` writes into the slots, one
+  ``clamp`` gives the exact flag and ``grad_scale``: 6 (`_norm_on_device()`).
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
 to avoid dividing by zero; here ``clip_coef = min(1, max_norm / total_norm)`` is applied as
@@ -61,7 +61,7 @@ STAT_NUMEL = 2
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What :func:`run` found, all tensors 0-dim float32 on the scale's device unless said.
+    """What `run()` found, all tensors 0-dim float32 on the scale's device unless said.
 
     Attributes:
         found_inf: exactly 1.0 if any rank of the group saw inf/NaN, else 0.0 (0.0 also when the
@@ -117,9 +117,9 @@ def run(
     """Carry out ``plan`` over this rank's gradients.
 
     Args:
-        plan: what to do (:mod:`distscaler.plan`).
+        plan: what to do (`distscaler.plan`).
         grads: the local gradients grouped by (device, dtype, replication weight), and ``params``
-            their parameters in the same order (:func:`distscaler.layouts.local_grads`).
+            their parameters in the same order (`distscaler.layouts.local_grads()`).
         state: the scale's device state; None for a disabled scaler (a ``NORM_UNSCALED`` pass).
         group, world_size: the ranks that must agree (every rank of ``group`` must call ``run``
             with the same plan kind: it all-reduces once when ``world_size > 1``).
@@ -242,7 +242,7 @@ def _check_kernel(
     group: dist.ProcessGroup | None,
     world_size: int,
 ) -> StepResult:
-    """:func:`_check` with torch's check kernel (a factor of exactly 1.0: values unchanged).
+    """`_check()` with torch's check kernel (a factor of exactly 1.0: values unchanged).
 
     Ops: one ``_foreach_addcdiv`` (the flag's fresh zero and the update's counters), the kernel (one
     launch per group), the ``all_reduce(MAX)`` of one float32 at world size > 1; where the flag is
@@ -432,7 +432,8 @@ def local_stat(
     Args:
         groups: local gradients grouped by (device, dtype, weight), still multiplied by the loss
             scale. ``weight`` multiplies the group's ``sum |g|**p`` (``1 / replicas``, see
-            :mod:`distscaler.layouts`); it is not needed for p = inf (a max ignores repeats).
+            [`distscaler.layouts`][distscaler.layouts]); it is not needed for p = inf (a max ignores
+            repeats).
         inv_scale: 0-dim float32 tensor ``1 / scale`` on the scale's device.
         norm_type: ``p`` of the norm (``math.inf`` allowed).
 
@@ -552,12 +553,12 @@ def _norm_on_device(
     group: dist.ProcessGroup | None,
     world_size: int,
 ) -> StepResult:
-    """:func:`_norm` with the 2-norm where nothing is read on the host (a fused step on a GPU; any
-    step that is not fused) and inf/NaN skip the step: everything after the total norm in three
-    device ops.
+    """`_norm()` with the 2-norm where nothing is read on the host (a fused step on a GPU; any step
+    that is not fused) and inf/NaN skip the step: everything after the total norm in three device
+    ops.
 
     The per-tensor norms are stacked into one buffer with the total norm's slot and the slots the
-    ``_foreach_addcdiv_`` writes in place (:func:`_stacked_two_norm`):
+    ``_foreach_addcdiv_`` writes in place (`_stacked_two_norm()`):
 
     ``[per-tensor norms (num_grads) | T | -c, q | 0, scale | 1, inf | norm | next counters]``
 

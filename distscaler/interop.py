@@ -2,13 +2,16 @@
 
 Nothing here imports DeepSpeed or Megatron; the formats are recognised by their keys or attributes.
 Which policy continues another stack's scaler is the policy's to say (``same_rule_as``,
-:func:`distscaler.policies.policy_for`); this module holds only the formats.
+[`distscaler.policies.policy_for()`][distscaler.policies.policy_for]); this module holds only the
+formats.
 
-Configs: :func:`read_deepspeed_config` reads DeepSpeed's ``fp16`` (and ``bf16``) sections with
-DeepSpeed's key names, defaults and meaning (``deepspeed/runtime/precision_config.py``,
-``deepspeed/runtime/fp16/loss_scaler.py``) into ``ScalerConfig`` settings.
+Configs: [`read_deepspeed_config()`][distscaler.interop.read_deepspeed_config] reads DeepSpeed's
+``fp16`` (and ``bf16``) sections with DeepSpeed's key names, defaults and meaning
+(``deepspeed/runtime/precision_config.py``, ``deepspeed/runtime/fp16/loss_scaler.py``) into
+``ScalerConfig`` settings.
 
-Checkpoints (:func:`to_native_state`, read into ``GradScaler.load_state_dict``'s layout):
+Checkpoints ([`to_native_state()`][distscaler.interop.to_native_state], read into
+``GradScaler.load_state_dict``'s layout):
 
 * ``torch.amp.GradScaler.state_dict()`` and distscaler's own: passed through unchanged.
 * Megatron-LM ``DynamicGradScaler.state_dict()``: ``{scale, growth_tracker, hysteresis_tracker}``,
@@ -309,10 +312,11 @@ def to_native_state(state: object, current: Mapping[str, Any]) -> tuple[str, Map
 
     ``current`` holds this scaler's ``growth_factor``, ``backoff_factor`` and ``growth_interval``,
     used where the saved format does not carry them (Megatron's). The result may also hold
-    ``policy`` (the policy whose rule saved the state, :func:`~distscaler.policies.policy_for`),
-    the counters the format saves under their own names (DeepSpeed's ``cur_iter``,
-    ``last_overflow_iter``, ``cur_hysteresis``; Megatron's ``hysteresis_tracker``), and DeepSpeed's
-    ``hysteresis``, ``consecutive_hysteresis`` and ``min_scale``. Values are not validated here.
+    ``policy`` (the policy whose rule saved the state,
+    [`policy_for()`][distscaler.policies.policy_for]), the counters the format saves under their own
+    names (DeepSpeed's ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``; Megatron's
+    ``hysteresis_tracker``), and DeepSpeed's ``hysteresis``, ``consecutive_hysteresis`` and
+    ``min_scale``. Values are not validated here.
     """
     fmt = detect_format(state)
     if fmt == "native":

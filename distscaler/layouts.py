@@ -13,18 +13,20 @@ gradient's weight comes from, in this order:
    left out of a tensor-parallel plan, sharded on the dp sub-mesh only) or other parameters
    (pipeline stages). That takes a registered ``grad_layout`` (``"replicated"``: copies on the
    ``world_size / mesh size`` ranks outside; ``"sharded"``: other parameters), else it is an error.
-2. **The wrapped model**, registered once with :meth:`GradScaler.register_model
-   <distscaler.GradScaler.register_model>`: DDP gives ``1 / size(ddp.process_group)``; FSDP1 gives
-   1 for its sharded strategies, ``1 / size(process_group)`` for ``NO_SHARD`` and ``1 / replicate
-   group size`` for ``HYBRID_SHARD``; an explicit ``grad_layout`` covers the rest of the module (a
-   pipeline stage). A DTensor gradient inside DDP gets both factors.
+2. **The wrapped model**, registered once with
+   [`GradScaler.register_model()`][distscaler.GradScaler.register_model]: DDP gives ``1 /
+   size(ddp.process_group)``; FSDP1 gives 1 for its sharded strategies, ``1 / size(process_group)``
+   for ``NO_SHARD`` and ``1 / replicate group size`` for ``HYBRID_SHARD``; an explicit
+   ``grad_layout`` covers the rest of the module (a pipeline stage). A DTensor gradient inside DDP
+   gets both factors.
 3. **The scaler's ``grad_layout``** for every other plain tensor: ``"replicated"`` (weight
    ``1 / world_size``) or ``"sharded"`` (weight 1).
 
 When none applies and the group has more than one rank, a norm would be a guess: it is an error
-(:class:`UnknownLayoutError`). FSDP1's flattened parameters are recognised by their marker, and
-without a registered FSDP module they are an error too, since the flat parameter does not say
-whether it is sharded, replicated (``NO_SHARD``) or both (``HYBRID_SHARD``).
+([`UnknownLayoutError`][distscaler.layouts.UnknownLayoutError]). FSDP1's flattened parameters are
+recognised by their marker, and without a registered FSDP module they are an error too, since the
+flat parameter does not say whether it is sharded, replicated (``NO_SHARD``) or both
+(``HYBRID_SHARD``).
 
 The overflow flag alone needs no weight: it is exact for every layout.
 """
@@ -71,7 +73,8 @@ class GroupKey(NamedTuple):
     weight: float
 
 
-#: Local gradients of one optimizer grouped by :class:`GroupKey`, in parameter order.
+#: Local gradients of one optimizer grouped by [`GroupKey`][distscaler.layouts.GroupKey], in
+#: parameter order.
 GradGroups = dict[GroupKey, list[torch.Tensor]]
 
 
@@ -141,7 +144,8 @@ class LayoutResolver:
         self._checked_meshes: set[tuple[int, int]] = set()
         #: Bumped by every registration, so that cached gradient plans are rebuilt.
         self.version = 0
-        #: Gradient groupings planned once per optimizer (:func:`plan_grads`), held weakly.
+        #: Gradient groupings planned once per optimizer
+        #: ([`plan_grads()`][distscaler.layouts.plan_grads]), held weakly.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -164,9 +168,9 @@ class LayoutResolver:
         needed: bool = True,
     ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
         """This step's local gradients of ``optimizer`` and their parameters
-        (:func:`local_grads`), with their replication weights in a group of ``world_size`` ranks
-        when ``weighted`` (a norm is taken: sparse gradients are coalesced); nothing when not
-        ``needed``. No collective, no host read.
+        ([`local_grads()`][distscaler.layouts.LayoutResolver.local_grads]), with their replication
+        weights in a group of ``world_size`` ranks when ``weighted`` (a norm is taken: sparse
+        gradients are coalesced); nothing when not ``needed``. No collective, no host read.
 
         Raises:
             ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
@@ -428,10 +432,11 @@ _NoneType = type(None)
 class GradPlan:
     """An optimizer's parameters grouped once by (device, dtype, weight), for every later step.
 
-    :func:`collect_grads` does the grouping (and the layout lookups) for every gradient at every
-    step; a plan does it once per optimizer and parameter set. Gradients are new tensors at every
-    step after ``zero_grad(set_to_none=True)``, so the plan keys on the parameters and fetches their
-    ``.grad`` at each step: two list passes per group, no per-gradient lookup.
+    [`collect_grads()`][distscaler.layouts.collect_grads] does the grouping (and the layout lookups)
+    for every gradient at every step; a plan does it once per optimizer and parameter set. Gradients
+    are new tensors at every step after ``zero_grad(set_to_none=True)``, so the plan keys on the
+    parameters and fetches their ``.grad`` at each step: two list passes per group, no per-gradient
+    lookup.
     """
 
     __slots__ = ("groups", "key", "keys", "params")
@@ -443,15 +448,16 @@ class GradPlan:
         owners: dict[GroupKey, list[torch.Tensor]] = {}
         for group_key, params, _ in groups:
             owners.setdefault(group_key, []).extend(params)
-        #: The group keys in the order :meth:`grads` returns them.
+        #: The group keys in the order [`grads()`][distscaler.layouts.GradPlan.grads] returns them.
         self.keys = list(owners)
-        #: Every planned parameter, in the order :meth:`grads` returns their gradients.
+        #: Every planned parameter, in the order [`grads()`][distscaler.layouts.GradPlan.grads]
+        #: returns their gradients.
         self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
     def grads(self) -> tuple[GradGroups, tuple[torch.Tensor, ...]] | None:
         """This step's local gradients, grouped, and their parameters in the same order
-        (:attr:`params` itself when every parameter has a gradient); parameters without a gradient
-        are left out.
+        ([`params`][distscaler.layouts.GradPlan.params] itself when every parameter has a gradient);
+        parameters without a gradient are left out.
 
         None when the gradients no longer match the plan (a model moved or cast since: one
         gradient per group is checked), so that it is rebuilt.
@@ -496,18 +502,20 @@ def plan_grads(
     group: dist.ProcessGroup | None = None,
     rebuild: bool = False,
 ) -> GradPlan | None:
-    """The optimizer's cached :class:`GradPlan`, rebuilt when its parameter set, the registered
-    layouts or the group change; None when this step's gradients cannot be planned (sparse ones:
-    use :func:`collect_grads`).
+    """The optimizer's cached [`GradPlan`][distscaler.layouts.GradPlan], rebuilt when its parameter
+    set, the registered layouts or the group change; None when this step's gradients cannot be
+    planned (sparse ones: use [`collect_grads()`][distscaler.layouts.collect_grads]).
 
     Args:
         cache: where plans are kept, per optimizer (held weakly).
         resolver: when given (a norm is to be taken) and ``world_size > 1``, groups carry the
-            replication weight of their gradients (see :func:`collect_grads`).
+            replication weight of their gradients (see
+            [`collect_grads()`][distscaler.layouts.collect_grads]).
         rebuild: build a new plan even if the cached one matches (its gradients did not).
 
     Raises:
-        UnknownLayoutError: as :func:`collect_grads`, when a plan is built.
+        UnknownLayoutError: as [`collect_grads()`][distscaler.layouts.collect_grads], when a plan is
+            built.
     """
     weigh = resolver is not None and world_size > 1
     key = _plan_key(optimizer, weigh, resolver.version if weigh else 0, world_size, id(group))  # type: ignore[union-attr]
@@ -559,9 +567,10 @@ def local_grads(
     coalesce_sparse: bool = False,
 ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
     """This step's local gradients of ``optimizer``, grouped (with replication weights if a
-    ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is
-    planned once per optimizer and parameter set (:func:`plan_grads`, cached in ``plans``);
-    sparse gradients take :func:`collect_grads` at every step.
+    ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is planned
+    once per optimizer and parameter set ([`plan_grads()`][distscaler.layouts.plan_grads], cached in
+    ``plans``); sparse gradients take [`collect_grads()`][distscaler.layouts.collect_grads] at every
+    step.
 
     Raises:
         ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).

@@ -6,10 +6,11 @@ five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``
 ``min_scale``, ``max_scale``, ``num_updates``, ``num_skipped_steps``, ``policy``, ``hysteresis``,
 ``consecutive_hysteresis`` and the policy's counters (``cur_iter``, ``last_overflow_iter``,
 ``cur_hysteresis`` or ``hysteresis_tracker``). Other stacks' formats are converted first by
-:mod:`distscaler.interop`.
+[`distscaler.interop`][distscaler.interop].
 
-:func:`parse_state` checks every value with the ranges of :mod:`distscaler.config` and reports all
-problems in one error; it changes nothing, so a scaler applies the result only once it is valid.
+`parse_state()` checks every value with the ranges of [`distscaler.config`][distscaler.config] and
+reports all problems in one error; it changes nothing, so a scaler applies the result only once it
+is valid.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def _counter_checks() -> dict[str, dict[str, int]]:
 
 
 def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
-    """Check a saved state (any format :mod:`distscaler.interop` reads) against ``config``.
+    """Check a saved state (any format [`distscaler.interop`][distscaler.interop] reads) against
+    ``config``.
 
     Settings a format carries replace the constructor's, as torch does for ``growth_factor`` etc.;
     a replaced ``min_scale``, ``max_scale``, ``hysteresis`` or ``consecutive_hysteresis`` is listed

@@ -1,17 +1,16 @@
-"""What one optimizer's step does in one iteration, decided once up front: a :class:`StepPlan`.
+"""What one optimizer's step does in one iteration, decided once up front: a `StepPlan`.
 
 ``GradScaler`` builds a plan at each of its entry points (``unscale_``, ``clip_grad_norm_``,
 ``step``, torch's ``_check_inf_per_device``) from what it knows before touching a gradient: the
-optimizer's step contract (:mod:`distscaler.contract`), what already ran in this iteration (an
-explicit ``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor
-flags, and whether this scaler may read ``found_inf`` on the host. :func:`distscaler.inf_check.run`
-carries the plan out and returns one :class:`~distscaler.inf_check.StepResult`; nothing downstream
-branches on these conditions again.
+optimizer's step contract (`distscaler.contract`), what already ran in this iteration (an explicit
+``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor flags, and
+whether this scaler may read ``found_inf`` on the host. `distscaler.inf_check.run()` carries the
+plan out and returns one `StepResult`; nothing downstream branches on these conditions again.
 
 **Where found_inf may be read on the host** is a property of the device, decided when the scaler is
-built (:func:`host_read_is_free`): on the CPU a kernel has run when it returns, so reading its
-result costs no sync, and a fused step there reads the agreed flag and takes per-tensor flags only
-on a skipped step. On CUDA nothing is read (a fused step never syncs and can be captured in a CUDA
+built (`host_read_is_free()`): on the CPU a kernel has run when it returns, so reading its result
+costs no sync, and a fused step there reads the agreed flag and takes per-tensor flags only on a
+skipped step. On CUDA nothing is read (a fused step never syncs and can be captured in a CUDA
 graph), and neither is anything while ``make_fx`` or ``torch.compile`` trace a step, which must
 record what a GPU runs. Tests run the GPU's path on the CPU by building the scaler so
 (``GradScaler._host_reads = False``, the ``gpu_path`` fixture of the tests).
@@ -72,12 +71,12 @@ class GradPass(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What :func:`distscaler.inf_check.run` does for one optimizer in one call.
+    """What `distscaler.inf_check.run()` does for one optimizer in one call.
 
     Attributes:
-        grad_pass: the pass over the gradients (:class:`GradPass`).
+        grad_pass: the pass over the gradients (`GradPass`).
         fused: the optimizer takes ``grad_scale``/``found_inf`` and divides its gradients itself
-            (:data:`~distscaler.contract.StepContract.FUSED`): they are not rewritten here.
+            (`FUSED`): they are not rewritten here.
         read_found_inf: the agreed ``found_inf`` is read on the host (a step that is not fused
             needs it; a fused one reads it where the read is free), so per-tensor flags are taken
             only on a skipped step.

@@ -1,31 +1,31 @@
 """Loss-scale update rules ("policies"): the scale and its counters, updated on the device.
 
 A policy turns the agreed ``found_inf`` of one iteration into the next loss scale. Each is one
-:class:`LossScalePolicy` subclass, as in Megatron-core: the counters it keeps (0-dim device
-tensors, saved in ``state_dict`` under :attr:`~LossScalePolicy.state_keys`), its
-:meth:`~LossScalePolicy.update_` (tensor ops only: no host read, no Python branch on a tensor
-value, so ``GradScaler.update()`` adds no host sync and a CUDA graph replays it), and the settings
-it accepts (:meth:`~LossScalePolicy.settings_problems`, asked by ``ScalerConfig``). Every setting
-a rule reads comes from one :class:`ScaleRule`.
+[`LossScalePolicy`][distscaler.policies.LossScalePolicy] subclass, as in Megatron-core: the counters
+it keeps (0-dim device tensors, saved in ``state_dict`` under
+[`state_keys`][distscaler.policies.LossScalePolicy.state_keys]), its
+[`update_()`][distscaler.policies.LossScalePolicy.update_] (tensor ops only: no host read, no Python
+branch on a tensor value, so ``GradScaler.update()`` adds no host sync and a CUDA graph replays it),
+and the settings it accepts
+([`settings_problems()`][distscaler.policies.LossScalePolicy.settings_problems], asked by
+``ScalerConfig``). Every setting a rule reads comes from one
+[`ScaleRule`][distscaler.policies.ScaleRule].
 
-==============  ===========================================================================
-``"torch"``     ``torch.amp.GradScaler``: back off on every overflow, grow after
-                ``growth_interval`` clean steps (``torch._amp_update_scale_``, bit-identical).
-``"megatron"``  Megatron-LM ``DynamicGradScaler``: back off once ``hysteresis`` overflows
-                were seen since the last growth; grow after ``growth_interval`` clean steps
-                in a row.
-``"deepspeed"`` DeepSpeed ``DynamicLossScaler`` (ZeRO): hysteresis, optional consecutive
-                hysteresis; grows on the (W+1)-th clean step after an overflow, then every W.
-``"static"``    the scale never changes (a static DeepSpeed ``loss_scale``, bf16/fp32 at 1.0).
-==============  ===========================================================================
+| policy | rule |
+|---|---|
+| ``"torch"`` | ``torch.amp.GradScaler``: back off on every overflow, grow after ``growth_interval`` clean steps (``torch._amp_update_scale_``, bit-identical). |
+| ``"megatron"`` | Megatron-LM ``DynamicGradScaler``: back off once ``hysteresis`` overflows were seen since the last growth; grow after ``growth_interval`` clean steps in a row. |
+| ``"deepspeed"`` | DeepSpeed ``DynamicLossScaler`` (ZeRO): hysteresis, optional consecutive hysteresis; grows on the (W+1)-th clean step after an overflow, then every W. |
+| ``"static"`` | the scale never changes (a static DeepSpeed ``loss_scale``, bf16/fp32 at 1.0). |
 
 Every policy skips the step of every overflow (the skip is the agreed ``found_inf``, decided before
 and independently of the policy), including one that hysteresis absorbs.
 
-Adding a policy: subclass :class:`LossScalePolicy` and pass it to :func:`register_policy`; then
-``GradScaler(policy=its_name)`` runs it. For the op count, the scaler runs the DeepSpeed and
-Megatron rules on their counters packed into two float32 values (``distscaler._packed``), with
-the plain rules here as the reference, step for step, in ``tests/test_policies.py``.
+Adding a policy: subclass [`LossScalePolicy`][distscaler.policies.LossScalePolicy] and pass it to
+[`register_policy()`][distscaler.policies.register_policy]; then ``GradScaler(policy=its_name)``
+runs it. For the op count, the scaler runs the DeepSpeed and Megatron rules on their counters packed
+into two float32 values (``distscaler._packed``), with the plain rules here as the reference, step
+for step, in ``tests/test_policies.py``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ __all__ = [
     "register_policy",
 ]
 
-#: The built-in policies' names (:func:`policy_names` adds the registered ones).
+#: The built-in policies' names ([`policy_names()`][distscaler.policies.policy_names] adds the
+#: registered ones).
 PolicyName = Literal["torch", "deepspeed", "megatron", "static"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
 
@@ -94,18 +95,22 @@ class ScaleRule:
 class LossScalePolicy:
     """One loss-scale update rule, and the counters it keeps for one scaler.
 
-    A subclass sets :attr:`name` and, if it keeps counters, :attr:`state_keys` (with their ranges
-    in :attr:`counter_ranges`, their values at the start in :meth:`initial_state`), and implements
-    :meth:`update_`. The class attributes and class methods are what the scaler asks before any
-    device state exists (settings, checkpoints); an instance holds the scale, torch's growth
-    tracker and the counters of one scaler as device tensors.
+    A subclass sets [`name`][distscaler.policies.LossScalePolicy.name] and, if it keeps counters,
+    [`state_keys`][distscaler.policies.LossScalePolicy.state_keys] (with their ranges in
+    [`counter_ranges`][distscaler.policies.LossScalePolicy.counter_ranges], their values at the
+    start in [`initial_state()`][distscaler.policies.LossScalePolicy.initial_state]), and implements
+    [`update_()`][distscaler.policies.LossScalePolicy.update_]. The class attributes and class
+    methods are what the scaler asks before any device state exists (settings, checkpoints); an
+    instance holds the scale, torch's growth tracker and the counters of one scaler as device
+    tensors.
 
     Args:
         rule: the settings the rule reads.
         scale: 0-dim float32, the loss scale (the scaler's own tensor, updated in place).
         growth_tracker: 0-dim int32, torch's growth tracker (the scaler's own tensor).
-        counters: host values of :attr:`state_keys`, written once to the scale's device
-            (int64 tensors, :attr:`counters`).
+        counters: host values of [`state_keys`][distscaler.policies.LossScalePolicy.state_keys],
+            written once to the scale's device (int64 tensors,
+            [`counters`][distscaler.policies.LossScalePolicy.counters]).
     """
 
     #: The name ``GradScaler(policy=...)`` takes.
@@ -123,7 +128,8 @@ class LossScalePolicy:
     #: Whether the scale reacts to overflows (if not, ``skip_nonfinite=False`` is accepted).
     reacts_to_overflow: ClassVar[bool] = True
     #: Other stacks' loss scalers with the same rule (``"module.Class"``), whose configs and
-    #: checkpoints this policy continues (:func:`policy_for`, :mod:`distscaler.interop`).
+    #: checkpoints this policy continues ([`policy_for()`][distscaler.policies.policy_for],
+    #: [`distscaler.interop`][distscaler.interop]).
     same_rule_as: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ host side
@@ -183,7 +189,8 @@ class LossScalePolicy:
         self.rule = rule
         self.scale = scale
         self.growth_tracker = growth_tracker
-        #: The counters of :attr:`state_keys`: 0-dim int64 tensors on the scale's device.
+        #: The counters of [`state_keys`][distscaler.policies.LossScalePolicy.state_keys]: 0-dim
+        #: int64 tensors on the scale's device.
         self.counters = {
             k: torch.tensor(int(counters[k]), dtype=torch.int64).to(scale.device)
             for k in self.state_keys
@@ -203,8 +210,9 @@ class LossScalePolicy:
         return None
 
     def check_minimum(self, found_inf: torch.Tensor) -> None:
-        """Raise :class:`LossScaleAtMinimumError` where this update would back off a scale
-        already at ``min_scale`` (``raise_error_at_min_scale``): one host read."""
+        """Raise [`LossScaleAtMinimumError`][distscaler.policies.LossScaleAtMinimumError] where this
+        update would back off a scale already at ``min_scale`` (``raise_error_at_min_scale``): one
+        host read."""
         check_minimum(found_inf, self.scale, self.exhausted(), self.rule.min_scale)
 
     def counter_tensors(self) -> list[torch.Tensor]:
@@ -213,7 +221,7 @@ class LossScalePolicy:
 
     def read(self, growth_tracker: int, values: list[float]) -> tuple[int, dict[str, int]]:
         """(growth tracker, counters) from the host values of ``growth_tracker`` and
-        :meth:`counter_tensors`."""
+        [`counter_tensors()`][distscaler.policies.LossScalePolicy.counter_tensors]."""
         return growth_tracker, {k: int(v) for k, v in zip(self.state_keys, values)}
 
 
@@ -373,9 +381,9 @@ class DeepSpeedPolicy(LossScalePolicy):
     ``growth_interval``. The torch-compatible growth tracker counts clean steps since the last
     overflow or growth (informative).
 
-    The growth test counts with :attr:`growth_count`, ``(stable - 1) % growth_interval`` (-1 right
-    after an overflow): torch's tracker that restarts at -1. The scaler runs it packed (torch's
-    rule + 2 ops, ``distscaler._packed``).
+    The growth test counts with [`growth_count`][distscaler.policies.DeepSpeedPolicy.growth_count],
+    ``(stable - 1) % growth_interval`` (-1 right after an overflow): torch's tracker that restarts
+    at -1. The scaler runs it packed (torch's rule + 2 ops, ``distscaler._packed``).
 
     Differences: the scale is float32 (DeepSpeed: a Python float), and a growth that would make it
     infinite (beyond 2**127) is skipped, as torch's; a growth interval changed mid-run keeps the
@@ -430,7 +438,8 @@ class DeepSpeedPolicy(LossScalePolicy):
 
     @staticmethod
     def growth_count_from(cur_iter: int, last_overflow_iter: int, growth_interval: int) -> int:
-        """:attr:`growth_count` for these counters: -1 right after an overflow."""
+        """[`growth_count`][distscaler.policies.DeepSpeedPolicy.growth_count] for these counters: -1
+        right after an overflow."""
         stable = cur_iter - last_overflow_iter - 1
         return -1 if stable <= 0 else (stable - 1) % growth_interval
 
@@ -482,7 +491,8 @@ class DeepSpeedPolicy(LossScalePolicy):
         move_scale_(self.scale, grow, backs_off.to(torch.float32), r)
 
     def read(self, growth_tracker: int, values: list[float]) -> tuple[int, dict[str, int]]:
-        """The counters, and torch's growth tracker from them (:meth:`growth_tracker_from`)."""
+        """The counters, and torch's growth tracker from them
+        ([`growth_tracker_from()`][distscaler.policies.DeepSpeedPolicy.growth_tracker_from])."""
         _, counters = super().read(growth_tracker, values)
         return self.growth_tracker_from(counters, self.rule.growth_interval), counters
 
@@ -501,7 +511,8 @@ def register_policy(cls: type[LossScalePolicy]) -> type[LossScalePolicy]:
     loading a checkpoint saved with it.
 
     Raises:
-        TypeError: ``cls`` is not a :class:`LossScalePolicy` subclass.
+        TypeError: ``cls`` is not a [`LossScalePolicy`][distscaler.policies.LossScalePolicy]
+            subclass.
         ValueError: ``cls.name`` is empty or already taken by another class.
     """
     if not (isinstance(cls, type) and issubclass(cls, LossScalePolicy)):
@@ -521,7 +532,8 @@ def policy_names() -> tuple[str, ...]:
 
 
 def get_policy(name: str) -> type[LossScalePolicy]:
-    """The policy class called ``name`` (its settings are in a :class:`ScaleRule`).
+    """The policy class called ``name`` (its settings are in a
+    [`ScaleRule`][distscaler.policies.ScaleRule]).
 
     Raises:
         ValueError: unknown name.
@@ -534,7 +546,7 @@ def get_policy(name: str) -> type[LossScalePolicy]:
 
 def policy_for(scaler: str) -> str:
     """The name of the policy whose rule is another stack's ``scaler`` (``"module.Class"``, as in
-    :attr:`LossScalePolicy.same_rule_as`)."""
+    [`LossScalePolicy.same_rule_as`][distscaler.policies.LossScalePolicy.same_rule_as])."""
     for cls in _REGISTRY.values():
         if scaler in cls.same_rule_as:
             return cls.name

@@ -4,24 +4,18 @@ shares.
 One class, as torch's ``grad_scaler.py`` is, whose public methods are short forwards to the parts
 it holds, each an object with its own module:
 
-==========================  ===================================================================
-``_state``                  the scale, the growth tracker and the policy's counters, on the
-                            device, and the update that moves them (:mod:`distscaler.state`,
-                            :mod:`distscaler.policies`)
-``_layouts``                how gradients lie across the ranks, for norms
-                            (:mod:`distscaler.layouts`)
-``_overflows``              the per-tensor flags of the last skipped step and the overflow
-                            report (:mod:`distscaler.attribution`)
-``_group``                  the ranks that must agree (:mod:`distscaler.process_group`)
-``_records``                this iteration's :class:`~distscaler.step_record.StepRecord` per
-                            optimizer
-==========================  ===================================================================
+| attribute | what it holds |
+|---|---|
+| ``_state`` | the scale, the growth tracker and the policy's counters, on the device, and the update that moves them (`distscaler.state`, [`distscaler.policies`][distscaler.policies]) |
+| ``_layouts`` | how gradients lie across the ranks, for norms ([`distscaler.layouts`][distscaler.layouts]) |
+| ``_overflows`` | the per-tensor flags of the last skipped step and the overflow report ([`distscaler.attribution`][distscaler.attribution]) |
+| ``_group`` | the ranks that must agree (`distscaler.process_group`) |
+| ``_records`` | this iteration's `StepRecord` per optimizer |
 
-A step for one optimizer is one straight path: the scaler checks torch's call order and decides
-what the step does (a :class:`~distscaler.plan.StepPlan`), the layouts gather the gradients,
-:func:`distscaler.inf_check.run` carries the plan out (one pass, the step's one collective) and
-returns a :class:`~distscaler.inf_check.StepResult`, the record keeps it, and the fused hand-off
-(:mod:`distscaler.fused`) or the scaler itself steps the optimizer on it.
+A step for one optimizer is one straight path: the scaler checks torch's call order and decides what
+the step does (a `StepPlan`), the layouts gather the gradients, `distscaler.inf_check.run()` carries
+the plan out (one pass, the step's one collective) and returns a `StepResult`, the record keeps it,
+and the fused hand-off (`distscaler.fused`) or the scaler itself steps the optimizer on it.
 """
 
 from __future__ import annotations
@@ -69,28 +63,52 @@ def _check_grad_layout(grad_layout: object) -> None:
 class GradScaler(torch.amp.GradScaler):
     """Gradient (loss) scaler whose skip decision and scale update are the same on every rank.
 
-    A drop-in for :class:`torch.amp.GradScaler` (and a subclass of it): the same positional
-    parameters, defaults, methods, call-order rules and error wording; for a single process the
-    same parameters and scales, bit for bit. On top of torch: each rank's ``found_inf`` is combined
-    in **one** ``all_reduce`` per optimizer step over ``process_group`` (one float32 reduced with
-    MAX, or two with SUM when clipping: every rank skips, or none does, and the scales stay
-    equal); :meth:`clip_grad_norm_` rides on it; fused
-    optimizers get ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every
-    counter lives on the device, updated by a handful of ops, so a step can be replayed from a
-    CUDA graph; :attr:`last_overflow` names the ranks and parameters of the last inf/NaN.
+    A drop-in for `torch.amp.GradScaler` (and a subclass of it): the same positional parameters,
+    defaults, methods, call-order rules and error wording; for a single process the same parameters
+    and scales, bit for bit. On top of torch: each rank's ``found_inf`` is combined in **one**
+    ``all_reduce`` per optimizer step over ``process_group`` (one float32 reduced with MAX, or two
+    with SUM when clipping: every rank skips, or none does, and the scales stay equal);
+    [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] rides on it; fused optimizers get
+    ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every counter lives on
+    the device, updated by a handful of ops, so a step can be replayed from a CUDA graph;
+    [`last_overflow`][distscaler.GradScaler.last_overflow] names the ranks and parameters of the
+    last inf/NaN. The settings and their ranges are those of
+    [`ScalerConfig`][distscaler.ScalerConfig].
 
     Args:
-        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's, in
-            its order, with its defaults (``"cuda"`` without CUDA warns and disables). Disabled:
-            every method is a no-op (``step`` calls ``optimizer.step()``).
-        process_group (ProcessGroup | None): the ranks that must agree; None: WORLD once
+        device (str): torch's device type, default ``"cuda"`` (``"cuda"`` without CUDA warns and
+            disables, as torch does).
+        init_scale (float): the initial scale, default ``2.0**16``, a normal float32 > 0.
+        growth_factor (float): factor (> 1) applied to the scale when it grows, default 2.0.
+        backoff_factor (float): factor in (0, 1) applied to the scale when it backs off, default
+            0.5.
+        growth_interval (int): clean steps, in optimizer steps, before the scale grows, default
+            2000, in [1, 2**31 - 1].
+        enabled (bool): default True. False: every method is a no-op (``step`` calls
+            ``optimizer.step()``): no collective, no host read.
+        process_group (ProcessGroup | None): the ranks that must agree; default None: WORLD once
             ``torch.distributed`` is initialized.
         grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients nothing
-            else describes lie across the group, for :meth:`clip_grad_norm_`
-            (:mod:`distscaler.layouts`).
-        min_scale ... skip_log_interval: keyword-only settings, each with its range on
-            :class:`~distscaler.config.ScalerConfig` (bounds, the update rule of
-            :mod:`distscaler.policies`, DeepSpeed's hysteresis options, skip-log interval).
+            else describes lie across the group, for
+            [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]
+            ([`distscaler.layouts`][distscaler.layouts]); default None: unknown (an error in a
+            multi-rank norm).
+        min_scale (float | None): keyword-only, floor of the scale; default None: none.
+        max_scale (float | None): keyword-only, ceiling of the scale; default None: none.
+        policy (str): keyword-only, the update rule, default ``"torch"``: ``"deepspeed"``,
+            ``"megatron"``, ``"static"`` or a registered one
+            ([`distscaler.policies`][distscaler.policies]).
+        hysteresis (int): keyword-only, overflows absorbed before a backoff, default 1 (> 1 for
+            ``"deepspeed"`` and ``"megatron"`` only).
+        consecutive_hysteresis (bool): keyword-only, default False; True refills the hysteresis
+            on every clean step (``"deepspeed"`` only).
+        raise_error_at_min_scale (bool): keyword-only, default False; True raises
+            [`LossScaleAtMinimumError`][distscaler.LossScaleAtMinimumError] at an overflow with the
+            scale at ``min_scale`` (one host read per update).
+        skip_nonfinite (bool): keyword-only, default True; False steps on inf/NaN gradients too
+            (``"static"`` only).
+        skip_log_interval (int): keyword-only, updates between two reads of the skip record for
+            the skip log, default 100 (0: only when read anyway).
 
     Raises:
         ValueError: a setting out of its range (all problems in one message naming each setting,
@@ -155,13 +173,14 @@ class GradScaler(torch.amp.GradScaler):
         self._overflows = OverflowTracker()
         self._group = ScalerGroup(process_group)
         #: Whether found_inf may be read on the host without a sync (the CPU): a property of the
-        #: device, decided here (:func:`distscaler.plan.host_read_is_free`). Tests set it to False
+        #: device, decided here (`distscaler.plan.host_read_is_free()`). Tests set it to False
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        #: This iteration's record per optimizer (``id(optimizer)``), dropped by :meth:`update`.
+        #: This iteration's record per optimizer (``id(optimizer)``), dropped by
+        #: [`update()`][distscaler.GradScaler.update].
         self._records: dict[int, StepRecord] = {}
 
     # ------------------------------------------------------------------ the step path
@@ -169,14 +188,16 @@ class GradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place and agree on ``found_inf``.
 
-        Same semantics and errors as :meth:`torch.amp.GradScaler.unscale_`, plus the agreement: one
+        Same semantics and errors as `torch.amp.GradScaler.unscale_()`, plus the agreement: one
         read+write pass (torch's check-and-unscale kernel, one launch per device/dtype group), then
         one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call). No host read.
-        Prefer :meth:`clip_grad_norm_` to ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``.
+        Prefer [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] to ``unscale_`` +
+        ``torch.nn.utils.clip_grad_norm_``.
 
         Raises:
-            CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
-                :meth:`step` (a ``RuntimeError``).
+            CallOrderError: called twice for ``optimizer`` since the last
+                [`update()`][distscaler.GradScaler.update], or after
+                [`step()`][distscaler.GradScaler.step] (a ``RuntimeError``).
             ValueError: a gradient is fp16 ("Attempting to unscale FP16 gradients.").
         """
         if not self._enabled:
@@ -202,22 +223,22 @@ class GradScaler(torch.amp.GradScaler):
         """Clip the optimizer's gradients to a global norm, computed with the inf check.
 
         The norm is that of the *unscaled* gradients over every rank of ``process_group``, each
-        gradient value counted once whatever the layout (DTensor placements, :meth:`register_model`,
-        ``grad_layout``; see :mod:`distscaler.layouts`), as ``torch.nn.utils.clip_grad_norm_`` would
+        gradient value counted once whatever the layout (DTensor placements,
+        [`register_model()`][distscaler.GradScaler.register_model], ``grad_layout``; see
+        [`distscaler.layouts`][distscaler.layouts]), as ``torch.nn.utils.clip_grad_norm_`` would
         compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
         ``clip_coef = min(1, max_norm / total_norm)`` (torch's coefficient without its 1e-6 guard,
-        which this form does not need: see :mod:`distscaler.inf_check`). ``max_norm=math.inf``
-        measures only, as torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1):
-        the same pass and collective, the norm returned, the gradients only unscaled (fused
-        optimizers get ``grad_scale = scale``); Transformers' Trainer measures this way with
-        ``max_grad_norm=0``.
+        which this form does not need: see `distscaler.inf_check`). ``max_norm=math.inf`` measures
+        only, as torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1): the same
+        pass and collective, the norm returned, the gradients only unscaled (fused optimizers get
+        ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
-        Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group
-        has several ranks (every rank must call; it *is* the step's collective), a few device ops
-        (:mod:`distscaler.inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
+        Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group has
+        several ranks (every rank must call; it *is* the step's collective), a few device ops
+        (`distscaler.inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
-        :meth:`unscale_` the norm is taken from the unscaled gradients (a second all_reduce unless
-        all are replicated). A disabled scaler only clips.
+        [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
+        (a second all_reduce unless all are replicated). A disabled scaler only clips.
 
         Args:
             max_norm (float): greater than 0, or ``math.inf`` to measure only.
@@ -231,8 +252,9 @@ class GradScaler(torch.amp.GradScaler):
             ValueError: ``max_norm`` or ``norm_type`` out of range.
             UnknownLayoutError: (a ValueError) the group has more than one rank and the layout of
                 some gradients is unknown (p < inf only); raised before anything is changed.
-            CallOrderError: called twice for ``optimizer`` since the last :meth:`update`, or after
-                :meth:`step`.
+            CallOrderError: called twice for ``optimizer`` since the last
+                [`update()`][distscaler.GradScaler.update], or after
+                [`step()`][distscaler.GradScaler.step].
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
         state = record = None
@@ -283,17 +305,22 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
 
-        torch's semantics, return value and errors. Without an earlier :meth:`unscale_` or
-        :meth:`clip_grad_norm_` the inf check runs here (one ``all_reduce`` of 1 or 2 float32;
-        every rank must call). Fused optimizers: one read-only check pass, then ``grad_scale`` and
-        ``found_inf`` go to the kernel, no host read (:mod:`distscaler.fused`); others: the unscale
-        pass and one host read of the agreed ``found_inf``, and on a skipped step one more read
-        pass for the per-tensor flags of :attr:`last_overflow`. After an explicit :meth:`unscale_`
-        (and no :meth:`clip_grad_norm_`) a fused step takes that read pass at every step.
+        torch's semantics, return value and errors. Without an earlier
+        [`unscale_()`][distscaler.GradScaler.unscale_] or
+        [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] the inf check runs here (one
+        ``all_reduce`` of 1 or 2 float32; every rank must call). Fused optimizers: one read-only
+        check pass, then ``grad_scale`` and ``found_inf`` go to the kernel, no host read
+        (`distscaler.fused`); others: the unscale pass and one host read of the agreed
+        ``found_inf``, and on a skipped step one more read pass for the per-tensor flags of
+        [`last_overflow`][distscaler.GradScaler.last_overflow]. After an explicit
+        [`unscale_()`][distscaler.GradScaler.unscale_] (and no
+        [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]) a fused step takes that read
+        pass at every step.
 
         Raises:
-            CallOrderError: ``step()`` already called since the last :meth:`update`, or
-                :meth:`scale` never called.
+            CallOrderError: ``step()`` already called since the last
+                [`update()`][distscaler.GradScaler.update], or
+                [`scale()`][distscaler.GradScaler.scale] never called.
             RuntimeError: a ``closure`` keyword is passed.
         """
         if not self._enabled:
@@ -346,12 +373,14 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from the agreed ``found_inf`` of every optimizer stepped this iteration.
 
-        torch's semantics (``policy="torch"``; others: :mod:`distscaler.policies`), clamped to
-        ``[min_scale, max_scale]``. A handful of device ops (one ``lerp_`` per optimizer keeps the
-        overflow record, :mod:`distscaler.attribution`), no collective, no host read but one every
-        ``skip_log_interval`` calls (never inside CUDA graph capture): the periodic skip report,
-        which, when a step was skipped since the last one, also attributes it (:attr:`last_overflow`:
-        one more host read and, at world size > 1, one ``all_gather`` on every rank together).
+        torch's semantics (``policy="torch"``; others:
+        [`distscaler.policies`][distscaler.policies]), clamped to ``[min_scale, max_scale]``. A
+        handful of device ops (one ``lerp_`` per optimizer keeps the overflow record,
+        [`distscaler.attribution`][distscaler.attribution]), no collective, no host read but one
+        every ``skip_log_interval`` calls (never inside CUDA graph capture): the periodic skip
+        report, which, when a step was skipped since the last one, also attributes it
+        ([`last_overflow`][distscaler.GradScaler.last_overflow]: one more host read and, at world
+        size > 1, one ``all_gather`` on every rank together).
 
         Args:
             new_scale (float | Tensor | None): set the scale to this instead (a normal float32 > 0,
@@ -457,8 +486,9 @@ class GradScaler(torch.amp.GradScaler):
     def materialize(self, device: torch.device | str | None = None) -> None:
         """Create the device state on ``device`` (default: the device type) without scaling a loss.
 
-        For ranks that never compute a loss (the first stages of a pipeline); :meth:`scale` does it
-        lazily on the others. No-op when disabled or once created. No collective, no host read.
+        For ranks that never compute a loss (the first stages of a pipeline);
+        [`scale()`][distscaler.GradScaler.scale] does it lazily on the others. No-op when disabled
+        or once created. No collective, no host read.
         """
         if self._enabled:
             self._lazy_init_scale_growth_tracker(device or self._device)
@@ -476,7 +506,7 @@ class GradScaler(torch.amp.GradScaler):
         process_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ) -> GradScaler:
-        """Build a scaler from a :class:`~distscaler.config.ScalerConfig`.
+        """Build a scaler from a [`ScalerConfig`][distscaler.ScalerConfig].
 
         ``ScalerConfig.from_deepspeed(ds_config)`` gives DeepSpeed's fp16 behaviour. ``kwargs``:
         constructor arguments a config does not hold (``grad_layout``...).
@@ -500,12 +530,14 @@ class GradScaler(torch.amp.GradScaler):
     def register_model(
         self, model: torch.nn.Module, *, grad_layout: GradLayout | None = None
     ) -> GradScaler:
-        """Learn how ``model``'s gradients are laid out across the ranks, for :meth:`clip_grad_norm_`.
+        """Learn how ``model``'s gradients are laid out across the ranks, for
+        [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_].
 
         Call once after wrapping, on every rank (no collective, no host read), for DDP, FSDP1 and
         plain modules such as a pipeline stage (``grad_layout`` for parameters no DDP/FSDP1 wrapper
-        covers). DTensor gradients need nothing. A later call wins (:mod:`distscaler.layouts`).
-        Also names the parameters in the overflow report (:attr:`last_overflow`).
+        covers). DTensor gradients need nothing. A later call wins
+        ([`distscaler.layouts`][distscaler.layouts]). Also names the parameters in the overflow
+        report ([`last_overflow`][distscaler.GradScaler.last_overflow]).
 
         Returns:
             this scaler.
@@ -524,13 +556,13 @@ class GradScaler(torch.amp.GradScaler):
     def register_params(self, params: Sequence[torch.Tensor], *, replicas: float) -> GradScaler:
         """Declare that each gradient of ``params`` is held identically by ``replicas`` ranks.
 
-        For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's
-        main parameters, :mod:`distscaler.integrations.megatron`): in :meth:`clip_grad_norm_`'s
-        norm each rank's ``sum |g|**2`` of them is weighted ``1 / replicas``, so that one SUM over
-        ``process_group`` counts each value once. ``replicas=math.inf`` leaves them out of the norm
-        (a copy that another rank counts, such as Megatron's tensor-parallel duplicates); the
-        inf check still sees every gradient. Call on every rank (no collective, no host read);
-        a later call wins.
+        For gradients whose layout neither the tensor nor a DDP/FSDP wrapper tells (an engine's main
+        parameters, [`distscaler.integrations.megatron`][distscaler.integrations.megatron]): in
+        [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]'s norm each rank's ``sum
+        |g|**2`` of them is weighted ``1 / replicas``, so that one SUM over ``process_group`` counts
+        each value once. ``replicas=math.inf`` leaves them out of the norm (a copy that another rank
+        counts, such as Megatron's tensor-parallel duplicates); the inf check still sees every
+        gradient. Call on every rank (no collective, no host read); a later call wins.
 
         Returns:
             this scaler.
@@ -565,8 +597,9 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def found_inf(self) -> torch.Tensor | None:
-        """The agreed flag of the last :meth:`update` (0-dim float32 on the device, 1.0 if skipped,
-        else 0.0; no host read; never written again). None before one and when disabled."""
+        """The agreed flag of the last [`update()`][distscaler.GradScaler.update] (0-dim float32 on
+        the device, 1.0 if skipped, else 0.0; no host read; never written again). None before one
+        and when disabled."""
         return self._state.last_found_inf if self._enabled else None
 
     @property
@@ -596,25 +629,28 @@ class GradScaler(torch.amp.GradScaler):
         """Which ranks and parameters held inf/NaN at the most recent skipped step reported, or None.
 
         Filled by the periodic skip report (every ``skip_log_interval`` updates, at the same update
-        on every rank; with ``skip_log_interval=1`` it is current after every :meth:`update`), so
-        it is identical on every rank of ``process_group``; never with ``skip_log_interval=0``.
-        Reading it costs nothing (see :mod:`distscaler.attribution` for what it costs to fill).
+        on every rank; with ``skip_log_interval=1`` it is current after every
+        [`update()`][distscaler.GradScaler.update]), so it is identical on every rank of
+        ``process_group``; never with ``skip_log_interval=0``. Reading it costs nothing (see
+        [`distscaler.attribution`][distscaler.attribution] for what it costs to fill).
         """
         return self._overflows.last_overflow
 
     def report_overflow(self) -> OverflowReport | None:
         """Attribute the most recent skipped step now, instead of at the next periodic report,
-        and return :attr:`last_overflow`.
+        and return [`last_overflow`][distscaler.GradScaler.last_overflow].
 
-        For a loop that already reads the agreed skip flag (:attr:`step_was_skipped`) and wants the
-        report of that very step. Every rank of ``process_group`` must call it at the same
-        iteration, after :meth:`update`. Cost: one host read; when a skipped step is not yet
-        attributed, one more and, at world size > 1, one ``all_gather`` of a fixed size
-        (:mod:`distscaler.attribution`). None when disabled, with ``skip_log_interval=0``, or
-        before any skipped step.
+        For a loop that already reads the agreed skip flag
+        ([`step_was_skipped`][distscaler.GradScaler.step_was_skipped]) and wants the report of that
+        very step. Every rank of ``process_group`` must call it at the same iteration, after
+        [`update()`][distscaler.GradScaler.update]. Cost: one host read; when a skipped step is not
+        yet attributed, one more and, at world size > 1, one ``all_gather`` of a fixed size
+        ([`distscaler.attribution`][distscaler.attribution]). None when disabled, with
+        ``skip_log_interval=0``, or before any skipped step.
 
         Raises:
-            CallOrderError: called after an inf check and before :meth:`update`.
+            CallOrderError: called after an inf check and before
+                [`update()`][distscaler.GradScaler.update].
         """
         if not self._enabled:
             return None
@@ -628,10 +664,10 @@ class GradScaler(torch.amp.GradScaler):
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state as plain Python numbers (one host read); empty when disabled.
 
-        torch's five keys, so :meth:`torch.amp.GradScaler.load_state_dict` loads it, plus the
-        bounds, the run's counts, the policy and its counters (see :mod:`distscaler.persistence`),
-        so that a run resumed mid-hysteresis continues exactly. Safe under
-        ``torch.load(weights_only=True)``. Never touches the process group.
+        torch's five keys, so `torch.amp.GradScaler.load_state_dict()` loads it, plus the bounds,
+        the run's counts, the policy and its counters (see `distscaler.persistence`), so that a run
+        resumed mid-hysteresis continues exactly. Safe under ``torch.load(weights_only=True)``.
+        Never touches the process group.
         """
         if not self._enabled:
             return {}
@@ -642,9 +678,9 @@ class GradScaler(torch.amp.GradScaler):
         """Load a scaler state saved by this class, by another stack, and continue its trajectory.
 
         torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
-        object or the ZeRO state holding it (:mod:`distscaler.interop`). Settings a format carries
-        replace the constructor's, as torch does; a replaced bound or hysteresis, or another
-        policy, warns (:mod:`distscaler.persistence`). Every value is checked first, all problems
+        object or the ZeRO state holding it ([`distscaler.interop`][distscaler.interop]). Settings a
+        format carries replace the constructor's, as torch does; a replaced bound or hysteresis, or
+        another policy, warns (`distscaler.persistence`). Every value is checked first, all problems
         in one error, and on error nothing changes. No-op when disabled.
 
         Raises:
@@ -684,7 +720,7 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def config(self) -> ScalerConfig:
-        """The scaler's settings (a frozen :class:`ScalerConfig`)."""
+        """The scaler's settings (a frozen [`ScalerConfig`][distscaler.ScalerConfig])."""
         return self._config
 
     def _set_config(self, **changes: Any) -> None:
@@ -786,12 +822,14 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def cur_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``): :meth:`get_scale`."""
+        """The current scale (DeepSpeed's ``loss_scaler.cur_scale``):
+        [`get_scale()`][distscaler.GradScaler.get_scale]."""
         return self.get_scale()
 
     @property
     def loss_scale(self) -> float:
-        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``): :meth:`get_scale`."""
+        """The current scale (DeepSpeed's ``loss_scaler.loss_scale``):
+        [`get_scale()`][distscaler.GradScaler.get_scale]."""
         return self.get_scale()
 
     @property
@@ -819,9 +857,9 @@ class GradScaler(torch.amp.GradScaler):
     def update_scale(self, overflow: Any) -> None:
         """Update the scale as if an iteration had (``overflow=True``) or had not overflowed.
 
-        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``: an :meth:`update` whose agreed
-        ``found_inf`` was ``overflow`` (``overflow`` must already be agreed: no collective). No-op
-        when disabled.
+        DeepSpeed's ``DynamicLossScaler.update_scale(overflow)``: an
+        [`update()`][distscaler.GradScaler.update] whose agreed ``found_inf`` was ``overflow``
+        (``overflow`` must already be agreed: no collective). No-op when disabled.
 
         Raises:
             TypeError: ``overflow`` is not a bool.

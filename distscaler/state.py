@@ -3,26 +3,18 @@
 Everything that changes from step to step lives here as device tensors, so that a step never reads
 a value on the host and a CUDA graph replay advances it exactly as an eager step does:
 
-==========================  =============================================================
-``scale``                   0-dim float32, the loss scale (torch's ``_scale``).
-``growth_tracker``          0-dim int32, clean steps since the last backoff or growth
-                            (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``).
-``policy``                  the policy holding its counters (:mod:`distscaler.policies`),
-                            or for the DeepSpeed and Megatron rules ``packed``: their
-                            counters packed in two float32 values, updated with the skip
-                            record (:mod:`distscaler._packed`); made at the first update,
-                            until then host numbers.
-``record``                  float32 ``(4,)``: updates, skipped updates, the number (1-based)
-                            of the last skipped update, all counted since the last *fold*,
-                            and the loss scale that update used.
-constants                   ``zero``, ``one``, ``minus_one``, ``inf`` and one tensor per ``max_norm``,
-                            made once, so that no step writes a host number into a tensor.
-==========================  =============================================================
+| tensor | what it holds |
+|---|---|
+| ``scale`` | 0-dim float32, the loss scale (torch's ``_scale``). |
+| ``growth_tracker`` | 0-dim int32, clean steps since the last backoff or growth (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``). |
+| ``policy`` | the policy holding its counters ([`distscaler.policies`][distscaler.policies]), or for the DeepSpeed and Megatron rules ``packed``: their counters packed in two float32 values, updated with the skip record (`distscaler._packed`); made at the first update, until then host numbers. |
+| ``record`` | float32 ``(4,)``: updates, skipped updates, the number (1-based) of the last skipped update, all counted since the last *fold*, and the loss scale that update used. |
+| constants | ``zero``, ``one``, ``minus_one``, ``inf`` and one tensor per ``max_norm``, made once, so that no step writes a host number into a tensor. |
 
 The record's counts are float32 so that one foreach op updates them together with the scale used
 (float32 counts integers exactly up to 2**24); the host folds them into Python ints whenever it
-reads them between iterations (:meth:`DeviceState.fold`), which the scaler does at least every
-``skip_log_interval`` updates and every :data:`FOLD_EVERY` updates.
+reads them between iterations (`DeviceState.fold()`), which the scaler does at least every
+``skip_log_interval`` updates and every `FOLD_EVERY` updates.
 """
 
 from __future__ import annotations
@@ -67,16 +59,16 @@ FOLD_EVERY = 1 << 20
 
 class NextCounters(NamedTuple):
     """The counters' next values an update needs, computed ahead by the inf check in the one
-    ``_foreach_addcdiv`` it runs anyway (:meth:`DeviceState.counter_terms`): the skip record's
-    next counts and the packed counters' terms, each 0-dim float32 on the scale's device."""
+    ``_foreach_addcdiv`` it runs anyway (`DeviceState.counter_terms()`): the skip record's next
+    counts and the packed counters' terms, each 0-dim float32 on the scale's device."""
 
     #: The record's ``num_updates + 1``.
     num_updates: torch.Tensor
     #: The record's ``num_skipped + 1``.
     num_skipped: torch.Tensor
-    #: The packed counters' terms (:meth:`PackedCounters.terms`); ``()`` when not packed.
+    #: The packed counters' terms (`PackedCounters.terms()`); ``()`` when not packed.
     policy: tuple[torch.Tensor | None, ...]
-    #: The packing they were made for (see :meth:`DeviceState.counters_valid`).
+    #: The packing they were made for (see `DeviceState.counters_valid()`).
     packed: Any
 
 
@@ -96,8 +88,8 @@ class DeviceState:
         device: where the scale lives (the device of the first scaled loss).
         values: initial scale, growth tracker and policy counters.
         pack_counters: run the DeepSpeed and Megatron rules on packed counters (the torch rule's
-            ops + 2, :mod:`distscaler._packed`); False runs every policy's plain ``update_``
-            (their reference, for tests).
+            ops + 2, `distscaler._packed`); False runs every policy's plain ``update_`` (their
+            reference, for tests).
 
     Creating it costs a few small device writes, once; nothing here reads a value on the host.
     """
@@ -166,7 +158,7 @@ class DeviceState:
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
-            counters: :meth:`next_counters`'s: ``num_updates + 1``, ``num_skipped + 1``.
+            counters: `next_counters()`'s: ``num_updates + 1``, ``num_skipped + 1``.
             extra: ``(tensor, end, weight)`` triples, lerped in place with the record.
         """
         nu1, ns1 = counters.num_updates, counters.num_skipped
@@ -181,7 +173,7 @@ class DeviceState:
     def counter_terms(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the inf check's own
         multi-tensor op (``_foreach_addcdiv``): ``[num_updates + 1, num_skipped + 1]`` and the
-        packed counters' operands (:meth:`PackedCounters.operands`)."""
+        packed counters' operands (`PackedCounters.operands()`)."""
         self._operands_for = packed = self.packed
         self._operands_key = key = self._packing
         cached = self._terms
@@ -196,14 +188,14 @@ class DeviceState:
         return a, b, c
 
     def next_counters(self, values: Sequence[torch.Tensor]) -> NextCounters:
-        """The results of :meth:`counter_terms`' ``_foreach_addcdiv`` (past the inf check's own),
-        named: the record's next counts and the packed counters' terms."""
+        """The results of `counter_terms()`' ``_foreach_addcdiv`` (past the inf check's own), named:
+        the record's next counts and the packed counters' terms."""
         packed = self._operands_for
         policy = packed.terms(list(values[2:])) if packed is not None else ()
         return NextCounters(values[0], values[1], policy, self._operands_key)
 
     def counters_valid(self, counters: NextCounters | None) -> bool:
-        """Whether ``counters`` came from :meth:`counter_terms` of the counters as they are packed
+        """Whether ``counters`` came from `counter_terms()` of the counters as they are packed
         now."""
         return counters is not None and counters.packed is self._packing
 
@@ -248,8 +240,8 @@ class DeviceState:
         raise_at_minimum: bool,
         extra: Sequence[Lerp] = (),
     ) -> None:
-        """The skip record (with ``extra`` lerps) and the policy's update, after :meth:`prepare`
-        (``counters``: :meth:`next_counters` of the counters as they are now)."""
+        """The skip record (with ``extra`` lerps) and the policy's update, after `prepare()`
+        (``counters``: `next_counters()` of the counters as they are now)."""
         if self.packed is not None:
 
             def record(lerps: list[Lerp]) -> None:
@@ -326,7 +318,7 @@ class ScalerState:
 
     Args:
         initial: scale, growth tracker and policy counters to start from.
-        pack_counters: see :class:`DeviceState` (False: every policy's plain ``update_``).
+        pack_counters: see `DeviceState` (False: every policy's plain ``update_``).
     """
 
     def __init__(self, initial: HostValues, *, pack_counters: bool = True) -> None:
@@ -380,12 +372,12 @@ class ScalerState:
         extra: Sequence[Lerp] = (),
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
-        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
-        the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
-        the clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
-        :meth:`DeviceState.counter_terms`, else one more op makes them). Returns whether the periodic host read is due (every
-        ``skip_log_interval`` and :data:`FOLD_EVERY` updates, the same update on every rank; never
-        inside CUDA graph capture).
+        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on the
+        device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus the
+        clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
+        `DeviceState.counter_terms()`, else one more op makes them). Returns whether the periodic
+        host read is due (every ``skip_log_interval`` and `FOLD_EVERY` updates, the same update on
+        every rank; never inside CUDA graph capture).
 
         Raises:
             LossScaleAtMinimumError: ``raise_error_at_min_scale`` and the overflow would lower a

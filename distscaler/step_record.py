@@ -1,15 +1,15 @@
 """What one iteration decided for one optimizer: the scaler's typed per-step record.
 
-:class:`StepRecord` keeps what the inf check of ``GradScaler``'s entry points found
-(:meth:`~StepRecord.keep`: ``unscale_``, ``clip_grad_norm_``, the check ``step`` runs) and is read
-by ``step`` (the hand-off: ``found_inf``, ``grad_scale``) and ``update`` (``found_inf``, the next
-counters, the per-tensor flags); ``update`` drops every record.
+`StepRecord` keeps what the inf check of ``GradScaler``'s entry points found (`keep()`:
+``unscale_``, ``clip_grad_norm_``, the check ``step`` runs) and is read by ``step`` (the hand-off:
+``found_inf``, ``grad_scale``) and ``update`` (``found_inf``, the next counters, the per-tensor
+flags); ``update`` drops every record.
 
 torch's ``GradScaler`` keeps its own per-optimizer state in ``_per_optimizer_states``, a
 ``defaultdict`` of ``{"stage", "found_inf_per_device"}`` dicts, which code written against torch
 reads (torch's own tests, an optimizer of the deprecated ``grad_scaler=`` contract through
-``_found_inf_per_device``). :func:`torch_states` gives that view of the records, so the records can
-hold what torch's dicts do not without changing what torch's readers see.
+``_found_inf_per_device``). `torch_states()` gives that view of the records, so the records can hold
+what torch's dicts do not without changing what torch's readers see.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class StepRecord:
     #: The agreed flag (0-dim float32, exactly 0.0 or 1.0), None before an inf check.
     found_inf: torch.Tensor | None = None
     #: What a fused step divides the gradients by (``scale / clip_coef``); None when they are
-    #: already unscaled (after :meth:`unscale_`, or a non-fused clip).
+    #: already unscaled (after `unscale_()`, or a non-fused clip).
     grad_scale: torch.Tensor | None = None
-    #: :meth:`clip_grad_norm_` ran.
+    #: `clip_grad_norm_()` ran.
     clipped: bool = False
     #: The update's next counters, made by the inf check (None: the update makes them).
     next_counters: NextCounters | None = None
@@ -58,10 +58,10 @@ class StepRecord:
         counters: bool = True,
         clipped: bool = False,
     ) -> None:
-        """Keep what an inf check found (:class:`~distscaler.inf_check.StepResult`): its
-        ``found_inf``; its ``grad_scale`` (None where ``grad_scale`` is False: the gradients are
-        already unscaled) and the update's counters it made (unless ``counters`` is False); its
-        per-tensor flags for the overflow report where it took them; and the new ``stage``."""
+        """Keep what an inf check found (`StepResult`): its ``found_inf``; its ``grad_scale`` (None
+        where ``grad_scale`` is False: the gradients are already unscaled) and the update's counters
+        it made (unless ``counters`` is False); its per-tensor flags for the overflow report where
+        it took them; and the new ``stage``."""
         assert result.found_inf is not None
         self.found_inf = result.found_inf
         self.grad_scale = result.grad_scale if grad_scale else None

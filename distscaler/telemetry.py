@@ -1,8 +1,8 @@
 """The host's side of the skip record: totals folded in from the device, and the skip log.
 
 ``update()`` folds each iteration's agreed ``found_inf`` into the device state's record with tensor
-ops only (see :mod:`distscaler.state`). The host reads the record, adds its counts to the totals
-kept here and logs new skips on rank 0 (logger ``"distscaler"``, INFO) whenever it reads the scaler
+ops only (see `distscaler.state`). The host reads the record, adds its counts to the totals kept
+here and logs new skips on rank 0 (logger ``"distscaler"``, INFO) whenever it reads the scaler
 anyway (``get_scale()``, ``state_dict()``, ``step_was_skipped``...) and every ``skip_log_interval``
 updates (one host read then).
 """

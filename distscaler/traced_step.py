@@ -9,30 +9,30 @@ functionalization without amsgrad (an empty mutable tensor list; torch 2.6 to 2.
 ``clip_grad_norm_`` + ``step`` + ``update`` through torch's step is at least three graphs, and
 ``fullgraph=True`` raises.
 
-While dynamo traces (``torch.compiler.is_compiling()``), :func:`traced_step` runs a fused torch
+While dynamo traces (``torch.compiler.is_compiling()``), `traced_step()` runs a fused torch
 ``Adam``/``AdamW`` step as torch's own wrappers and ``Adam.step`` would, minus the graph breaks:
 
 1. the global and the optimizer's step pre-hooks (torch's ``profile_hook_step``);
 2. per parameter group, the optimizer's own ``_init_group`` (dynamo runs it eagerly, so state is
    made exactly as torch makes it), then per (device, dtype) group what ``_fused_adam`` does: the
-   step counts + 1, torch's fused kernel, the step counts - ``found_inf``. The kernel runs in
-   place through ``torch.ops.distscaler.fused_adam_step_``, a custom op around torch's own
-   ``torch._fused_adam(w)_`` (the same kernel: the same bits as the eager step) that declares
-   what it mutates: the graph holds one node per call whatever the number of tensors, and
-   inductor calls it in place on the parameters, gradients and moments, with no copy back. Calls
-   take at most :data:`CHUNK` tensors (see there why);
+   step counts + 1, torch's fused kernel, the step counts - ``found_inf``. The kernel runs in place
+   through ``torch.ops.distscaler.fused_adam_step_``, a custom op around torch's own
+   ``torch._fused_adam(w)_`` (the same kernel: the same bits as the eager step) that declares what
+   it mutates: the graph holds one node per call whatever the number of tensors, and inductor calls
+   it in place on the parameters, gradients and moments, with no copy back. Calls take at most
+   `CHUNK` tensors (see there why);
 3. the step post-hooks, and the mark an LR scheduler reads (``optimizer._opt_called``).
 
-Anything else returns :data:`NOT_TRACED` before touching anything, and the caller runs
+Anything else returns `NOT_TRACED` before touching anything, and the caller runs
 ``optimizer.step()`` (torch's path: correct, with graph breaks): other optimizer classes or an
 overridden ``step``, an instance ``step`` patched by anything but an LR scheduler, fused SGD and
 Adagrad (``aten::_fused_sgd_`` has no fake kernel: it cannot be traced), tensor betas,
 ``differentiable=True``, step arguments. Eager calls never come here.
 
-Cost, compiled: the fused kernel in calls of at most :data:`CHUNK` tensors per (device, dtype)
-group, and the step counts' + 1 and - ``found_inf`` (inductor fuses them with the phase's other
-small writes); no host read, no collective. Compile time grows linearly with the tensors (torch
-2.13, CPU: ``launch/compile_cost.py``, figures in docs/benchmarks.md).
+Cost, compiled: the fused kernel in calls of at most `CHUNK` tensors per (device, dtype) group, and
+the step counts' + 1 and - ``found_inf`` (inductor fuses them with the phase's other small writes);
+no host read, no collective. Compile time grows linearly with the tensors (torch 2.13, CPU:
+``launch/compile_cost.py``, figures in docs/benchmarks.md).
 
 Sources: ``torch/optim/optimizer.py`` (``_use_grad_for_differentiable``, ``profile_hook_step``),
 ``torch/optim/adam.py`` and, before torch 2.7, ``torch/optim/adamw.py`` (``step``,
@@ -53,7 +53,7 @@ from ._torch_compat import torch_at_least
 
 __all__ = ["NOT_TRACED", "TRACES_WHOLE_PHASE", "traced_step"]
 
-#: What :func:`traced_step` returns when it did nothing: run ``optimizer.step()`` instead.
+#: What `traced_step()` returns when it did nothing: run ``optimizer.step()`` instead.
 NOT_TRACED: Final = object()
 
 
@@ -111,11 +111,11 @@ def traced_step(
         grad_scale: 0-dim float32 the kernel divides the gradients by, or None.
         found_inf: 0-dim float32; exactly 1.0 makes the kernel skip the update and the step count
             stay, as torch's fused step does.
-        args, kwargs: ``step``'s own arguments; any makes this return :data:`NOT_TRACED`.
+        args, kwargs: ``step``'s own arguments; any makes this return `NOT_TRACED`.
 
     Returns:
-        None (what ``Adam.step`` returns without a closure) after stepping, or :data:`NOT_TRACED`
-        when not tracing or the step is not one this module mirrors (nothing was run or changed).
+        None (what ``Adam.step`` returns without a closure) after stepping, or `NOT_TRACED` when not
+        tracing or the step is not one this module mirrors (nothing was run or changed).
     """
     if args or kwargs or not (TRACES_WHOLE_PHASE and torch.compiler.is_compiling()):
         return NOT_TRACED

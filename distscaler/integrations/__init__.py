@@ -1,10 +1,12 @@
 """Integrations of ``distscaler.GradScaler`` with training frameworks.
 
-* :mod:`distscaler.integrations.accelerate`: HuggingFace Accelerate (``install(accelerator)``).
-* :mod:`distscaler.integrations.transformers`: Transformers' ``Trainer`` and TRL's trainers
-  (``install(trainer)``).
-* :mod:`distscaler.integrations.torchtitan`: torchtitan's ``Trainer`` in fp16
-  (``--module distscaler.integrations.torchtitan --config llama3.llama3_8b``, ``fp16(config)``).
+* [`distscaler.integrations.accelerate`][distscaler.integrations.accelerate]: HuggingFace Accelerate
+  (``install(accelerator)``).
+* [`distscaler.integrations.transformers`][distscaler.integrations.transformers]: Transformers'
+  ``Trainer`` and TRL's trainers (``install(trainer)``).
+* [`distscaler.integrations.torchtitan`][distscaler.integrations.torchtitan]: torchtitan's
+  ``Trainer`` in fp16 (``--module distscaler.integrations.torchtitan --config llama3.llama3_8b``,
+  ``fp16(config)``).
 
 Each integration imports its framework when it is imported, so ``import distscaler`` never needs
 them.

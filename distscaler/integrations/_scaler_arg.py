@@ -24,14 +24,15 @@ def scaler_from_argument(scaler: Any, device_type: str, owner: str) -> GradScale
     Args:
         scaler: a ``distscaler.GradScaler`` (its ``device_type`` must be ``device_type``), a
             ``distscaler.ScalerConfig``, a DeepSpeed config (a dict, its ``"fp16"`` section, or a
-            JSON path; DeepSpeed's semantics, :meth:`ScalerConfig.from_deepspeed`), or None.
+            JSON path; DeepSpeed's semantics,
+            [`ScalerConfig.from_deepspeed()`][distscaler.config.ScalerConfig.from_deepspeed]), or
+            None.
         device_type: the integration's device type.
         owner: what sets the device type, for the error message ("the accelerator's").
 
     Raises:
         ValueError: a GradScaler on another device type; a DeepSpeed config that does not parse;
-            a path that is not a file (:class:`ConfigFileNotFoundError`, a ``FileNotFoundError``
-            too).
+            a path that is not a file (`ConfigFileNotFoundError`, a ``FileNotFoundError`` too).
         TypeError: anything else.
     """
     if isinstance(scaler, GradScaler):

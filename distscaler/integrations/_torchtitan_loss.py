@@ -1,13 +1,16 @@
 """Scaling a loss whose backward runs inside the loss call (torchtitan's ``ChunkedLossWrapper``).
 
 ``scaler.scale(loss).backward()`` multiplies the gradient that reaches ``loss`` by the scale. A loss
-that has already run its own backward (the chunked loss computes the output layer per sequence chunk,
-calls ``chunk_loss.backward()`` for each, and hands the decoder the accumulated gradient whatever
-reaches its result) never sees that factor: the gradients stay unscaled, and the scaler's unscale
-then divides them by the scale. The scale has to enter where the backward starts, at the inner
-loss: :func:`scaled_for_backward` returns the same value with a gradient multiplied by the scale,
-and :func:`scale_loss_fn` makes a torchtitan loss object return that. Used by
-:mod:`distscaler.integrations.torchtitan`; :func:`scaled_for_backward` needs nothing of torchtitan.
+that has already run its own backward (the chunked loss computes the output layer per sequence
+chunk, calls ``chunk_loss.backward()`` for each, and hands the decoder the accumulated gradient
+whatever reaches its result) never sees that factor: the gradients stay unscaled, and the scaler's
+unscale then divides them by the scale. The scale has to enter where the backward starts, at the
+inner loss: [`scaled_for_backward()`][distscaler.integrations.torchtitan.scaled_for_backward]
+returns the same value with a gradient multiplied by the scale, and
+[`scale_loss_fn()`][distscaler.integrations.torchtitan.scale_loss_fn] makes a torchtitan loss object
+return that. Used by [`distscaler.integrations.torchtitan`][distscaler.integrations.torchtitan];
+[`scaled_for_backward()`][distscaler.integrations.torchtitan.scaled_for_backward] needs nothing of
+torchtitan.
 """
 
 from __future__ import annotations

@@ -1,23 +1,23 @@
 """HuggingFace Accelerate: one call puts ``distscaler.GradScaler`` into an ``Accelerator``.
 
-::
+```python
+from accelerate import Accelerator
+from distscaler.integrations.accelerate import install
 
-    from accelerate import Accelerator
-    from distscaler.integrations.accelerate import install
-
-    accelerator = Accelerator(mixed_precision="fp16")
-    scaler = install(accelerator)            # before or after accelerator.prepare(...)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            loss = loss_fn(model(x), y)
-            accelerator.backward(loss)           # scaler.scale(loss).backward()
-            if accelerator.sync_gradients:
-                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # rides on the step's one collective
-            optimizer.step()                     # every rank skips, or none does
-            optimizer.zero_grad()
-        if not accelerator.optimizer_step_was_skipped:
-            lr_scheduler.step()
+accelerator = Accelerator(mixed_precision="fp16")
+scaler = install(accelerator)            # before or after accelerator.prepare(...)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+for x, y in loader:
+    with accelerator.accumulate(model):
+        loss = loss_fn(model(x), y)
+        accelerator.backward(loss)           # scaler.scale(loss).backward()
+        if accelerator.sync_gradients:
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # rides on the step's one collective
+        optimizer.step()                     # every rank skips, or none does
+        optimizer.zero_grad()
+    if not accelerator.optimizer_step_was_skipped:
+        lr_scheduler.step()
+```
 
 What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py``) does with its own
 ``torch.amp.GradScaler`` and what changes here:
@@ -26,14 +26,16 @@ What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py
   function that records whether it was called, and reports a skip when it was not. A fused optimizer
   (``AdamW(fused=True)``) is always called (it receives ``found_inf`` and skips inside the kernel),
   so Accelerate never sees its skips (accelerate issue 4242). Here the prepared optimizers become
-  :class:`ScaledAcceleratedOptimizer`, whose ``step`` calls ``scaler.step`` / ``scaler.update`` on the
-  wrapped optimizer *without* swapping its ``step``, and whose ``step_was_skipped`` is the scaler's
-  agreed ``found_inf``: right on every rank, for every kind of optimizer, including overflows that a
-  hysteresis policy absorbs (those skip the step too).
+  [`ScaledAcceleratedOptimizer`][distscaler.integrations.accelerate.ScaledAcceleratedOptimizer],
+  whose ``step`` calls ``scaler.step`` / ``scaler.update`` on the wrapped optimizer *without*
+  swapping its ``step``, and whose ``step_was_skipped`` is the scaler's agreed ``found_inf``: right
+  on every rank, for every kind of optimizer, including overflows that a hysteresis policy absorbs
+  (those skip the step too).
 * **Clipping.** ``accelerator.clip_grad_norm_`` unscales every optimizer and then calls torch's
   ``clip_grad_norm_`` (a second pass and, when sharded, a second collective). Here it goes to
-  :meth:`GradScaler.clip_grad_norm_` of the optimizer that holds exactly those parameters: the
-  global norm of the unscaled gradients, computed in the step's one collective.
+  [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] of the optimizer that
+  holds exactly those parameters: the global norm of the unscaled gradients, computed in the step's
+  one collective.
 * **CPU.** Accelerate creates no fp16 scaler and no autocast on the CPU (``mixed_precision="fp16"``
   then silently trains in fp32). With ``install`` the CPU gets fp16 autocast (the accelerator's
   ``native_amp`` is switched on, so ``prepare``'s forward wrapper and ``accelerator.autocast()``
@@ -56,12 +58,12 @@ What Accelerate (1.x, ``accelerator.py`` / ``optimizer.py`` / ``checkpointing.py
   whether or not the step was skipped; ``optimizer_step_was_skipped`` still tells the truth.
 * **``optimizer._is_overflow``.** Code that marks a skipped step by writing it (Accelerate's tests,
   trainers) is honoured: the written value is ``step_was_skipped`` until the next ``step()``.
-* **Pickling.** Everything :func:`install` stores on the accelerator is picklable, so
-  ``pickle.dumps(accelerator)`` works as it does without it.
+* **Pickling.** Everything [`install()`][distscaler.integrations.accelerate.install] stores on the
+  accelerator is picklable, so ``pickle.dumps(accelerator)`` works as it does without it.
 
-Not supported: DeepSpeed and Megatron-LM plugins (they scale the loss themselves; to keep a DeepSpeed
-``fp16`` section's behaviour on FSDP, pass ``ScalerConfig.from_deepspeed(...)`` to :func:`install`),
-XLA, and MS-AMP's fp8 optimizers.
+Not supported: DeepSpeed and Megatron-LM plugins (they scale the loss themselves; to keep a
+DeepSpeed ``fp16`` section's behaviour on FSDP, pass ``ScalerConfig.from_deepspeed(...)`` to
+[`install()`][distscaler.integrations.accelerate.install]), XLA, and MS-AMP's fp8 optimizers.
 """
 
 from __future__ import annotations
@@ -109,11 +111,12 @@ _LR_ON_SKIP = ("hold", "step")
 class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
     """An ``AcceleratedOptimizer`` whose step and skip flag come from distscaler's agreed ``found_inf``.
 
-    :func:`install` turns the accelerator's prepared optimizers into this class (same object, same
-    state; ``isinstance(opt, AcceleratedOptimizer)`` still holds). ``step()`` runs
-    ``scaler.step(wrapped)`` and ``scaler.update()`` when gradients are synchronized (not on
-    gradient-accumulation micro-steps), as Accelerate's does, but leaves the wrapped optimizer's
-    ``step`` alone. ``step_was_skipped`` is the agreed flag of this optimizer's last step.
+    [`install()`][distscaler.integrations.accelerate.install] turns the accelerator's prepared
+    optimizers into this class (same object, same state; ``isinstance(opt, AcceleratedOptimizer)``
+    still holds). ``step()`` runs ``scaler.step(wrapped)`` and ``scaler.update()`` when gradients
+    are synchronized (not on gradient-accumulation micro-steps), as Accelerate's does, but leaves
+    the wrapped optimizer's ``step`` alone. ``step_was_skipped`` is the agreed flag of this
+    optimizer's last step.
     """
 
     # The agreed found_inf (0-dim float32 on the scale's device) of the last step; None before it.
@@ -186,9 +189,9 @@ class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
 class _LRStepsOnSkip(AcceleratedScheduler):
     """An ``AcceleratedScheduler`` that steps whether or not its optimizers skipped the step.
 
-    :func:`install` with ``lr_on_skip="step"`` turns the prepared schedulers into this class (same
-    object). Accelerate's own ``step`` runs with no optimizers to ask, so its accumulation and
-    ``num_processes`` rules stay Accelerate's.
+    [`install()`][distscaler.integrations.accelerate.install] with ``lr_on_skip="step"`` turns the
+    prepared schedulers into this class (same object). Accelerate's own ``step`` runs with no
+    optimizers to ask, so its accumulation and ``num_processes`` rules stay Accelerate's.
     """
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -203,7 +206,8 @@ class _LRStepsOnSkip(AcceleratedScheduler):
 
 @dataclass(slots=True)
 class _Installation:
-    """What :func:`install` changed on one accelerator, so that :func:`uninstall` can undo it."""
+    """What [`install()`][distscaler.integrations.accelerate.install] changed on one accelerator, so
+    that [`uninstall()`][distscaler.integrations.accelerate.uninstall] can undo it."""
 
     scaler: GradScaler
     old_scaler: Any
@@ -228,11 +232,14 @@ def install(
     One call, before or after ``accelerator.prepare(...)``, on every rank. It sets
     ``accelerator.scaler`` (Accelerate's own seam: ``backward`` scales the loss with it,
     ``save_state`` / ``load_state`` store it), turns the prepared optimizers, and every optimizer
-    prepared later, into :class:`ScaledAcceleratedOptimizer`, routes ``accelerator.clip_grad_norm_``
-    to :meth:`GradScaler.clip_grad_norm_`, registers the prepared models' layouts with the scaler,
-    and adds a ``load_state`` hook that keeps FSDP2's dummy optimizer step from changing the restored
-    scale. On the CPU it also switches on fp16 autocast (see the module docstring). Undo with
-    :func:`uninstall`.
+    prepared later, into
+    [`ScaledAcceleratedOptimizer`][distscaler.integrations.accelerate.ScaledAcceleratedOptimizer],
+    routes ``accelerator.clip_grad_norm_`` to
+    [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_], registers the prepared
+    models' layouts with the scaler, and adds a ``load_state`` hook that keeps FSDP2's dummy
+    optimizer step from changing the restored scale. On the CPU it also switches on fp16 autocast
+    (see the module docstring). Undo with
+    [`uninstall()`][distscaler.integrations.accelerate.uninstall].
 
     Args:
         accelerator: an ``accelerate.Accelerator`` (single process, MULTI_CPU, MULTI_GPU, FSDP1 or
@@ -322,16 +329,19 @@ def install(
 
 
 def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
-    """The scaler :func:`install` put into ``accelerator``, or None."""
+    """The scaler [`install()`][distscaler.integrations.accelerate.install] put into
+    ``accelerator``, or None."""
     inst = getattr(accelerator, _ATTR, None)
     return None if inst is None else inst.scaler
 
 
 def uninstall(accelerator: Accelerator) -> GradScaler:
-    """Undo :func:`install`: restore Accelerate's scaler, optimizers, methods and autocast setting.
+    """Undo [`install()`][distscaler.integrations.accelerate.install]: restore Accelerate's scaler,
+    optimizers, methods and autocast setting.
 
     The optimizers go back to ``AcceleratedOptimizer`` with the scaler they had; models wrapped in
-    autocast by :func:`install` get their forward back. Returns the removed scaler.
+    autocast by [`install()`][distscaler.integrations.accelerate.install] get their forward back.
+    Returns the removed scaler.
 
     Raises:
         RuntimeError: distscaler is not installed on ``accelerator``.
@@ -412,7 +422,8 @@ def _adopt_scheduler(scheduler: Any, inst: _Installation) -> None:
 def _prepare_optimizer(
     accelerator: Accelerator, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
 ) -> AcceleratedOptimizer:
-    """``accelerator.prepare_optimizer`` after :func:`install`: Accelerate's, then adopted."""
+    """``accelerator.prepare_optimizer`` after
+    [`install()`][distscaler.integrations.accelerate.install]: Accelerate's, then adopted."""
     prepared = type(accelerator).prepare_optimizer(
         accelerator, optimizer, device_placement=device_placement
     )
@@ -423,7 +434,8 @@ def _prepare_optimizer(
 
 
 def _prepare_scheduler(accelerator: Accelerator, scheduler: Any) -> AcceleratedScheduler:
-    """``accelerator.prepare_scheduler`` after :func:`install`: Accelerate's, then adopted."""
+    """``accelerator.prepare_scheduler`` after
+    [`install()`][distscaler.integrations.accelerate.install]: Accelerate's, then adopted."""
     prepared = type(accelerator).prepare_scheduler(accelerator, scheduler)
     inst: _Installation | None = getattr(accelerator, _ATTR, None)
     if inst is not None:

@@ -1,19 +1,19 @@
 """Lightning: fp16 mixed precision with ``distscaler.GradScaler``, as one precision plugin.
 
-::
+```python
+import lightning as L
+from lightning.pytorch.strategies import ModelParallelStrategy
+from distscaler.integrations.lightning import DistScalerPrecision
 
-    import lightning as L
-    from lightning.pytorch.strategies import ModelParallelStrategy
-    from distscaler.integrations.lightning import DistScalerPrecision
+trainer = L.Trainer(
+    accelerator="cuda", devices=8, strategy=ModelParallelStrategy(),   # or "ddp", "fsdp"
+    plugins=[DistScalerPrecision("16-mixed", device="cuda")],          # not precision=...
+    gradient_clip_val=1.0,                   # folded into the scaler's one collective
+)
+trainer.fit(model)                           # AdamW(fused=True) welcome
 
-    trainer = L.Trainer(
-        accelerator="cuda", devices=8, strategy=ModelParallelStrategy(),   # or "ddp", "fsdp"
-        plugins=[DistScalerPrecision("16-mixed", device="cuda")],          # not precision=...
-        gradient_clip_val=1.0,                   # folded into the scaler's one collective
-    )
-    trainer.fit(model)                           # AdamW(fused=True) welcome
-
-    fabric = L.Fabric(accelerator="cpu", devices=2, plugins=[DistScalerPrecision("16-mixed", "cpu")])
+fabric = L.Fabric(accelerator="cpu", devices=2, plugins=[DistScalerPrecision("16-mixed", "cpu")])
+```
 
 What Lightning 2.6.6 does with fp16 (``pytorch/plugins/precision/amp.py`` ``MixedPrecision``,
 ``pytorch/plugins/precision/fsdp.py`` ``FSDPPrecision``, ``pytorch/trainer/connectors/
@@ -28,15 +28,16 @@ changes with this plugin:
   unscales in place and clips with torch (a second pass; ``FSDPPrecision`` refuses norm clipping).
   Here ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` (and
   ``LightningModule.clip_gradients`` in manual optimization) calls
-  :meth:`GradScaler.clip_grad_norm_`: the global norm of the unscaled gradients in the step's one
-  collective, fused optimizers included (they get ``grad_scale`` and ``found_inf``). ``"value"``
-  unscales through the scaler first. Consequence: ``on_before_optimizer_step`` sees the gradients
-  still multiplied by the scale, for every optimizer (stock Lightning: only for fused ones).
+  [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]: the global norm of the
+  unscaled gradients in the step's one collective, fused optimizers included (they get
+  ``grad_scale`` and ``found_inf``). ``"value"`` unscales through the scaler first. Consequence:
+  ``on_before_optimizer_step`` sees the gradients still multiplied by the scale, for every optimizer
+  (stock Lightning: only for fused ones).
 * **CPU.** ``Trainer(accelerator="cpu", precision="16-mixed")`` silently becomes ``"bf16-mixed"``.
   ``DistScalerPrecision("16-mixed", device="cpu")`` runs fp16 autocast on the CPU (gloo included).
 * **Skips.** torch's scaler decides per rank; nothing makes the ranks agree and LR schedulers step
-  on skipped steps. Here every rank skips, or none does, and :meth:`connect` puts a guard in front
-  of each ``interval="step"`` scheduler's ``step``: it does nothing after a skipped optimizer step
+  on skipped steps. Here every rank skips, or none does, and `connect()` puts a guard in front of
+  each ``interval="step"`` scheduler's ``step``: it does nothing after a skipped optimizer step
   (``last_epoch`` stays; Lightning's ``scheduler_progress`` still counts the call).
 * **Logging.** After each optimizer step the plugin logs, through ``LightningModule.log``,
   ``distscaler/skipped`` (0/1 per step, ``_step``; summed per epoch, ``_epoch``),
@@ -47,8 +48,8 @@ changes with this plugin:
   scale, tracker and skip counts, on every strategy (``ModelParallelStrategy`` keeps it in the
   metadata file of its distributed checkpoint).
 * **Layout.** At the first optimizer step the plugin registers the strategy's wrapped model with the
-  scaler (:meth:`GradScaler.register_model`: DDP's and FSDP1's process groups; FSDP2 / TP gradients
-  are DTensors), so the norm counts each gradient value once.
+  scaler ([`GradScaler.register_model()`][distscaler.GradScaler.register_model]: DDP's and FSDP1's
+  process groups; FSDP2 / TP gradients are DTensors), so the norm counts each gradient value once.
 
 Strategies: ``SingleDeviceStrategy``, the ``ddp`` family, ``FSDPStrategy`` (FSDP1, which accepts
 only an ``FSDPPrecision``: this class is one, and keeps its fp16 ``MixedPrecision`` config for
@@ -124,8 +125,9 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         log_metrics: log ``distscaler/*`` metrics through ``LightningModule.log`` (Trainer only).
 
     Raises:
-        ValueError: ``precision`` is not one of :data:`PRECISIONS`; ``device`` has no autocast;
-            the scaler's device type is not ``device``.
+        ValueError: ``precision`` is not one of
+            [`PRECISIONS`][distscaler.integrations.lightning.PRECISIONS]; ``device`` has no
+            autocast; the scaler's device type is not ``device``.
         TypeError: ``device`` is not a string; ``scaler`` is none of the above (a
             ``torch.amp.GradScaler`` included: it decides per rank); ``log_metrics`` not a bool.
 
@@ -217,7 +219,9 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
         Each ``LRSchedulerConfig`` with ``interval="step"`` gets its scheduler's class swapped for a
         subclass whose ``step`` does nothing after a skipped optimizer step (same object, state and
-        ``state_dict``; undone by :meth:`teardown`). Epoch schedulers are left alone.
+        ``state_dict``; undone by
+        [`teardown()`][distscaler.integrations.lightning.DistScalerPrecision.teardown]). Epoch
+        schedulers are left alone.
 
         Raises:
             ValueError: the Trainer's device type is not the plugin's ``device``.
@@ -263,7 +267,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         """Trainer: scale the loss, then Lightning's ``on_before_backward`` hooks. Fabric: as is
-        (it scales in :meth:`backward`)."""
+        (it scales in
+        [`backward()`][distscaler.integrations.lightning.DistScalerPrecision.backward])."""
         if _trainer_of(module) is None:
             return _FabricPrecision.pre_backward(self, tensor, module)
         return _TrainerPrecision.pre_backward(self, self.scaler.scale(tensor), module)
@@ -332,10 +337,10 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
     ) -> None:
         """Trainer clipping (``gradient_clip_val`` or ``LightningModule.clip_gradients``).
 
-        ``"norm"``: :meth:`GradScaler.clip_grad_norm_` (the global norm of the unscaled gradients,
-        in the step's one collective; fused optimizers included). ``"value"``: ``scaler.unscale_``
-        (which runs the inf check first, so an inf still skips) and ``clip_grad_value_``. Every rank
-        must call. No-op for ``clip_val <= 0``.
+        ``"norm"``: [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] (the
+        global norm of the unscaled gradients, in the step's one collective; fused optimizers
+        included). ``"value"``: ``scaler.unscale_`` (which runs the inf check first, so an inf still
+        skips) and ``clip_grad_value_``. Every rank must call. No-op for ``clip_val <= 0``.
         """
         if clip_val <= 0 or self._backward_skipped:
             return

@@ -9,14 +9,17 @@ one's (``ChainedOptimizer.get_loss_scale``) and the expert gradients are unscale
 2x too large from then on. It also costs one ``all_reduce`` and one host read per sub-optimizer per
 step, plus the norm's own ``all_reduce``.
 
-:func:`install` puts one :class:`distscaler.GradScaler` behind the whole chain, on every rank,
-before the first step::
+[`install()`][distscaler.integrations.megatron.install] puts one
+[`distscaler.GradScaler`][distscaler.GradScaler] behind the whole chain, on every rank, before the
+first step:
 
-    from megatron.core.optimizer import get_megatron_optimizer
-    from distscaler.integrations import megatron as ds_megatron
+```python
+from megatron.core.optimizer import get_megatron_optimizer
+from distscaler.integrations import megatron as ds_megatron
 
-    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
-    ds_megatron.install(optimizer)          # scaler=None: policy="megatron" from the config
+optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+ds_megatron.install(optimizer)          # scaler=None: policy="megatron" from the config
+```
 
 and nothing else changes: the training loop still calls ``optimizer.scale_loss(loss)`` (or
 ``config.grad_scale_func``), ``optimizer.step()`` and ``optimizer.zero_grad()``.
@@ -25,10 +28,10 @@ What a step does then (``optimizer.step()``, every rank must call it, as stock):
 
 1. every sub-optimizer copies its model gradients to its main gradients (Megatron's own
    ``_copy_model_grads_to_main_grads``);
-2. :meth:`GradScaler.clip_grad_norm_ <distscaler.GradScaler.clip_grad_norm_>` over the main
-   gradients of **all** sub-optimizers at once: one read pass, **one** ``all_reduce`` of two
-   float32 over the world for the overflow flag and the global norm, then the unscale (times the
-   clip coefficient when ``clip_grad > 0``) in place; ``clip_grad == 0`` measures the norm only;
+2. [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] over the main gradients
+   of **all** sub-optimizers at once: one read pass, **one** ``all_reduce`` of two float32 over the
+   world for the overflow flag and the global norm, then the unscale (times the clip coefficient
+   when ``clip_grad > 0``) in place; ``clip_grad == 0`` measures the norm only;
 3. one host read of the agreed flag (Megatron's ``step()`` returns a Python bool), and one of the
    norm (it returns a Python float);
 4. the scale is updated once, by the policy, for every sub-optimizer;
@@ -36,12 +39,13 @@ What a step does then (``optimizer.step()``, every rank must call it, as stock):
    model parameter copies); ``count_zeros`` when ``log_num_zeros_in_grad`` (its own collective,
    as stock).
 
-Every sub-optimizer's ``grad_scaler`` becomes a view of the one scale (:class:`SharedGradScaler`):
-``get_loss_scale()``, ``scale_loss()`` and the checkpoints read it, so a checkpoint keeps
-Megatron's keys (``{"scale", "growth_tracker", "hysteresis_tracker"}`` per sub-optimizer, one
-value for all) and loads into stock Megatron; a stock checkpoint loads here, and a chained one
-whose scales differ loads the smallest scale with its trackers, with a warning (the largest would
-overflow the sub-optimizer whose scale had backed off).
+Every sub-optimizer's ``grad_scaler`` becomes a view of the one scale
+([`SharedGradScaler`][distscaler.integrations.megatron.SharedGradScaler]): ``get_loss_scale()``,
+``scale_loss()`` and the checkpoints read it, so a checkpoint keeps Megatron's keys (``{"scale",
+"growth_tracker", "hysteresis_tracker"}`` per sub-optimizer, one value for all) and loads into stock
+Megatron; a stock checkpoint loads here, and a chained one whose scales differ loads the smallest
+scale with its trackers, with a warning (the largest would overflow the sub-optimizer whose scale
+had backed off).
 
 The norm weights each rank's ``sum |g|**2`` by ``|G| / world_size``, ``G`` being the sub-optimizer's
 grad-stats group (``get_grad_stats_parallel_group()``: the model-parallel group for the
@@ -51,12 +55,12 @@ one): Megatron's norm over ``G`` counts each value once, and the world holds
 tensor-parallel and GTP duplicates: ``MegatronOptimizer._filter_grads_for_norm``) weigh 0 and
 still count for the overflow flag.
 
-Not supported, each refused by :func:`install` with a ``NotImplementedError`` that names it
-(never a silent split): the precision-aware optimizer (``use_precision_aware_optimizer``:
-gradients in ``decoupled_grad``), Megatron-FSDP (``use_megatron_fsdp``), MIMO's per-module
-optimizer (``MimoOptimizer``), the layer-wise distributed optimizer, CPU offloading
-(``optimizer_cpu_offload``), separate grad-norm groups (MTP), sub-optimizers without a grad scaler
-(bf16, fp32).
+Not supported, each refused by [`install()`][distscaler.integrations.megatron.install] with a
+``NotImplementedError`` that names it (never a silent split): the precision-aware optimizer
+(``use_precision_aware_optimizer``: gradients in ``decoupled_grad``), Megatron-FSDP
+(``use_megatron_fsdp``), MIMO's per-module optimizer (``MimoOptimizer``), the layer-wise distributed
+optimizer, CPU offloading (``optimizer_cpu_offload``), separate grad-norm groups (MTP),
+sub-optimizers without a grad scaler (bf16, fp32).
 
 Relied on in megatron-core (tested with 0.19.2): ``optimizer/optimizer.py``:
 ``ChainedOptimizer.chained_optimizers``, ``MixedPrecisionOptimizer.grad_scaler``/``step``/
@@ -97,7 +101,8 @@ TESTED_VERSION = "0.19.2"
 
 
 def scaler_config(config: Any) -> ScalerConfig:
-    """The :class:`~distscaler.ScalerConfig` of Megatron's own grad scaler for ``config``.
+    """The [`ScalerConfig`][distscaler.config.ScalerConfig] of Megatron's own grad scaler for
+    ``config``.
 
     Megatron's ``get_megatron_optimizer`` rule: ``loss_scale`` set: a constant scale
     (``policy="static"``); otherwise ``DynamicGradScaler(initial_loss_scale, min_loss_scale,
@@ -124,7 +129,8 @@ def scaler_config(config: Any) -> ScalerConfig:
 
 
 class SharedGradScaler(MegatronGradScaler):
-    """A sub-optimizer's ``grad_scaler``: a view of the one :class:`distscaler.GradScaler`.
+    """A sub-optimizer's ``grad_scaler``: a view of the one
+    [`distscaler.GradScaler`][distscaler.GradScaler].
 
     Megatron reads ``scale`` (``get_loss_scale``, ``scale_loss``; float32, shape ``(1,)``, on the
     scaler's device, a view that follows every update, no copy) and ``inv_scale``, and saves
@@ -137,7 +143,8 @@ class SharedGradScaler(MegatronGradScaler):
 
     @property
     def scale(self) -> torch.Tensor:
-        """The one scale (:meth:`MegatronBinding.scale_tensor`)."""
+        """The one scale
+        ([`MegatronBinding.scale_tensor()`][distscaler.integrations.megatron.MegatronBinding.scale_tensor])."""
         return self._binding.scale_tensor()
 
     @property
@@ -179,11 +186,13 @@ class _MainGrads:
 
 
 class MegatronBinding:
-    """What :func:`install` attaches to a Megatron optimizer (``optimizer._distscaler``).
+    """What [`install()`][distscaler.integrations.megatron.install] attaches to a Megatron optimizer
+    (``optimizer._distscaler``).
 
     Attributes:
-        scaler: the one :class:`distscaler.GradScaler` (its process group: the world).
-        optimizer: the optimizer given to :func:`install`.
+        scaler: the one [`distscaler.GradScaler`][distscaler.GradScaler] (its process group: the
+            world).
+        optimizer: the optimizer given to [`install()`][distscaler.integrations.megatron.install].
         subs: its sub-optimizers (the optimizer itself when it is not chained).
         last_grad_norm: the last prepared step's global norm (Python float; None before one or
             after a skipped step).
@@ -411,7 +420,8 @@ def _device_type(subs: list[MixedPrecisionOptimizer]) -> str:
 
 
 def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
-    """Put one :class:`distscaler.GradScaler` behind every sub-optimizer of ``optimizer``.
+    """Put one [`distscaler.GradScaler`][distscaler.GradScaler] behind every sub-optimizer of
+    ``optimizer``.
 
     Call on every rank, after ``get_megatron_optimizer`` and before the first step (and before
     loading a checkpoint into ``optimizer``). See the module docstring for what a step does.
@@ -421,10 +431,11 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
             ``fp16=True``: a ``ChainedOptimizer``, a ``Float16OptimizerWithFloat16Params`` or a
             ``DistributedOptimizer``.
         scaler: None (default): Megatron's own rule from ``optimizer.config``
-            (:func:`scaler_config`: ``policy="megatron"``, or ``"static"`` when ``loss_scale`` is
-            set), its scale taken from the first sub-optimizer's current scale. Or a
-            ``distscaler.GradScaler`` (on the parameters' device type, process group the world), a
-            ``ScalerConfig``, or a DeepSpeed config (dict, its ``"fp16"`` section or JSON path).
+            ([`scaler_config()`][distscaler.integrations.megatron.scaler_config]:
+            ``policy="megatron"``, or ``"static"`` when ``loss_scale`` is set), its scale taken from
+            the first sub-optimizer's current scale. Or a ``distscaler.GradScaler`` (on the
+            parameters' device type, process group the world), a ``ScalerConfig``, or a DeepSpeed
+            config (dict, its ``"fp16"`` section or JSON path).
 
     Returns:
         The scaler (also ``optimizer._distscaler.scaler``).
@@ -510,6 +521,7 @@ def _with_init_scale(config: ScalerConfig, scale: float) -> ScalerConfig:
 
 
 def installed_scaler(optimizer: MegatronOptimizer) -> GradScaler | None:
-    """The scaler :func:`install` put on ``optimizer``, or None."""
+    """The scaler [`install()`][distscaler.integrations.megatron.install] put on ``optimizer``, or
+    None."""
     binding = getattr(optimizer, "_distscaler", None)
     return binding.scaler if binding is not None else None

@@ -1,33 +1,41 @@
 """torchtitan in fp16: a Trainer that scales the loss and skips an overflowing step on every rank.
 
-Command line (any torchtitan model config: ``<model>.<config function>``, or a module path)::
+Command line (any torchtitan model config: ``<model>.<config function>``, or a module path):
 
-    torchrun --nproc-per-node 8 -m torchtitan.train \\
-        --module distscaler.integrations.torchtitan --config llama3.llama3_8b \\
-        --grad_scaler.init_scale 65536 --grad_scaler.growth_interval 2000
+```bash
+torchrun --nproc-per-node 8 -m torchtitan.train \\
+    --module distscaler.integrations.torchtitan --config llama3.llama3_8b \\
+    --grad_scaler.init_scale 65536 --grad_scaler.growth_interval 2000
+```
 
-Or from a config function of your own (``--module my_configs --config llama3_8b_fp16``)::
+Or from a config function of your own (``--module my_configs --config llama3_8b_fp16``):
 
-    from distscaler.integrations.torchtitan import fp16
-    from torchtitan.models.llama3.config_registry import llama3_8b
+```python
+from distscaler.integrations.torchtitan import fp16
+from torchtitan.models.llama3.config_registry import llama3_8b
 
-    def llama3_8b_fp16():
-        return fp16(llama3_8b())            # a DistScalerTrainer.Config
+def llama3_8b_fp16():
+    return fp16(llama3_8b())            # a DistScalerTrainer.Config
+```
 
-What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what :class:`DistScalerTrainer` changes:
+What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what
+[`DistScalerTrainer`][distscaler.integrations.torchtitan.DistScalerTrainer] changes:
 
-* **fp16.** Its command line takes ``bfloat16``/``float32`` parameters only; :func:`fp16` (and the
-  command line here) sets ``float16``: FSDP2's ``MixedPrecisionPolicy(param_dtype=float16,
-  reduce_dtype=float32)``, which torchtitan applies through ``fully_shard`` even at shard degree 1.
+* **fp16.** Its command line takes ``bfloat16``/``float32`` parameters only;
+  [`fp16()`][distscaler.integrations.torchtitan.fp16] (and the command line here) sets ``float16``:
+  FSDP2's ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``, which torchtitan
+  applies through ``fully_shard`` even at shard degree 1.
 * **Loss scaling.** No scaler. Its default LLM loss, ``ChunkedLossWrapper``, runs the output layer's
   backward inside the loss call and ignores the gradient reaching its result: with
   ``scaler.scale(loss).backward()`` the gradients would be divided by the scale. Here the loss
-  object (a ``ChunkedLossWrapper``'s inner loss) returns :func:`scaled_for_backward` of its value:
+  object (a ``ChunkedLossWrapper``'s inner loss) returns
+  [`scaled_for_backward()`][distscaler.integrations.torchtitan.scaled_for_backward] of its value:
   the same value, its gradient times the scale; pipeline schedules call that same object.
 * **The inf check.** ``train_step`` clips the (scaled) gradients and steps; an inf gradient becomes NaN
-  weights and the next step stops the job ("Loss is not finite"). Here :meth:`GradScaler.clip_grad_norm_`
-  (the global norm of the unscaled gradients, any layout, in the step's one ``all_reduce``),
-  ``step`` and ``update``: every rank skips, or none does, and backs off; logged, not raised.
+  weights and the next step stops the job ("Loss is not finite"). Here
+  [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] (the global norm of the
+  unscaled gradients, any layout, in the step's one ``all_reduce``), ``step`` and ``update``: every
+  rank skips, or none does, and backs off; logged, not raised.
 * **Fused optimizers.** ``OptimizersContainer`` holds one optimizer per model part and optimizer
   name. When all take ``grad_scale``/``found_inf`` (``Adam``/``AdamW``/``SGD``/``Adagrad`` with
   ``implementation="fused"``, the default), one inf check covers all their parameters and the
@@ -38,8 +46,8 @@ What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what :class:`DistScalerT
 * **Logs.** torchtitan's metrics logger (console, TensorBoard, W&B) gets ``distscaler/scale``,
   ``distscaler/skipped`` (since the last log), ``distscaler/skipped_total`` and, after a skip,
   ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``; a warning names the parameters
-  and ranks (:meth:`GradScaler.report_overflow`). The LR scheduler steps on skipped steps too
-  (torch's recipe; holding it would cost a host read per step).
+  and ranks ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]). The LR
+  scheduler steps on skipped steps too (torch's recipe; holding it would cost a host read per step).
 * **Checkpoints.** ``Trainer.state_dict`` (torchtitan's ``train_state``) carries the scaler: a
   resume continues with the same scale, tracker and skip counts.
 
@@ -179,7 +187,9 @@ class DistScalerTrainer(Trainer):
     steps every rank skips together (see the module docstring).
 
     Args:
-        config: a :class:`DistScalerTrainer.Config` (:func:`fp16` makes one from a
+        config: a
+            [`DistScalerTrainer.Config`][distscaler.integrations.torchtitan.DistScalerTrainer.Config]
+            ([`fp16()`][distscaler.integrations.torchtitan.fp16] makes one from a
             ``Trainer.Config``).
         scaler: ``None`` (default): a scaler from ``config.grad_scaler``. Or a
             ``distscaler.GradScaler`` (on torchtitan's device type), a ``ScalerConfig``, a DeepSpeed
@@ -371,9 +381,10 @@ class DistScalerTrainer(Trainer):
 
     def scaler_metrics(self) -> dict[str, float]:
         """The ``distscaler/*`` metrics of this logging step (module docstring). After new skips it
-        runs :meth:`GradScaler.report_overflow`, which logs the report (a warning on rank 0, logger
-        ``"distscaler"``): every rank must call it at the same step (one ``all_gather`` at world
-        size > 1, only then). Two host reads (the skip counts, the scale)."""
+        runs [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow], which logs the
+        report (a warning on rank 0, logger ``"distscaler"``): every rank must call it at the same
+        step (one ``all_gather`` at world size > 1, only then). Two host reads (the skip counts, the
+        scale)."""
         scaler = self.grad_scaler
         if not scaler.is_enabled():
             return {}
@@ -413,11 +424,13 @@ class DistScalerTrainer(Trainer):
 
 
 def fp16(config: Any, scaler: ScalerConfig | None = None) -> DistScalerTrainer.Config:
-    """A :class:`DistScalerTrainer.Config` with every section of ``config`` (a torchtitan
-    ``Trainer.Config``; the sections are shared, not copied, except ``training``, copied into an
-    :class:`Fp16TrainingConfig` with ``mixed_precision_param="float16"``) and the ``grad_scaler``
-    section ``scaler`` (default: ``config``'s own if it has one, else ``ScalerConfig()``, torch's
-    defaults: initial scale 2**16, growth every 2000 clean steps).
+    """A [`DistScalerTrainer.Config`][distscaler.integrations.torchtitan.DistScalerTrainer.Config]
+    with every section of ``config`` (a torchtitan ``Trainer.Config``; the sections are shared, not
+    copied, except ``training``, copied into an
+    [`Fp16TrainingConfig`][distscaler.integrations.torchtitan.Fp16TrainingConfig] with
+    ``mixed_precision_param="float16"``) and the ``grad_scaler`` section ``scaler`` (default:
+    ``config``'s own if it has one, else ``ScalerConfig()``, torch's defaults: initial scale 2**16,
+    growth every 2000 clean steps).
 
     Raises:
         TypeError: ``config`` is not a ``Trainer.Config`` (a config of another trainer class, such

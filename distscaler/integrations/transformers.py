@@ -1,20 +1,21 @@
 """Transformers' ``Trainer`` and TRL: one call puts ``distscaler.GradScaler`` into a Trainer.
 
-::
+```python
+from transformers import Trainer, TrainingArguments
+from distscaler.integrations.transformers import install
 
-    from transformers import Trainer, TrainingArguments
-    from distscaler.integrations.transformers import install
+args = TrainingArguments(..., fp16=True, optim="adamw_torch_fused", max_grad_norm=1.0)
+trainer = Trainer(model=model, args=args, train_dataset=data)   # or SFTTrainer, DPOTrainer...
+install(trainer)                  # after the Trainer is built, before train(); every rank
+trainer.train(resume_from_checkpoint=...)
+```
 
-    args = TrainingArguments(..., fp16=True, optim="adamw_torch_fused", max_grad_norm=1.0)
-    trainer = Trainer(model=model, args=args, train_dataset=data)   # or SFTTrainer, DPOTrainer...
-    install(trainer)                  # after the Trainer is built, before train(); every rank
-    trainer.train(resume_from_checkpoint=...)
-
-Every Trainer subclass works the same way (TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``...):
-the Trainer trains through its ``accelerate.Accelerator``, and :func:`install` installs distscaler
-there with :func:`distscaler.integrations.accelerate.install`. What Transformers 5.x
-(``trainer.py``: ``_inner_training_loop``, ``_clip_grad_norm``, ``_get_grad_norm``, ``_save_scaler``,
-``_load_scaler``, ``log``) does with fp16 and what changes:
+Every Trainer subclass works the same way (TRL's ``SFTTrainer``, ``DPOTrainer``,
+``GRPOTrainer``...): the Trainer trains through its ``accelerate.Accelerator``, and
+[`install()`][distscaler.integrations.transformers.install] installs distscaler there with
+[`distscaler.integrations.accelerate.install()`][distscaler.integrations.accelerate.install]. What
+Transformers 5.x (``trainer.py``: ``_inner_training_loop``, ``_clip_grad_norm``, ``_get_grad_norm``,
+``_save_scaler``, ``_load_scaler``, ``log``) does with fp16 and what changes:
 
 * **Agreement.** Accelerate's ``torch.amp.GradScaler`` decides per rank; here every rank skips, or
   none does, and the scales agree (one ``all_reduce`` of 2 float32 per optimizer step).
@@ -22,26 +23,29 @@ there with :func:`distscaler.integrations.accelerate.install`. What Transformers
   ``accelerator.optimizer_step_was_skipped``, which misses the skips of fused optimizers
   (``optim="adamw_torch_fused"``; accelerate issue 4242), so their scheduler moves on a skipped
   step. Here the flag is the agreed ``found_inf`` for every optimizer: the scheduler holds.
-* **Clipping.** ``max_grad_norm > 0`` clips through :meth:`GradScaler.clip_grad_norm_` (the global
-  norm folded into the step's collective, no extra pass with a fused optimizer);
-  ``max_grad_norm=0`` measures the logged ``grad_norm`` with ``max_norm=inf`` (measure only).
+* **Clipping.** ``max_grad_norm > 0`` clips through
+  [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] (the global norm folded
+  into the step's collective, no extra pass with a fused optimizer); ``max_grad_norm=0`` measures
+  the logged ``grad_norm`` with ``max_norm=inf`` (measure only).
 * **Logs.** Each Trainer log (``on_log``: the console, TensorBoard, W&B... get them like any metric,
   and ``trainer.state.log_history``) carries ``distscaler/scale``, ``distscaler/skipped`` (skipped
   optimizer steps since the previous log), ``distscaler/skipped_total`` and, once a step was
   skipped, ``distscaler/overflow_step`` (the scaler's update number of the last skipped step) and
   ``distscaler/overflow_tensors`` (how many gradient tensors held inf/NaN, all ranks). The names,
   ranks and kinds are logged as a warning on rank 0 (logger ``"distscaler"``) right after the
-  skipped step: :meth:`GradScaler.report_overflow`.
+  skipped step: [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow].
 * **Checkpoints.** Unchanged code path: the Trainer saves ``accelerator.scaler.state_dict()`` as
   ``scaler.pt`` in each checkpoint and loads it on ``resume_from_checkpoint`` (after the optimizer,
   so FSDP2's dummy optimizer step cannot move the restored scale): the same scale, tracker and
   skip counts continue.
 * **CPU.** Stock Accelerate on the CPU ignores ``fp16=True`` and trains in fp32 without a word;
-  here fp16 autocast and the scaler run on the CPU too, and :func:`install` says so once (a
-  warning on rank 0; fp16 matmuls are slow on CPUs without fp16 units). Under ``torchrun`` on a
-  machine without GPUs the Trainer needs ``use_cpu=True``: without it, Accelerate runs
-  ``DistributedType.NO`` and every rank trains its own copy of the model; :func:`install` refuses
-  that setup. Stock Accelerate also drops FSDP on the CPU (FSDP needs an accelerator device there).
+  here fp16 autocast and the scaler run on the CPU too, and
+  [`install()`][distscaler.integrations.transformers.install] says so once (a warning on rank 0;
+  fp16 matmuls are slow on CPUs without fp16 units). Under ``torchrun`` on a machine without GPUs
+  the Trainer needs ``use_cpu=True``: without it, Accelerate runs ``DistributedType.NO`` and every
+  rank trains its own copy of the model; [`install()`][distscaler.integrations.transformers.install]
+  refuses that setup. Stock Accelerate also drops FSDP on the CPU (FSDP needs an accelerator device
+  there).
 
 Not supported (refused by the Accelerate integration): DeepSpeed, Megatron-LM, XLA, MS-AMP. Tested
 with transformers 5.23.0, trl 1.16.0, accelerate 1.15.0, torch 2.13, on CPU processes (gloo; the
@@ -74,13 +78,14 @@ _said_cpu_fp16 = False
 
 
 class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
-    """Reports the scaler through a Trainer's logs; :func:`install` adds it (first in the list,
-    so that the reporting callbacks after it see its metrics).
+    """Reports the scaler through a Trainer's logs;
+    [`install()`][distscaler.integrations.transformers.install] adds it (first in the list, so that
+    the reporting callbacks after it see its metrics).
 
     ``on_step_end`` (every rank, after each optimizer step): one host read of the agreed skip flag;
-    after a skipped step, :meth:`GradScaler.report_overflow` (every rank at the same step: at world
-    size > 1 one ``all_gather``, only then). ``on_log``: adds the metrics of the module docstring
-    to the log (two host reads).
+    after a skipped step, [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]
+    (every rank at the same step: at world size > 1 one ``all_gather``, only then). ``on_log``: adds
+    the metrics of the module docstring to the log (two host reads).
     """
 
     def __init__(self, scaler: GradScaler, *, log_metrics: bool = True) -> None:
@@ -130,9 +135,11 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
 
     Call it on every rank after building the Trainer (any subclass: TRL's included) and before
     ``train()``; a resumed run calls it the same way. It installs the scaler in
-    ``trainer.accelerator`` (:func:`distscaler.integrations.accelerate.install`) and adds a
-    :class:`DistScalerCallback` first in the Trainer's callbacks. On the CPU with ``fp16=True`` it
-    warns once (rank 0) that fp16 is now real there. Undo with :func:`uninstall`.
+    ``trainer.accelerator``
+    ([`distscaler.integrations.accelerate.install()`][distscaler.integrations.accelerate.install])
+    and adds a [`DistScalerCallback`][distscaler.integrations.transformers.DistScalerCallback] first
+    in the Trainer's callbacks. On the CPU with ``fp16=True`` it warns once (rank 0) that fp16 is
+    now real there. Undo with [`uninstall()`][distscaler.integrations.transformers.uninstall].
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) trained with DDP, FSDP2 or one process
@@ -140,8 +147,10 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
         scaler: ``None`` (default): a new ``GradScaler`` on the Trainer's device type (needs
             ``TrainingArguments(fp16=True)``). A ``distscaler.GradScaler``, a
             ``distscaler.ScalerConfig`` or a DeepSpeed config (dict, its ``"fp16"`` section or a
-            JSON path): as :func:`distscaler.integrations.accelerate.install` takes it (needed
-            without ``fp16=True``, for example to agree on non-finite steps in bf16).
+            JSON path): as
+            [`distscaler.integrations.accelerate.install()`][distscaler.integrations.accelerate.install]
+            takes it (needed without ``fp16=True``, for example to agree on non-finite steps in
+            bf16).
         log_metrics: add the ``distscaler/*`` metrics to the Trainer's logs (default True).
 
     Returns:
@@ -156,8 +165,9 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
             Accelerate integration).
         RuntimeError: distscaler is already installed on ``trainer``.
 
-    Cost: no collective and no host read here; per optimizer step, the scaler's one
-    ``all_reduce`` plus the callback's (:class:`DistScalerCallback`).
+    Cost: no collective and no host read here; per optimizer step, the scaler's one ``all_reduce``
+    plus the callback's
+    ([`DistScalerCallback`][distscaler.integrations.transformers.DistScalerCallback]).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(
@@ -193,13 +203,15 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
 
 
 def installed_scaler(trainer: Trainer) -> GradScaler | None:
-    """The scaler :func:`install` put into ``trainer``, or None."""
+    """The scaler [`install()`][distscaler.integrations.transformers.install] put into ``trainer``,
+    or None."""
     callback = getattr(trainer, _ATTR, None)
     return None if callback is None else callback.scaler
 
 
 def uninstall(trainer: Trainer) -> GradScaler:
-    """Undo :func:`install`: Accelerate's scaler and optimizers come back, the callback goes.
+    """Undo [`install()`][distscaler.integrations.transformers.install]: Accelerate's scaler and
+    optimizers come back, the callback goes.
 
     Raises:
         RuntimeError: distscaler is not installed on ``trainer``.

@@ -12,29 +12,31 @@ Importing this module puts distscaler's engines in verl's registry in place of t
 engines (``language_model`` and ``value_model``, backends ``fsdp`` and ``fsdp2``, every device they
 are registered for), and in place of the Megatron engines when verl's Megatron engine imports. The
 one line, in the verl config (verl imports ``external_lib`` in each worker before it builds the
-engine)::
+engine):
 
-    actor_rollout_ref.model.external_lib=distscaler.integrations.verl
-    critic.model.external_lib=distscaler.integrations.verl        # when a critic trains too
+```text
+actor_rollout_ref.model.external_lib=distscaler.integrations.verl
+critic.model.external_lib=distscaler.integrations.verl        # when a critic trains too
+```
 
 (or ``VERL_USE_EXTERNAL_MODULES=distscaler.integrations.verl`` in the workers' environment). In bf16
 and fp32 the engines are verl's, unchanged: nothing is scaled there.
 
 What an FSDP engine then does in fp16, on verl's device (``get_device_name()``), FSDP1 and FSDP2:
 
-* **Step** (``optimizer_step``, every rank): :meth:`GradScaler.clip_grad_norm_
-  <distscaler.GradScaler.clip_grad_norm_>` with verl's ``optim.clip_grad`` (one read pass, **one**
-  ``all_reduce`` of 2 float32 for the flag and the global norm, FSDP1's flat shards and FSDP2's
-  DTensors counted once each), ``step`` (skipped on every rank or none; fused and foreach AdamW
-  take ``grad_scale``/``found_inf`` and never wait for the host), ``update``. It returns
-  ``grad_norm`` as verl does (a Python float: the norm before clipping; non-finite on a skipped
-  step). One host read (the norm, which verl reads anyway).
+* **Step** (``optimizer_step``, every rank):
+  [`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] with verl's
+  ``optim.clip_grad`` (one read pass, **one** ``all_reduce`` of 2 float32 for the flag and the
+  global norm, FSDP1's flat shards and FSDP2's DTensors counted once each), ``step`` (skipped on
+  every rank or none; fused and foreach AdamW take ``grad_scale``/``found_inf`` and never wait for
+  the host), ``update``. It returns ``grad_norm`` as verl does (a Python float: the norm before
+  clipping; non-finite on a skipped step). One host read (the norm, which verl reads anyway).
 * **Metrics**, in the step's ``metrics``: ``grad_norm`` (verl's), ``distscaler/scale`` (the scale
   for the next step), ``distscaler/skipped`` (0 or 1) and, after a skip,
   ``distscaler/overflow_step`` and ``distscaler/overflow_tensors`` with a warning that names the
-  ranks and parameters (by module path, FSDP1 and FSDP2) (:meth:`GradScaler.report_overflow
-  <distscaler.GradScaler.report_overflow>`, one ``all_gather``, only after a skip). One more host
-  read per step (the scale).
+  ranks and parameters (by module path, FSDP1 and FSDP2)
+  ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow], one ``all_gather``, only
+  after a skip). One more host read per step (the scale).
 * **LR scheduler held** on skipped steps (default, ``lr_on_skip="hold"``): verl's worker calls
   ``lr_scheduler_step()`` once per training call, after its mini-batches; it is held (the current
   LR returned) when every optimizer step since the last scheduler step was skipped, so the schedule
@@ -48,19 +50,20 @@ What an FSDP engine then does in fp16, on verl's device (``get_device_name()``),
   and the scale starts from the initial value.
 
 The Megatron engine (``backend="megatron"``, fp16): its optimizer goes through
-:func:`distscaler.integrations.megatron.install` (one scale for the dense and expert
-sub-optimizers, one collective), a skipped step returns a non-finite ``grad_norm`` (stock verl
-raises ``NotImplementedError("Megatron optimizer step failed...")`` on any skipped fp16 step) and
-the LR scheduler is held as above. Needs megatron-core 0.19.2 and Megatron's standard fp16
-optimizer: verl turns the precision-aware optimizer on in fp16, so the config also needs
+[`distscaler.integrations.megatron.install()`][distscaler.integrations.megatron.install] (one scale
+for the dense and expert sub-optimizers, one collective), a skipped step returns a non-finite
+``grad_norm`` (stock verl raises ``NotImplementedError("Megatron optimizer step failed...")`` on any
+skipped fp16 step) and the LR scheduler is held as above. Needs megatron-core 0.19.2 and Megatron's
+standard fp16 optimizer: verl turns the precision-aware optimizer on in fp16, so the config also
+needs
 ``actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=False``
-(building the engine without it raises ``NotImplementedError`` saying so, before anything is
-built).
+(building the engine without it raises ``NotImplementedError`` saying so, before anything is built).
 
-Settings: :func:`configure` in the process that builds the engine (``scaler=``: a ``GradScaler``,
-``ScalerConfig`` or DeepSpeed fp16 config; default ``ScalerConfig(growth_interval=400)``, verl's
-stock settings), or the environment: ``DISTSCALER_VERL_SCALER`` (a DeepSpeed config JSON path) and
-``DISTSCALER_VERL_LR_ON_SKIP`` (``hold`` or ``step``), read when the engine is built.
+Settings: [`configure()`][distscaler.integrations.verl.configure] in the process that builds the
+engine (``scaler=``: a ``GradScaler``, ``ScalerConfig`` or DeepSpeed fp16 config; default
+``ScalerConfig(growth_interval=400)``, verl's stock settings), or the environment:
+``DISTSCALER_VERL_SCALER`` (a DeepSpeed config JSON path) and ``DISTSCALER_VERL_LR_ON_SKIP``
+(``hold`` or ``step``), read when the engine is built.
 
 Not covered: the ``fsdp_turbo`` engine (it builds no scaler in any dtype and needs the
 ``fsdp_turbo`` package), verl's legacy ``dp_actor``/``fsdp_workers`` path, the VeOmni, TorchTitan
@@ -110,12 +113,12 @@ logger = logging.getLogger("distscaler")
 
 @dataclasses.dataclass(frozen=True)
 class VerlScalerOptions:
-    """What the engines use (see :func:`configure`).
+    """What the engines use (see [`configure()`][distscaler.integrations.verl.configure]).
 
     Attributes:
         scaler: a ``GradScaler`` (its device type must be verl's device), a ``ScalerConfig``, a
             DeepSpeed fp16 config (dict or JSON path; DeepSpeed's semantics), or None for
-            :data:`VERL_SCALER`.
+            `VERL_SCALER`.
         lr_on_skip: ``"hold"`` (default): the LR scheduler does not advance when every optimizer
             step since its last step was skipped; ``"step"``: verl's stock behaviour.
     """
@@ -131,7 +134,8 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
     """Set what the engines built after this call in this process use; returns the options.
 
     Args:
-        scaler: see :class:`VerlScalerOptions`. A ``GradScaler`` instance serves one engine.
+        scaler: see [`VerlScalerOptions`][distscaler.integrations.verl.VerlScalerOptions]. A
+            ``GradScaler`` instance serves one engine.
         lr_on_skip: ``"hold"`` or ``"step"``.
 
     Cost: validation only (a ``ScalerConfig`` or DeepSpeed config is built once on the CPU and
@@ -156,8 +160,8 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
 
 
 def options() -> VerlScalerOptions:
-    """The options in force: :func:`configure`'s, else the environment's
-    (``DISTSCALER_VERL_SCALER``, ``DISTSCALER_VERL_LR_ON_SKIP``), else the defaults.
+    """The options in force: [`configure()`][distscaler.integrations.verl.configure]'s, else the
+    environment's (``DISTSCALER_VERL_SCALER``, ``DISTSCALER_VERL_LR_ON_SKIP``), else the defaults.
 
     Raises:
         ValueError: ``DISTSCALER_VERL_LR_ON_SKIP`` is not ``hold`` or ``step``.
@@ -362,7 +366,8 @@ PRECISION_AWARE_OFF = (
 def _check_standard_fp16_optimizer(optimizer_config: Any) -> None:
     """verl's ``init_megatron_optim_config`` turns Megatron's precision-aware optimizer on in fp16
     unless ``override_optimizer_config`` says otherwise; its gradients live in ``decoupled_grad``,
-    which :func:`distscaler.integrations.megatron.install` refuses. Say so before anything is built.
+    which [`distscaler.integrations.megatron.install()`][distscaler.integrations.megatron.install]
+    refuses. Say so before anything is built.
     """
     override = getattr(optimizer_config, "override_optimizer_config", None) or {}
     if override.get("use_precision_aware_optimizer", True) is not False:
@@ -413,7 +418,8 @@ class DistScalerMegatronEngine(_DistScalerEngine):
 
 # ----------------------------------------------------------------------------- the registry
 
-#: stock engine class -> distscaler's, filled by :func:`install`.
+#: stock engine class -> distscaler's, filled by
+#: [`install()`][distscaler.integrations.verl.install].
 _REPLACEMENTS: dict[type, type] = {}
 
 
