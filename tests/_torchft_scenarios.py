@@ -35,6 +35,45 @@ RESTART_DELAY_S = 1.0
 INIT_SCALE = 1024.0
 
 
+#: The scenarios of issue 35 (``steps=0, after_join=K``: until a group (re)joins, then K steps), each run with ``wiring="ours"`` and ``wiring="stock"``. Scales are
+#: driven below ``init_scale`` by agreed overflows first, so that a scale left behind shows.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # An inf written into group 0's gradients after the cross-replica average (local corruption).
+    "inf_after_average": dict(num_groups=2, steps=8, inject=[["post", 3, 0, 0]], clip=True),
+    # Group 1 dies at step 4 and is restarted; the default async quorum.
+    "rejoin_async": dict(
+        num_groups=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
+        inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0]],
+    ),  # fmt: skip
+    "rejoin_sync": dict(
+        num_groups=2, steps=0, after_join=5, crash={1: 4}, sync_quorum=True, sleep=0.1,
+        inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0]],
+    ),  # fmt: skip
+    # As rejoin_async, plus an overflow (before the average) in the step group 1 heals in.
+    "skip_in_heal_step": dict(
+        num_groups=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
+        inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0], ["pre", "join", 0, 0]],
+    ),  # fmt: skip
+    # Group 1 starts 3 s late; group 0 backed off twice before; an inf after the average on group 0
+    # two steps after the join.
+    "late_join": dict(
+        num_groups=2, steps=0, after_join=5, late={1: 2.0}, sleep=0.1,
+        inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0], ["post", "join+2", 0, 0]],
+    ),  # fmt: skip
+    # 2 groups x 2 ranks, gradients sharded inside a group: an inf in rank 0's shard before the
+    # average (it reaches group 1's rank 0, not the rank 1s), then one after the average on group
+    # 1's rank 1 only.
+    "two_by_two": dict(
+        num_groups=2, group_size=2, steps=7, quorum_timeout=6,
+        inject=[["pre", 2, 0, 0], ["post", 4, 1, 1]],
+    ),  # fmt: skip
+    # report_lone_replica=True (ours only): group 0 alone goes non-finite after the average.
+    "report_lone_replica": dict(
+        num_groups=2, steps=8, report_lone=True, inject=[["post", 3, 0, 0]]
+    ),
+}
+
+
 # ---------------------------------------------------------------------- the driver
 
 
@@ -71,6 +110,11 @@ def run(spec: dict[str, Any], rundir: str, *, timeout: float = 60.0) -> dict[str
     pending = {
         (g, r): t0 + late.get(g, 0.0) for g in range(spec["num_groups"]) for r in range(group_size)
     }
+    # The restart of a group that dies is started now, as a standby that imports torch and waits:
+    # importing takes seconds on a loaded machine, and nothing of it matters to the scenario.
+    standby = {
+        (int(g), r): start(int(g), r, 1) for g in spec["crash"] for r in range(group_size)
+    }
     exits: list[tuple[int, int, int, int]] = []
     timed_out = False
     try:
@@ -81,7 +125,11 @@ def run(spec: dict[str, Any], rundir: str, *, timeout: float = 60.0) -> dict[str
             for key, when in list(pending.items()):
                 if time.time() >= when:
                     attempt = procs[key][1] + 1 if key in procs else 0
-                    procs[key] = (start(*key, attempt), attempt)
+                    if attempt == 1 and key in standby:
+                        open(os.path.join(rundir, f"go_g{key[0]}_r{key[1]}_a1"), "w").close()
+                        procs[key] = (standby.pop(key), attempt)
+                    else:
+                        procs[key] = (start(*key, attempt), attempt)
                     del pending[key]
             for key, (proc, attempt) in procs.items():
                 rc = proc.poll()
@@ -94,7 +142,7 @@ def run(spec: dict[str, Any], rundir: str, *, timeout: float = 60.0) -> dict[str
                 break
             time.sleep(0.05)
     finally:
-        for proc, _ in procs.values():
+        for proc, _ in [*procs.values(), *((p, 1) for p in standby.values())]:
             if proc.poll() is None:
                 proc.kill()  # our own child, by its handle
                 proc.wait()
@@ -167,6 +215,10 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
     g, r, attempt = spec["group"], spec["group_rank"], spec["attempt"]
     group_size = spec.get("group_size", 1)
     rundir = spec["rundir"]
+    if attempt > 0:  # a standby restart: imported, waits for the driver's word
+        go = os.path.join(rundir, f"go_g{g}_r{r}_a{attempt}")
+        while not os.path.exists(go):
+            time.sleep(0.02)
     out = open(os.path.join(rundir, f"g{g}_r{r}_a{attempt}.jsonl"), "w", buffering=1)
 
     # The replica group's own store (its torchrun's): rank 0 binds port 0 and tells the others.
@@ -295,12 +347,18 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
     seen_size = None
     join_step = None
     crash_at = spec.get("crash", {}).get(str(g), -1)
+    stop_file = os.path.join(rundir, "stop_step")
     t_start = time.time()
     it = 0
-    while it < 200 and time.time() - t_start < spec.get("rank_timeout", 50):
+    while it < 400 and time.time() - t_start < spec.get("rank_timeout", 50):
         it += 1
         step0 = manager.current_step()
-        if step0 >= spec["steps"]:
+        target = spec["steps"]
+        if spec.get("after_join"):  # run on until a group (re)joined, then after_join steps
+            target = 10**9
+            if os.path.exists(stop_file):
+                target = int(open(stop_file).read())
+        if step0 >= target:
             break
         if attempt == 0 and step0 == crash_at:
             out.write(json.dumps({"event": "death", "step": step0}) + "\n")
@@ -315,6 +373,10 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         seen_size = size
         if joined and join_step is None:
             join_step = manager.current_step()
+            if spec.get("after_join") and not os.path.exists(stop_file):
+                with open(stop_file + ".tmp", "w") as f:
+                    f.write(str(join_step + spec["after_join"]))
+                os.replace(stop_file + ".tmp", stop_file)
         fire = set()
         for inj in injects:
             where, when = inj[0], str(inj[1])
@@ -385,7 +447,7 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
             record["lone"] = None if lone is None else [lone.step, lone.replica_rank, lone.this_group]
             record["found_inf"] = float(scaler.found_inf) if scaler.found_inf is not None else None
         out.write(json.dumps(record) + "\n")
-        time.sleep(0.05)
+        time.sleep(spec.get("sleep", 0.05))
     out.write(json.dumps({"event": "done", "step": manager.current_step()}) + "\n")
     out.flush()
     manager.shutdown(wait=False)
