@@ -302,14 +302,14 @@ class FaultTolerantGradScaler(GradScaler):
         trackers and counts stay as they were (the step did not happen)."""
         step = self._ft
         self._ft = _Step()
-        if step.committed is False and new_scale is None:
-            self._records.clear()
-            return
-        super().update(new_scale)
         if step.lone is not None:
             self._replica_overflow = step.lone
         elif step.cross is not None and not self._report_lone:
             self._pending_cross = (step.cross, step.step, step.num_participants, step.replica_rank)
+        if step.committed is False and new_scale is None:
+            self._records.clear()
+            return
+        super().update(new_scale)
 
     @property
     def last_step_committed(self) -> bool | None:
