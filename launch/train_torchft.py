@@ -144,7 +144,12 @@ def _plot(results: dict[str, dict[int, list[dict]]], path: str, wiring: str) -> 
         for group in (0, 1):
             recs = [d for d in results[name][group] if "loss" in d]
             label = f"{name.replace('_', '-')}, group {group}"
-            ax.plot([d["step"] for d in recs], [d["loss"] for d in recs], style, label=label, alpha=0.8)
+            # One line per stretch of consecutive steps: a dead group draws no line.
+            cuts = [0] + [i for i in range(1, len(recs)) if recs[i]["step"] != recs[i - 1]["step"] + 1]
+            for k, (a, b) in enumerate(zip(cuts, [*cuts[1:], len(recs)])):
+                part = recs[a:b]
+                ax.plot([d["step"] for d in part], [d["loss"] for d in part], style, marker=".",
+                        color=f"C{2 * (name == 'faults') + group}", label=label if k == 0 else None, alpha=0.8)  # fmt: skip
     ax.set_xlabel("manager step")
     ax.set_ylabel("loss")
     ax.set_yscale("log")

@@ -5,6 +5,8 @@
   (``install(trainer)``).
 * :mod:`distscaler.integrations.torchtitan`: torchtitan's ``Trainer`` in fp16
   (``--module distscaler.integrations.torchtitan --config llama3.llama3_8b``, ``fp16(config)``).
+* :mod:`distscaler.integrations.torchft`: torchft's fault-tolerant replica groups
+  (``install(manager, optimizer)``).
 
 Each integration imports its framework when it is imported, so ``import distscaler`` never needs
 them.

@@ -187,7 +187,7 @@ class ReplicaGroupVerdict(dist.ProcessGroup):
 
     def __init__(self, scaler: FaultTolerantGradScaler, replica_group: dist.ProcessGroup | None):
         rank, size = (0, 1) if replica_group is None else (replica_group.rank(), replica_group.size())
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's (rank, size) overload
         self._scaler = scaler
         #: None: the default group once initialized (the replica group's torchrun), else 1 rank.
         self.replica_group = replica_group
