@@ -200,17 +200,22 @@ class ReplicaGroupVerdict(dist.ProcessGroup):
         return 1
 
     def size(self) -> int:  # type: ignore[override]
+        """The replica group's size (1 without one), asked at every call."""
         return self._replica_size()
 
     def rank(self) -> int:  # type: ignore[override]
+        """This process's rank in the replica group."""
         if self.replica_group is not None:
             return self.replica_group.rank()
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def getBackendName(self) -> str:  # type: ignore[override]  # noqa: N802 - torch's name
+        """``"distscaler-torchft"``."""
         return "distscaler-torchft"
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:  # type: ignore[override]
+        """The verdict: over the replica group (at more than one rank), then across replica groups
+        and ``should_commit`` (:class:`FaultTolerantGradScaler`). Returns a completed ``Work``."""
         (buffer,) = tensors
         op = opts if isinstance(opts, ReduceOp) else opts.reduceOp
         if self._replica_size() > 1:
@@ -219,6 +224,7 @@ class ReplicaGroupVerdict(dist.ProcessGroup):
         return _Done(buffer)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:  # noqa: A002
+        """The overflow report's gather, inside the replica group only."""
         if self._replica_size() > 1:
             dist.all_gather_into_tensor(output, input, group=self.replica_group)
         else:
