@@ -50,6 +50,7 @@ from ._torch_compat import amp_check_and_unscale_
 from .attribution import flag_tensors
 from .layouts import GradGroups
 from .plan import GradPass, StepPlan
+from .process_group import needs_collective
 from .state import DeviceState, NextCounters
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
@@ -182,9 +183,10 @@ def _all_reduce_(
     buffer: torch.Tensor, op: Any, group: dist.ProcessGroup | None, world_size: int
 ) -> torch.Tensor:
     """The step's collective: ``buffer`` all-reduced in place over ``group`` when it has more than
-    one rank (every rank of the group must call). A flag summed or maxed over ranks is > 0 on every
-    rank as soon as one rank saw a non-finite value. Returns ``buffer``."""
-    if world_size > 1:
+    one rank, or at every step when its membership changes (`needs_collective()`; every rank of the
+    group must call). A flag summed or maxed over ranks is > 0 on every rank as soon as one rank saw
+    a non-finite value. Returns ``buffer``."""
+    if needs_collective(group, world_size):
         dist.all_reduce(buffer, op=op, group=group)
     return buffer
 
@@ -400,7 +402,7 @@ def _stacked_two_norm(
         total = buffer[num_grads]
     else:
         per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
-    if world_size == 1:
+    if not needs_collective(group, world_size):
         if per_tensor is None:
             zero = torch.zeros((), dtype=torch.float32, device=device)
             return (zero if total is None else total.zero_()), None, buffer

@@ -7,6 +7,8 @@
 * [`distscaler.integrations.torchtitan`][distscaler.integrations.torchtitan]: torchtitan's
   ``Trainer`` in fp16 (``--module distscaler.integrations.torchtitan --config llama3.llama3_8b``,
   ``fp16(config)``).
+* [`distscaler.integrations.torchft`][distscaler.integrations.torchft]: torchft's fault-tolerant
+  replica groups (``install(manager, optimizer)``).
 
 Each integration imports its framework when it is imported, so ``import distscaler`` never needs
 them.

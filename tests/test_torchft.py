@@ -1,0 +1,347 @@
+"""distscaler under torchft, stock torch.amp.GradScaler side by side (issue 35).
+
+Each scenario of :mod:`_torchft_scenarios` runs twice at once, against its own in-process
+lighthouse: the groups wired with :func:`distscaler.integrations.torchft.install` ("ours") and with
+``torch.amp.GradScaler`` + torchft's ``OptimizerWrapper`` as a new user writes it ("stock"). Ours
+must apply exactly the true update at every step it steps (ratio 1.0), end with the same parameters
+(difference 0) and the same scale in every group, and call ``should_commit()`` exactly once per
+step; the stock run shows the failure the issue measured. The tests outside torchft check the
+core's side: a group passed without ``init_process_group``, a group whose membership changes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from importlib import metadata
+from typing import Any
+
+import pytest
+
+try:
+    FOUND: str | None = metadata.version("torchft")
+except metadata.PackageNotFoundError:
+    FOUND = None
+#: The torchft release the integration is pinned to (pyproject.toml: the torchft extra).
+TESTED = "0.2.0"
+
+needs_torchft = pytest.mark.skipif(FOUND is None, reason="torchft is not installed")
+
+
+def _both(name: str, tmp_path: Any, **overrides: Any) -> dict[str, dict[str, Any]]:
+    """Run scenario ``name`` with our wiring and the stock one at the same time."""
+    import _torchft_scenarios as S
+
+    results: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def go(wiring: str) -> None:
+        try:
+            spec = dict(S.SCENARIOS[name], wiring=wiring, **overrides)
+            results[wiring] = S.run(spec, str(tmp_path / wiring), timeout=100)
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(w,)) for w in ("ours", "stock")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _assert_ours_exact(result: dict[str, Any], *, min_steps: int) -> dict[str, Any]:
+    """Ratio 1.0 at every step taken, the same parameters and scale everywhere, should_commit once
+    per step; returns the summary."""
+    import _torchft_scenarios as S
+
+    assert not result["timed_out"], result["exits"]
+    s = S.summary(result)
+    for g, group in s["groups"].items():
+        assert group["step"] is not None and group["step"] >= min_steps, (g, group["step"])
+        assert group["ratios"], g
+        assert all(abs(r - 1.0) < 1e-6 for r in group["ratios"]), (g, group["ratios"])
+        assert set(group["commit_calls"]) == {1}, (g, group["commit_calls"])
+    assert s["dparam"] == 0.0, s["dparam"]
+    scales = {group["scale"] for group in s["groups"].values()}
+    assert len(scales) == 1, scales
+    return s
+
+
+def _first_after_heal(records: list[dict]) -> dict:
+    import _torchft_scenarios as S
+
+    return next(d for d in S.steps_of(records) if d["attempt"] == 1 or d["healed"])
+
+
+# ---------------------------------------------------------------------- the five scenarios
+
+
+@needs_torchft
+def test_inf_after_the_average_on_one_group_skips_on_every_group(tmp_path):
+    """An inf written into group 0's gradients after the cross-replica average: every group skips and
+    backs off (the cross-replica found_inf), the report names group 0, and clipping through torchft's
+    DDP (its one-rank dummy group) counts each value once. Stock: group 0 skips alone, is healed
+    without its scale, its next step applies 2x the true update, the scales stay split."""
+    import _torchft_scenarios as S
+
+    both = _both("inf_after_average", tmp_path)
+    s = _assert_ours_exact(both["ours"], min_steps=8)
+    assert all(g["skips"] == 1 for g in s["groups"].values())  # the injected inf was seen
+    assert s["groups"][0]["scale"] == S.INIT_SCALE / 2
+    for g, records in both["ours"]["records"].items():
+        steps = S.steps_of(records)
+        hit = next(d for d in steps if d["step"] == 3)
+        assert not hit["stepped"] and hit["committed"] is True
+        assert hit["lone"] == [3, 0, g == 0]  # replica rank 0 went non-finite alone
+        for d in steps:  # the norm of the averaged, unscaled gradients, each value once
+            if d["stepped"]:
+                assert d["norm"] == pytest.approx(d["true_norm"], rel=1e-5)
+
+    stock = S.summary(both["stock"])
+    ratios0 = stock["groups"][0]["ratios"]
+    assert any(abs(r - 2.0) < 1e-6 for r in ratios0), ratios0  # the heal step, unscaled by 512
+    assert stock["groups"][0]["scale"] != stock["groups"][1]["scale"]
+    assert stock["dparam"] is not None and stock["dparam"] > 1e-3
+
+
+@needs_torchft
+@pytest.mark.parametrize("quorum", ["rejoin_async", "rejoin_sync"])
+def test_a_group_that_dies_and_rejoins_takes_the_scale_before_its_first_unscale(tmp_path, quorum):
+    """Group 1 dies at step 4 (scale 256 after two agreed overflows) and is restarted: it heals from
+    group 0 with the scaler's state, in place before it unscales (async quorum: torchft would apply
+    it only inside should_commit). Stock: the restarted group keeps init_scale 1024 for good."""
+    import _torchft_scenarios as S
+
+    both = _both(quorum, tmp_path)
+    s = _assert_ours_exact(both["ours"], min_steps=5)
+    assert s["groups"][0]["scale"] == 256.0
+    rejoined = [d for d in S.steps_of(both["ours"]["records"][1]) if d["attempt"] == 1]
+    assert rejoined and rejoined[0]["healed"] and rejoined[0]["ratio"] == pytest.approx(1.0)
+    assert rejoined[0]["scale_after"] == 256.0
+
+    stock = S.summary(both["stock"])
+    assert (stock["groups"][0]["scale"], stock["groups"][1]["scale"]) == (256.0, 1024.0)
+    stock_rejoined = [d for d in S.steps_of(both["stock"]["records"][1]) if d["attempt"] == 1]
+    off = [d["ratio"] for d in stock_rejoined if d["ratio"] is not None]
+    assert any(abs(r - 1.0) > 0.1 for r in off), off
+
+
+@needs_torchft
+def test_an_overflow_in_the_heal_step_keeps_the_heal(tmp_path):
+    """An overflow (before the average) in the very step group 1 heals in, async quorum: ours skips
+    it on both groups but still calls should_commit, so torchft applies the heal. Stock: the skip
+    bypasses should_commit, the staged state is dropped, and since the manager step already moved
+    the group is never healed: it trains on from its fresh initial weights."""
+    import _torchft_scenarios as S
+
+    both = _both("skip_in_heal_step", tmp_path)
+    s = _assert_ours_exact(both["ours"], min_steps=5)
+    heal = _first_after_heal([d for d in both["ours"]["records"][1] if d.get("attempt") == 1])
+    assert heal["healed"] and not heal["stepped"] and heal["commit_calls"] == 1
+    assert s["groups"][0]["scale"] == 128.0  # 1024 -> 512 -> 256, then the heal step's overflow
+
+    stock_rejoined = [d for d in S.steps_of(both["stock"]["records"][1]) if d["attempt"] == 1]
+    assert stock_rejoined and not any(d["healed"] for d in stock_rejoined)  # the heal was dropped
+    stock = S.summary(both["stock"])
+    assert stock["dparam"] is not None and stock["dparam"] > 0.05
+
+
+@needs_torchft
+def test_a_late_group_joins_with_the_running_scale(tmp_path):
+    """Group 1 starts 2 s late (group 0 at scale 256); then an inf after the average on group 0.
+    Stock: the joiner keeps 1024, the scales stay split and the updates differ."""
+    import _torchft_scenarios as S
+
+    both = _both("late_join", tmp_path)
+    s = _assert_ours_exact(both["ours"], min_steps=5)
+    assert s["groups"][1]["heals"] >= 1
+    assert s["groups"][0]["scale"] == 128.0  # 256, then the inf after the average, on both
+
+    stock = S.summary(both["stock"])
+    assert stock["groups"][0]["scale"] != stock["groups"][1]["scale"]
+    assert stock["dparam"] is not None and stock["dparam"] > 1e-3
+
+
+@needs_torchft
+def test_two_groups_of_two_ranks_with_sharded_gradients_agree_inside_and_across(tmp_path):
+    """2 groups x 2 ranks, gradients sharded inside a group: an inf in rank 0's shard before the
+    average (it reaches the other group's rank 0 only), later one after the average on group 1's
+    rank 1 only: all four ranks skip together both times. Stock: the two ranks of a group disagree,
+    and should_commit (a barrier of the group's ranks) fails."""
+    import _torchft_scenarios as S
+
+    both = _both("two_by_two", tmp_path)
+    ours = both["ours"]
+    _assert_ours_exact(ours, min_steps=7)
+    for rank in (0, 1):  # each rank's shard equal across the groups, steps skipped together
+        a, b = (S.steps_of(ours["records_by_rank"][(g, rank)]) for g in (0, 1))
+        assert a[-1]["params"] == b[-1]["params"]
+        assert [d["stepped"] for d in a] == [d["stepped"] for d in b]
+        assert [d["step"] for d in a if not d["stepped"]] == [2, 4]
+        assert a[-1]["scale_after"] == S.INIT_SCALE / 4
+
+    stock = both["stock"]["records_by_rank"]
+    r0, r1 = (S.steps_of(stock[(0, rank)]) for rank in (0, 1))
+    at2 = [(d["stepped"], d["commit_calls"]) for d in (r0 + r1) if d["step"] == 2]
+    assert (False, 0) in at2 or len(r0) < 3  # rank 0 skipped without should_commit...
+    finished = all(
+        S.steps_of(recs) and S.steps_of(recs)[-1]["step_after"] >= 7 for recs in stock.values()
+    )
+    assert not finished or len({d["scale_after"] for d in (r0[-1], r1[-1])}) > 1
+
+
+@needs_torchft
+def test_report_lone_replica_drops_only_the_corrupted_group(tmp_path):
+    """report_lone_replica=True: the group that alone went non-finite after the average reports it
+    to torchft, does not commit (its scale update discarded) and heals from its peer at the next
+    quorum; the other group steps normally. No backoff anywhere."""
+    import _torchft_scenarios as S
+
+    result = _both("report_lone_replica", tmp_path)["ours"]
+    s = S.summary(result)
+    assert s["dparam"] == 0.0
+    assert {g["scale"] for g in s["groups"].values()} == {S.INIT_SCALE}
+    for g, records in result["records"].items():
+        steps = S.steps_of(records)
+        assert all(d["commit_calls"] == 1 for d in steps)
+        assert all(abs(d["ratio"] - 1.0) < 1e-6 for d in steps if d["ratio"] is not None)
+        hit = next(d for d in steps if d["step"] == 3)
+        assert hit["committed"] is (g != 0) and hit["stepped"] is (g != 0)
+        assert hit["lone"] == [3, 0, g == 0]
+    assert s["groups"][0]["heals"] == 1  # healed from group 1 at the next quorum
+
+
+# ---------------------------------------------------------------------- the core, outside torchft
+
+
+def _plain_group_rank(rank: int, store_path: str, queue: Any, dynamic: bool) -> None:
+    try:
+        _plain_group_run(rank, store_path, queue, dynamic)
+    except BaseException as e:
+        queue.put((rank, repr(e)))
+        raise
+
+
+def _plain_group_run(rank: int, store_path: str, queue: Any, dynamic: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from distscaler import GradScaler
+
+    store = dist.FileStore(store_path, 2)
+    # No init_process_group: a group built as torchft builds its own.
+    plain = dist.ProcessGroup(store, rank, 2)
+    backend = dist.ProcessGroupGloo(store, rank, 2)
+    plain._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    plain._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group: dist.ProcessGroup = plain
+    if dynamic:  # a Python group that says its membership may change (torchft's are so)
+
+        class Dynamic(dist.ProcessGroup):
+            dynamic_membership = True
+
+            def size(self) -> int:  # type: ignore[override]
+                return plain.size()
+
+            def allreduce(self, tensors: Any, opts: Any) -> Any:  # type: ignore[override]
+                return plain.allreduce(tensors, opts)
+
+        group = Dynamic(rank, 2)
+    assert not dist.is_initialized()
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0, process_group=group, grad_layout="replicated")
+    out = []
+    for step in range(3):
+        (scaler.scale(p.sum())).backward()
+        if step == 1 and rank == 1:
+            p.grad[0] = math.inf
+        norm = scaler.clip_grad_norm_(opt, max_norm=math.inf)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out.append((bool(scaler.step_was_skipped), scaler.get_scale(), float(norm)))
+    queue.put((rank, out, p.detach().tolist(), scaler.state_dict()["scale"]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_gloo_group_passed_without_init_process_group_is_used(tmp_path, dynamic):
+    """A ProcessGroup built on a FileStore (its gloo backend registered, no init_process_group) is
+    the scaler's process group: an inf on rank 1 only skips the step on both ranks; the norm is global."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_plain_group_rank, args=(r, str(tmp_path / "store"), queue, dynamic))
+        for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    got = dict((r, rest) for r, *rest in (queue.get(timeout=150) for _ in procs))
+    assert all(len(v) == 3 for v in got.values()), got  # a rank's error otherwise
+    for proc in procs:
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    assert got[0] == got[1]
+    steps = got[0][0]
+    assert [s[0] for s in steps] == [False, True, False]
+    assert [s[1] for s in steps] == [8.0, 4.0, 4.0]
+    assert steps[0][2] == pytest.approx(2.0)  # replicated: |ones(4)| counted once over 2 ranks
+
+
+def test_a_group_whose_membership_changes_is_all_reduced_at_every_step(monkeypatch):
+    """At a size of 1 a plain group needs no collective; one marked ``dynamic_membership`` (or any
+    torchft group) gets it at every step, since its size is a snapshot of a changing quorum."""
+    import torch
+    import torch.distributed as dist
+
+    from distscaler import GradScaler, inf_check
+    from distscaler.process_group import has_dynamic_membership, needs_collective
+
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: calls.append(group))
+
+    class Managed(dist.ProcessGroup):
+        dynamic_membership = True
+
+        def size(self) -> int:  # type: ignore[override]
+            return 1
+
+    managed = Managed(0, 1)
+    assert has_dynamic_membership(managed) and needs_collective(managed, 1)
+    assert not needs_collective(None, 1)
+    for group, expected in ((None, 0), (managed, 1)):
+        calls.clear()
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = GradScaler("cpu", process_group=group)
+        scaler.scale(p.sum()).backward()
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        assert len(calls) == expected, (group, calls)
+    assert inf_check.needs_collective is needs_collective
+
+
+def test_host_reads_never_ask_the_group():
+    """state_dict/get_scale never call the group (torchft calls state_dict on its quorum thread,
+    where asking a managed group for its size waits for that very thread)."""
+    import torch
+    import torch.distributed as dist
+
+    from distscaler import GradScaler
+
+    class Busy(dist.ProcessGroup):
+        dynamic_membership = True
+
+        def size(self) -> int:  # type: ignore[override]
+            raise AssertionError("a host read asked the group for its size")
+
+    scaler = GradScaler("cpu", process_group=Busy(0, 1))
+    scaler.scale(torch.ones(()))
+    assert scaler.state_dict()["scale"] == 2.0**16
+    assert scaler.get_scale() == 2.0**16
