@@ -112,6 +112,7 @@ def test_every_integration_has_its_extra() -> None:
         "torchtitan",
         "megatron",
         "verl",
+        "torchft",
     }
     assert integrations <= EXTRAS
 
