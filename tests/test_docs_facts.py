@@ -29,6 +29,7 @@ PACKAGES = (
     "verl",
     "deepspeed",
     "mbridge",
+    "torchft",
 )
 # docs/benchmarks/ holds the reports launch/bench.py writes; docs/api/ only ::: directives.
 PAGES = [ROOT / "README.md"] + sorted(
