@@ -84,11 +84,11 @@ def _run_page(page: Path) -> tuple[int, int]:
     return ran, skipped
 
 
-def _run_page_in_a_process(page: Path) -> tuple[int, int]:
+def _run_page_in_a_process(page: Path, cwd: Path) -> tuple[int, int]:
     path = os.pathsep.join([str(ROOT), str(ROOT / "launch"), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, __file__, str(page)],
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
@@ -100,12 +100,13 @@ def _run_page_in_a_process(page: Path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("page", _pages_with_examples(), ids=_name)
-def test_doc_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doc_examples_run(page: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # From a directory of their own, as a reader runs them: no file of the repository at hand.
     text = page.read_text(encoding="utf-8")
     if "integrations" in page.relative_to(ROOT).parts or "init_process_group(" in text:
-        ran, skipped = _run_page_in_a_process(page)
+        ran, skipped = _run_page_in_a_process(page, tmp_path)
     else:
-        monkeypatch.chdir(ROOT)
+        monkeypatch.chdir(tmp_path)
         ran, skipped = _run_page(page)
     found = len(_FENCE.findall(text))
     # Every fenced example was either run or skipped with a reason.
