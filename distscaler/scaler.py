@@ -874,11 +874,13 @@ class GradScaler(torch.amp.GradScaler):
         self._records.clear()
 
     def _policy_counter(self, key: str) -> int:
+        # DeepSpeed's counters are the policy's, as state_dict() saves them (one host read).
         policy = self._config.policy
         if key not in get_policy(policy).state_keys:
             raise AttributeError(
                 f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
                 f"has policy={policy!r}"
             )
-        values = (self._read()[1] if self._enabled else self._state.initial).policy
-        return values[key]
+        if not self._enabled:
+            return self._state.initial.policy[key]
+        return int(self.state_dict()[key])
