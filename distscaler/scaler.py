@@ -482,6 +482,13 @@ class GradScaler(torch.amp.GradScaler):
         # where torch's version fails with "_growth_tracker initialized before _scale".
         state = self._state.materialize(dev)
         self._scale, self._growth_tracker = state.scale, state.growth_tracker
+        self._prepare_counters()
+
+    def _prepare_counters(self) -> None:
+        # The policy's counters on the device now rather than at the first update, so that a
+        # compiled phase sees them as they stay (dynamo would compile it again at its second call).
+        if self._state.device is not None:
+            self._state.device.prepare(get_policy(self._config.policy), self._config.rule())
 
     def materialize(self, device: torch.device | str | None = None) -> None:
         """Create the device state on ``device`` (default: the device type) without scaling a loss.
@@ -695,6 +702,7 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
         self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
+        self._prepare_counters()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
