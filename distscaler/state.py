@@ -232,6 +232,10 @@ class DeviceState:
             assert self.policy is not None
             self.policy.set_rule(rule)
         self._rule = rule
+        if not torch.compiler.is_compiling():
+            # The counter terms of the new counters now (no op: existing tensors), so that a
+            # compiled phase sees the same cache at its first and later calls.
+            self.counter_terms()
 
     def update_(
         self,

@@ -6,11 +6,15 @@ compiling on a small CPU is the expensive part.
 
 from __future__ import annotations
 
+import math
+
 import _compile_scenarios as C
 import pytest
 import torch
 from _harness import spawn
 from _torch_gaps import CRASH, fullgraph_gaps
+
+from distscaler import GradScaler
 
 WORLD_SIZES = [
     pytest.param(1, marks=pytest.mark.xdist_group("compile1"), id="1rank"),
@@ -168,3 +172,29 @@ def test_reduce_overhead_captures_the_whole_phase_in_a_cuda_graph():
     assert run["norms"][1][C.INJECT_STEP] == float("inf")
     assert run["norms"][1] == pytest.approx(run["norms"][0], rel=1e-6)
     assert run["param_diff"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ["torch", "deepspeed"])
+def test_the_compiled_phase_compiles_once(policy):
+    # dynamo guards on what the phase reads: state made at its first call (the policy's counters,
+    # a cache) would compile the whole phase again at its second call. backend="eager": the guards
+    # are dynamo's, whatever the backend; graph breaks allowed (the fullgraph gate is above).
+    torch._dynamo.reset()
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(4)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    hysteresis = 2 if policy == "deepspeed" else 1
+    scaler = GradScaler("cpu", skip_log_interval=0, policy=policy, hysteresis=hysteresis)
+    scaler.materialize()
+
+    def phase() -> None:
+        scaler.clip_grad_norm_(optimizer, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+
+    compiled = torch.compile(phase, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p) * (math.inf if step == 1 else 1.0)
+            compiled()
+    assert scaler.skip_totals.num_skipped == 1  # guard: the phase ran, the inf was seen
