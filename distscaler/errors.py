@@ -6,6 +6,7 @@ __all__ = [
     "MIN_SCALE_MESSAGE",
     "CallOrderError",
     "LossScaleAtMinimumError",
+    "ReplicaMismatchError",
     "UnknownLayoutError",
 ]
 
@@ -39,3 +40,22 @@ class UnknownLayoutError(ValueError):
     instead of returning a norm off by a factor of the number of replicas (see
     [`distscaler.layouts`][distscaler.layouts]).
     """
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Replicas that must hold bit-identical gradients (or parameters) did not
+    (``on_replica_mismatch="raise"``; see [`distscaler.replica_check`][distscaler.replica_check]).
+
+    Raised on every rank of the scaler's group at the same step, before the optimizer steps and
+    before the scale is updated. ``mismatch`` is the
+    [`ReplicaMismatch`][distscaler.replica_check.ReplicaMismatch]: the step, what differed and the
+    ranks named.
+    """
+
+    def __init__(self, mismatch: object) -> None:
+        self.mismatch = mismatch
+        describe = getattr(mismatch, "describe", None)
+        super().__init__(
+            "replica mismatch (silent data corruption?) at "
+            + (describe() if describe else str(mismatch))
+        )

@@ -51,6 +51,7 @@ from .attribution import flag_tensors
 from .layouts import GradGroups
 from .plan import GradPass, StepPlan
 from .process_group import needs_collective
+from .replica_check import Fold, fold_into
 from .state import DeviceState, NextCounters
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
@@ -114,6 +115,7 @@ def run(
     world_size: int,
     found_inf: torch.Tensor | None = None,
     max_norm: torch.Tensor | None = None,
+    fold: Fold | None = None,
 ) -> StepResult:
     """Carry out ``plan`` over this rank's gradients.
 
@@ -128,6 +130,9 @@ def run(
             ``NORM_UNSCALED`` after ``unscale_``).
         max_norm: ``plan.max_norm`` as a 0-dim float32 tensor on the scale's device, for a
             ``NORM`` pass (``DeviceState.max_norm``: made once, not at every step).
+        fold: the replica check's slots (`distscaler.replica_check`), appended to the pass's
+            collective (a MAX of 0/1 flags becomes a SUM, clamped to 1); ``fold.reduced`` receives
+            the reduced slots. Only where the pass all-reduces (``plan.replica_check``).
 
     Raises:
         ValueError: fp16 gradients where they are unscaled in place (torch's wording) are refused
@@ -139,9 +144,9 @@ def run(
     assert state is not None
     if grad_pass is GradPass.NORM:
         assert max_norm is not None
-        return _norm(plan, grads, params, state, max_norm, group, world_size)
+        return _norm(plan, grads, params, state, max_norm, group, world_size, fold)
     if grad_pass is GradPass.CHECK:
-        result = _check(plan, grads, params, state, group, world_size)
+        result = _check(plan, grads, params, state, group, world_size, fold)
         if not plan.skip_nonfinite:  # a static scale told to step through inf/NaN
             return replace(result, found_inf=state.zero)
         return result
@@ -151,6 +156,7 @@ def run(
             dist.ReduceOp.MAX,
             group,
             world_size,
+            fold,
         )[0]
         if not plan.skip_nonfinite:
             found = state.zero
@@ -180,14 +186,33 @@ def run(
 
 
 def _all_reduce_(
-    buffer: torch.Tensor, op: Any, group: dist.ProcessGroup | None, world_size: int
+    buffer: torch.Tensor,
+    op: Any,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    fold: Fold | None = None,
 ) -> torch.Tensor:
     """The step's collective: ``buffer`` all-reduced in place over ``group`` when it has more than
     one rank, or at every step when its membership changes (`needs_collective()`; every rank of the
     group must call). A flag summed or maxed over ranks is > 0 on every rank as soon as one rank saw
-    a non-finite value. Returns ``buffer``."""
-    if needs_collective(group, world_size):
+    a non-finite value. Returns ``buffer``.
+
+    With the replica check's ``fold`` the slots ride in the same collective: one ``cat``, the
+    all_reduce of the joint buffer, one ``copy_`` back (and where ``op`` was a MAX, which callers
+    use only over 0/1 flags, the SUM's flags are clamped to 1: one ``clamp_``).
+    """
+    if not needs_collective(group, world_size):
+        return buffer
+    if fold is None:
         dist.all_reduce(buffer, op=op, group=group)
+        return buffer
+    joint = fold_into(buffer, fold)
+    dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=group)
+    n = buffer.numel()
+    buffer.copy_(joint[:n].view_as(buffer))
+    if op == dist.ReduceOp.MAX:
+        buffer.clamp_(max=1.0)
+    fold.reduced = joint[n:]
     return buffer
 
 
@@ -201,6 +226,7 @@ def _check(
     state: DeviceState,
     group: dist.ProcessGroup | None,
     world_size: int,
+    fold: Fold | None = None,
 ) -> StepResult:
     """The agreed ``found_inf``, leaving the gradients as they are (a fused step).
 
@@ -211,7 +237,7 @@ def _check(
     """
     kernel = not plan.per_tensor_flags or plan.read_found_inf
     if kernel and all(key.device == state.device for key in grads):
-        return _check_kernel(plan, grads, params, state, group, world_size)
+        return _check_kernel(plan, grads, params, state, group, world_size, fold)
     flags = _flags(grads, state.device)
     if flags is None:
         found = state.zero.clone()
@@ -225,7 +251,7 @@ def _check(
         )
         found = neg_min.clamp(0.0, 1.0)
         counters = state.next_counters(next_values)
-    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
+    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size, fold)
     return StepResult(
         found,
         grad_scale=state.scale,
@@ -243,6 +269,7 @@ def _check_kernel(
     state: DeviceState,
     group: dist.ProcessGroup | None,
     world_size: int,
+    fold: Fold | None = None,
 ) -> StepResult:
     """`_check()` with torch's check kernel (a factor of exactly 1.0: values unchanged).
 
@@ -255,7 +282,7 @@ def _check_kernel(
     found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
     counters = state.next_counters(next_values)
     _check_and_unscale_into_(grads, found, one)
-    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size)
+    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size, fold)
     if not plan.read_found_inf:
         return StepResult(found, grad_scale=state.scale, next_counters=counters,
                           params=params, flags_taken=True)  # fmt: skip
@@ -368,6 +395,7 @@ def _stacked_two_norm(
     group: dist.ProcessGroup | None,
     buffer2: torch.Tensor,
     tail: Sequence[torch.Tensor],
+    fold: Fold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``, the
     per-tensor norms (float32 ``(num_grads,)``, None without gradients), and, with ``tail`` (0-dim
@@ -419,7 +447,7 @@ def _stacked_two_norm(
         out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
     else:
         out.zero_()
-    _all_reduce_(buffer2, dist.ReduceOp.SUM, group, world_size)
+    _all_reduce_(buffer2, dist.ReduceOp.SUM, group, world_size, fold)
     if total is None:
         return buffer2[1].sqrt(), per_tensor, None
     torch.sqrt(buffer2[1], out=total)
@@ -474,6 +502,7 @@ def _norm(
     max_norm_t: torch.Tensor,
     group: dist.ProcessGroup | None,
     world_size: int,
+    fold: Fold | None = None,
 ) -> StepResult:
     """The global norm of the unscaled gradients, ``found_inf`` and ``grad_scale``, agreed.
 
@@ -486,10 +515,12 @@ def _norm(
     max_norm, norm_type = plan.max_norm, plan.norm_type
     scale = state.scale
     if norm_type == 2.0 and plan.skip_nonfinite and not plan.read_found_inf:
-        return _norm_on_device(plan, grads, params, state, max_norm_t, group, world_size)
+        return _norm_on_device(plan, grads, params, state, max_norm_t, group, world_size, fold)
     counters: NextCounters | None = None
     if norm_type == 2.0:
-        stacked = _stacked_two_norm(grads, state.device, world_size, group, state.norm_buffer, ())
+        stacked = _stacked_two_norm(
+            grads, state.device, world_size, group, state.norm_buffer, (), fold
+        )
         total, per_tensor = stacked[0], stacked[1]
         a, b, c = state.counter_terms()
         zero = state.zero
@@ -525,7 +556,8 @@ def _norm(
     else:
         local, per_tensor = local_stat(grads, _inv_scale(scale), norm_type)
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        _all_reduce_(local, op, group, world_size)
+        # (no fold for p = inf: its MAX is not of flags; the plan leaves the check out)
+        _all_reduce_(local, op, group, world_size, None if norm_type == math.inf else fold)
         norm = _p_norm(local, norm_type)
         nonfinite_now = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
         found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
@@ -554,6 +586,7 @@ def _norm_on_device(
     max_norm_t: torch.Tensor,
     group: dist.ProcessGroup | None,
     world_size: int,
+    fold: Fold | None = None,
 ) -> StepResult:
     """`_norm()` with the 2-norm where nothing is read on the host (a fused step on a GPU; any step
     that is not fused) and inf/NaN skip the step: everything after the total norm in three device
@@ -577,7 +610,7 @@ def _norm_on_device(
     a, b, c = state.counter_terms()
     tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
     total, per_tensor, buffer = _stacked_two_norm(
-        grads, state.device, world_size, group, state.norm_buffer, tail
+        grads, state.device, world_size, group, state.norm_buffer, tail, fold
     )
     assert buffer is not None
     num_grads = 0 if per_tensor is None else per_tensor.numel()

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import UnknownLayoutError
+from .replica_check import ReplicaSet
 
 __all__ = [
     "GRAD_LAYOUTS",
@@ -140,6 +141,9 @@ class LayoutResolver:
     def __init__(self, default: GradLayout | None) -> None:
         self.default = default
         self._registered = _ParamTable()  # param -> (layout or weight, source)
+        #: param -> the process group of the wrapper that replicates it (DDP, FSDP1 NO_SHARD or
+        #: HYBRID_SHARD's replicate group), for the replica check.
+        self._replica_groups = _ParamTable()
         self._dtensor = _ParamTable()  # param -> (mesh, placements, weight, mesh size)
         self._checked_meshes: set[tuple[int, int]] = set()
         #: Bumped by every registration, so that cached gradient plans are rebuilt.
@@ -202,6 +206,7 @@ class LayoutResolver:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         learnt: dict[int, tuple[torch.Tensor, Any, str]] = {}
+        groups: dict[int, Any] = {}
         if grad_layout is not None:
             for param in model.parameters():
                 learnt[id(param)] = (param, grad_layout, f"grad_layout={grad_layout!r}")
@@ -214,6 +219,7 @@ class LayoutResolver:
                         1.0 / ddp_replicas,
                         f"DDP over {ddp_replicas} ranks",
                     )
+                    groups[id(param)] = module.process_group
             elif isinstance(module, FSDP):
                 fsdp_replicas = _fsdp1_replicas(module)
                 if fsdp_replicas is None:
@@ -221,10 +227,14 @@ class LayoutResolver:
                 handle: Any = module._handle
                 flat = handle.flat_param
                 source = f"FSDP1 {handle._sharding_strategy.name}"
+                replicate_pg = _fsdp1_replicate_group(module)
                 for view in [flat, *(flat._params or []), *(flat._shared_params or [])]:
                     learnt[id(view)] = (view, 1.0 / fsdp_replicas, source)
-        for tensor, weight, source in learnt.values():
+                    if replicate_pg is not None:
+                        groups[id(view)] = replicate_pg
+        for key, (tensor, weight, source) in learnt.items():
             self._registered.set(tensor, (weight, source))
+            self._replica_groups.set(tensor, groups.get(key))
         self.version += 1
         return len(learnt)
 
@@ -238,6 +248,7 @@ class LayoutResolver:
         count = 0
         for param in params:
             self._registered.set(param, (1.0 / replicas, source))
+            self._replica_groups.set(param, None)
             count += 1
         self.version += 1
         return count
@@ -282,6 +293,42 @@ class LayoutResolver:
             return replication_weight(layout, world_size)
         return None
 
+    def replica_set(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+    ) -> ReplicaSet | None:
+        """The ranks holding the same values of ``param``'s gradient and this rank's place among
+        them ([`distscaler.replica_check`][distscaler.replica_check]), or None when it is not
+        replicated or its replicas are not known (sharded gradients; Megatron's registered
+        parameters; a DTensor inside DDP). Host lookups only (no collective).
+
+        Sources, as for the weights: a DTensor's ``Replicate`` mesh dimensions (when its mesh is
+        the whole group); a registered DDP or FSDP1 wrapper's process group; ``"replicated"``
+        (registered or the scaler's ``grad_layout``): the whole group.
+        """
+        if world_size < 2:
+            return None
+        sample = param if grad is None else grad
+        registered = self._registered.get(param)
+        if DTensor is not None and isinstance(sample, DTensor):
+            if registered is not None:
+                return None  # a DTensor inside DDP, or on a sub-mesh: not compared
+            return _dtensor_replicas(sample)
+        if registered is None:
+            layout = self.default
+            pg = None
+        else:
+            layout = registered[0]
+            pg = self._replica_groups.get(param)
+        if pg is not None:
+            return _group_replicas(pg)
+        if layout == "replicated":
+            return _group_replicas(group)
+        return None
+
     def _dtensor_weight(
         self, param: torch.Tensor, grad: Any, group: dist.ProcessGroup | None
     ) -> tuple[float, int]:
@@ -318,6 +365,44 @@ class LayoutResolver:
                 "shards held outside it; pass a process_group that contains the whole mesh"
             )
         self._checked_meshes.add(key)
+
+
+def _group_replicas(group: dist.ProcessGroup | None) -> ReplicaSet | None:
+    """Every rank of ``group`` (None: WORLD) holds the same values."""
+    try:
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # type: ignore[arg-type]
+        index = ranks.index(dist.get_rank())
+    except (RuntimeError, ValueError, AttributeError):  # a group built without init_process_group
+        return None
+    return ReplicaSet(ranks, index) if len(ranks) > 1 else None
+
+
+def _dtensor_replicas(grad: Any) -> ReplicaSet | None:
+    """The ranks of a DTensor's mesh that differ from this one only on ``Replicate`` dims."""
+    mesh, placements = grad.device_mesh, grad.placements
+    dims = [d for d, p in enumerate(placements) if isinstance(p, Replicate)]
+    if not dims:
+        return None
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    index: list[Any] = [slice(None) if d in dims else c for d, c in enumerate(coord)]
+    ranks = tuple(int(r) for r in mesh.mesh[tuple(index)].flatten().tolist())
+    if len(ranks) < 2:
+        return None
+    return ReplicaSet(ranks, ranks.index(dist.get_rank()))
+
+
+def _fsdp1_replicate_group(fsdp_module: nn.Module) -> Any:
+    handle = getattr(fsdp_module, "_handle", None)
+    if handle is None:
+        return None
+    strategy = handle._sharding_strategy.name
+    if strategy == "NO_SHARD":
+        return handle.process_group
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return fsdp_module._inter_node_pg
+    return None
 
 
 def _sub_mesh_error(grad: Any, mesh_size: int, world_size: int) -> UnknownLayoutError:

@@ -108,6 +108,15 @@ class StepPlan:
         return not (self.grad_pass is GradPass.NORM and not self.fused)
 
     @property
+    def folds_replica_check(self) -> bool:
+        """Whether the replica check's slots can ride in this pass's collective
+        (`distscaler.replica_check`): the iteration's first check, whose collective is a MAX of
+        0/1 flags or a SUM (not the MAX of a p = inf norm)."""
+        if self.grad_pass in (GradPass.CHECK, GradPass.UNSCALE):
+            return True
+        return self.grad_pass is GradPass.NORM and self.norm_type != float("inf")
+
+    @property
     def reads_gradients(self) -> bool:
         """Whether the gradients are read at all (a plan that reuses an agreed ``found_inf``
         reads them only for per-tensor flags)."""

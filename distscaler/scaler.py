@@ -11,6 +11,7 @@ it holds, each an object with its own module:
 | ``_overflows`` | the per-tensor flags of the last skipped step and the overflow report ([`distscaler.attribution`][distscaler.attribution]) |
 | ``_group`` | the ranks that must agree (`distscaler.process_group`) |
 | ``_records`` | this iteration's `StepRecord` per optimizer |
+| ``_replicas`` | the replica check: fingerprints folded into the step's collective, the verdict, the ledger ([`distscaler.replica_check`][distscaler.replica_check]) |
 
 A step for one optimizer is one straight path: the scaler checks torch's call order and decides what
 the step does (a `StepPlan`), the layouts gather the gradients, `distscaler.inf_check.run()` carries
@@ -41,13 +42,15 @@ from .persistence import export_state, parse_state
 from .plan import (
     GradPass,
     host_read_is_free,
+    is_tracing,
     plan_check,
     plan_clip,
     plan_step,
     plan_unscale,
 )
 from .policies import PolicyName, get_policy
-from .process_group import ScalerGroup
+from .process_group import ScalerGroup, has_dynamic_membership
+from .replica_check import Fold, OnMismatch, ReplicaCheck, ReplicaLedger, check_settings
 from .state import DeviceState, HostValues, NextCounters, ScalerState
 from .step_record import StepRecord, torch_states
 from .telemetry import SkipTotals
@@ -109,6 +112,20 @@ class GradScaler(torch.amp.GradScaler):
             (``"static"`` only).
         skip_log_interval (int): keyword-only, updates between two reads of the skip record for
             the skip log, default 100 (0: only when read anyway).
+        replica_check (bool): keyword-only, default True: ranks holding the same gradients
+            (DDP, HSDP's replicate dimension, ``grad_layout="replicated"``) compare them on the
+            step's collective, and a mismatch skips the step on every rank
+            ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
+        replica_check_interval (int | None): keyword-only, updates between two gradient checks,
+            >= 1; default None: every update where a host read is free (the CPU), every 32 on a
+            GPU (a checked step there costs one read pass over the gradients and one host read).
+        param_check_interval (int): keyword-only, updates between two comparisons of the
+            replicated parameters and their optimizer state, >= 0, default 1000 (0: never).
+        on_replica_mismatch (``"skip"`` | ``"raise"`` | callable): keyword-only, default
+            ``"skip"``; ``"raise"`` raises `ReplicaMismatchError` on every rank before the
+            optimizer steps; a callable is called with the
+            [`ReplicaMismatch`][distscaler.replica_check.ReplicaMismatch] on every rank and the
+            step is skipped.
 
     Raises:
         ValueError: a setting out of its range (all problems in one message naming each setting,
@@ -136,6 +153,10 @@ class GradScaler(torch.amp.GradScaler):
         raise_error_at_min_scale: bool = False,
         skip_nonfinite: bool = True,
         skip_log_interval: int = 100,
+        replica_check: bool = True,
+        replica_check_interval: int | None = None,
+        param_check_interval: int = 1000,
+        on_replica_mismatch: OnMismatch = "skip",
     ) -> None:
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda', got: {device!r}")
@@ -154,6 +175,9 @@ class GradScaler(torch.amp.GradScaler):
             raise_error_at_min_scale=raise_error_at_min_scale,
             skip_nonfinite=skip_nonfinite,
             skip_log_interval=skip_log_interval,
+        )
+        check_settings(
+            replica_check, replica_check_interval, param_check_interval, on_replica_mismatch
         )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
@@ -176,6 +200,9 @@ class GradScaler(torch.amp.GradScaler):
         #: device, decided here (`distscaler.plan.host_read_is_free()`). Tests set it to False
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
+        self._replicas = ReplicaCheck(
+            replica_check, replica_check_interval, param_check_interval, on_replica_mismatch
+        )
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -214,8 +241,10 @@ class GradScaler(torch.amp.GradScaler):
         group, world_size = self._group.resolve()
         grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
                                           allow_fp16=plan.allow_fp16)  # fmt: skip
-        result = run(plan, *grads, state, group=group, world_size=world_size)
+        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
+        result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
+        self._settle(fold, record, group, world_size)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -276,12 +305,15 @@ class GradScaler(torch.amp.GradScaler):
         group, world_size = self._group.resolve()
         grads = self._layouts.local_grads(optimizer, group, world_size, weighted=True,
                                           allow_fp16=plan.allow_fp16)  # fmt: skip
+        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
         result = run(plan, *grads, state, group=group, world_size=world_size,
                      found_inf=None if record is None else record.found_inf,
-                     max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
+                     max_norm=None if unscaled else state.max_norm(max_norm),  # type: ignore[union-attr]
+                     fold=fold)  # fmt: skip
         if record is not None:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
                         counters=not unscaled, clipped=True)  # fmt: skip
+            self._settle(fold, record, group, world_size)
         assert result.total_norm is not None
         return result.total_norm
 
@@ -297,10 +329,14 @@ class GradScaler(torch.amp.GradScaler):
         group, world_size = self._group.resolve()
         grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
                                           allow_fp16=True)  # fmt: skip
-        result = run(plan, *grads, state, group=group, world_size=world_size)
-        self._records.setdefault(id(optimizer), StepRecord()).keep(optimizer, result)
+        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
+        result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
+        record = self._records.setdefault(id(optimizer), StepRecord())
+        record.keep(optimizer, result)
+        self._settle(fold, record, group, world_size)
         assert result.found_inf is not None
-        return {result.found_inf.device: result.found_inf}
+        found = state.one if record.replica_mismatch else result.found_inf
+        return {found.device: found}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Run ``optimizer.step(*args, **kwargs)`` unless any rank found inf/NaN gradients.
@@ -354,19 +390,26 @@ class GradScaler(torch.amp.GradScaler):
         group, world_size = self._group.resolve()
         grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
+        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
         result = run(plan, *grads, state, group=group, world_size=world_size,
-                     found_inf=record.found_inf)  # fmt: skip
+                     found_inf=record.found_inf, fold=fold)  # fmt: skip
         if plan.grad_pass is GradPass.NONE:
             record.keep_flags(optimizer, result)
         elif plan.fused:  # kept before the step, as torch keeps its found_inf
             record.keep(optimizer, result)
         else:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
+        self._settle(fold, record, group, world_size)
         if plan.fused:
             assert result.found_inf is not None
-            retval = fused_step(optimizer, record.grad_scale, result.found_inf, args, kwargs)
+            # A replica mismatch skips the step (found_inf 1.0 for the kernel) without being an
+            # overflow: the update still sees the agreed found_inf.
+            found = state.one if record.replica_mismatch else result.found_inf
+            retval = fused_step(optimizer, record.grad_scale, found, args, kwargs)
+        elif result.skipped or record.replica_mismatch:
+            retval = None
         else:  # the gradients are unscaled: the host's reading of found_inf decides
-            retval = None if result.skipped else optimizer.step(*args, **kwargs)
+            retval = optimizer.step(*args, **kwargs)
         record.stage = OptState.STEPPED
         return retval
 
@@ -409,6 +452,7 @@ class GradScaler(torch.amp.GradScaler):
                 flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
+        self._replicas.end_iteration(any(r.replica_mismatch for r in self._records.values()))
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
@@ -442,6 +486,40 @@ class GradScaler(torch.amp.GradScaler):
         if self._state.update(found_inf, counters, self._config, lerps):
             self._report(self._read()[2])  # the periodic report, the same update on every rank
 
+    def _replica_fold(
+        self,
+        plan: Any,
+        optimizer: torch.optim.Optimizer,
+        grads: tuple[dict, tuple[torch.Tensor, ...]],
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        state: DeviceState | None,
+    ) -> Fold | None:
+        # The replica check's slots for this pass's collective, when due (the same on every rank).
+        if state is None or not plan.folds_replica_check or is_tracing():
+            return None
+        check_grads, check_params = self._replicas.due(
+            world_size, has_dynamic_membership(group), self._host_reads
+        )
+        if not (check_grads or check_params):
+            return None
+        return self._replicas.fingerprint(
+            self._layouts, optimizer, *grads, group=group, world_size=world_size,
+            device=state.device, with_grads=check_grads, with_params=check_params,
+        )  # fmt: skip
+
+    def _settle(
+        self,
+        fold: Fold | None,
+        record: StepRecord,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+    ) -> None:
+        # The replica check's verdict (one host read) and, on a mismatch, its consequences.
+        if fold is not None and fold.reduced is not None:
+            mismatch = self._replicas.settle(fold, group=group, world_size=world_size)
+            record.replica_mismatch = mismatch is not None
+
     def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
         # ``extra`` 0-dim tensors and the state in one host transfer; new skips logged. Between
         # iterations (no check pending) the device's counts fold into the host's. Never asks the
@@ -453,13 +531,15 @@ class GradScaler(torch.amp.GradScaler):
         # The periodic report's attribution (every rank at the same update), or report_overflow's.
         if totals.last_skipped and self._attributing:
             group, world_size = self._group.resolve()
-            self._overflows.report(
+            report = self._overflows.report(
                 totals.last_skipped,
                 totals.last_skipped_scale,
                 group=group,
                 world_size=world_size,
                 device=self._device_state("update").device,
             )
+            if report is not None:
+                self._replicas.ledger.note_overflow(report.step, {e.rank for e in report.entries})
 
     @property
     def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
@@ -618,7 +698,7 @@ class GradScaler(torch.amp.GradScaler):
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
-        return bool(self._read(flag)[0][0])
+        return self._replicas.last_skipped or bool(self._read(flag)[0][0])
 
     @property
     def skip_totals(self) -> SkipTotals:
@@ -628,6 +708,22 @@ class GradScaler(torch.amp.GradScaler):
         graph, at least every 2**24 steps (the device counts are float32).
         """
         return self._read()[2] if self._enabled else SkipTotals()
+
+    # ------------------------------------------------------------------ the replica check
+
+    @property
+    def replica_ledger(self) -> ReplicaLedger:
+        """Per-rank counts of the run: replica checks, replica mismatches per rank, steps skipped
+        because of them, overflows that one rank alone saw, and the ranks named suspects
+        ([`distscaler.replica_check`][distscaler.replica_check]). The same on every rank of
+        ``process_group``; reading it costs nothing."""
+        return self._replicas.ledger
+
+    @property
+    def last_replica_mismatch(self) -> Any:
+        """The most recent [`ReplicaMismatch`][distscaler.replica_check.ReplicaMismatch] (the
+        step, gradients or parameters, the ranks named), or None. Costs nothing."""
+        return self._replicas.ledger.last_mismatch
 
     # ------------------------------------------------------------------ the overflow report
 

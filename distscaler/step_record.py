@@ -47,6 +47,8 @@ class StepRecord:
     next_counters: NextCounters | None = None
     #: The gradients' per-tensor flags for the overflow report; None: not taken yet.
     flags: StepFlags | None = None
+    #: The replica check found replicas that differ: the step is skipped (not an overflow).
+    replica_mismatch: bool = False
 
     def keep(
         self,
