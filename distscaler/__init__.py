@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from .attribution import OverflowEntry, OverflowReport
 from .config import ScalerConfig
-from .errors import CallOrderError, LossScaleAtMinimumError, UnknownLayoutError
+from .errors import (
+    CallOrderError,
+    LossScaleAtMinimumError,
+    ReplicaMismatchError,
+    UnknownLayoutError,
+)
+from .replica_check import ReplicaLedger, ReplicaMismatch
 from .scaler import GradScaler, OptState
 from .telemetry import SkipTotals
 
@@ -19,6 +25,9 @@ __all__ = [
     "OptState",
     "OverflowEntry",
     "OverflowReport",
+    "ReplicaLedger",
+    "ReplicaMismatch",
+    "ReplicaMismatchError",
     "ScalerConfig",
     "SkipTotals",
     "UnknownLayoutError",

@@ -372,7 +372,7 @@ def _group_replicas(group: dist.ProcessGroup | None) -> ReplicaSet | None:
     try:
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))  # type: ignore[arg-type]
         index = ranks.index(dist.get_rank())
-    except (RuntimeError, ValueError, AttributeError):  # a group built without init_process_group
+    except (RuntimeError, ValueError, KeyError, AttributeError):  # a group not in c10d's tables
         return None
     return ReplicaSet(ranks, index) if len(ranks) > 1 else None
 

@@ -63,16 +63,16 @@ import torch.distributed as dist
 from .errors import ReplicaMismatchError
 
 __all__ = [
+    "GPU_INTERVAL",
     "SUSPECT_EVENTS",
     "SUSPECT_WINDOW",
-    "Fold",
-    "ReplicaCheck",
     "ReplicaLedger",
     "ReplicaMismatch",
     "ReplicaSet",
     "bit_sums",
     "coefficient",
     "local_residues",
+    "mismatched",
     "moduli",
 ]
 
@@ -146,7 +146,7 @@ def coefficient(index: int, replicas: int) -> int:
     return 1 if index % 2 == 0 else -1
 
 
-def int_view(tensor: torch.Tensor) -> torch.Tensor | None:
+def _int_view(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor``'s elements as signed integers of the same width (no copy), or None for a tensor
     that is not floating point."""
     if not tensor.is_floating_point():
@@ -161,7 +161,7 @@ def bit_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Ten
     any single-bit flip but the top one's twin; float64 gradients are rare)."""
     sums = []
     for t in tensors:
-        ints = int_view(t)
+        ints = _int_view(t)
         if ints is None:
             sums.append(torch.zeros((), dtype=torch.int64, device=device))
         else:
@@ -204,6 +204,7 @@ class ReplicaSet(NamedTuple):
 
     @property
     def coefficient(self) -> int:
+        """This rank's coefficient in the set (`coefficient()`)."""
         return coefficient(self.index, len(self.ranks))
 
 
@@ -261,6 +262,7 @@ class ReplicaLedger:
     _events: collections.deque = field(default_factory=collections.deque, repr=False)
 
     def note_mismatch(self, mismatch: ReplicaMismatch) -> None:
+        """Count a mismatch for each rank it names (alone at fault when it names one)."""
         self.last_mismatch = mismatch
         for rank in mismatch.ranks:
             self.mismatches[rank] += 1
@@ -404,8 +406,10 @@ class ReplicaCheck:
 
     def due(self, world_size: int, dynamic: bool, host_reads: bool) -> tuple[bool, bool]:
         """(compare gradients, compare parameters) at this iteration: the same on every rank
-        (the update count, the settings and the group's size)."""
-        if not self.enabled or (world_size < 2 and not dynamic):
+        (the update count, the settings and the group's size). Never over a group whose
+        membership changes (torchft's: a healing replica's contribution is zeroed there, which
+        would read as a mismatch)."""
+        if not self.enabled or world_size < 2 or dynamic:
             return False, False
         n = self.iteration + 1
         params = self.param_interval > 0 and n % self.param_interval == 0
@@ -423,15 +427,19 @@ class ReplicaCheck:
         device: torch.device,
         with_grads: bool,
         with_params: bool,
-    ) -> Fold:
+    ) -> Fold | None:
         """This rank's slots: gradients (as gathered, in ``params``' order) and, with
-        ``with_params``, the parameters and their optimizer state."""
+        ``with_params``, the parameters and their optimizer state. None when none of ``params``
+        is replicated: the ranks of a group are alike in this (DDP, HSDP, FSDP2 + TP, pipeline
+        stages each replicated or none), which the collective's size relies on."""
         primes = moduli(world_size)
         key = (device, primes)
         primes_t = self._primes.get(key)
         if primes_t is None:
             primes_t = self._primes[key] = torch.tensor(primes, dtype=torch.int64, device=device)
         coefs, sets = self._sets(layouts, params, group, world_size, device)
+        if all(s is None for s in sets):
+            return None  # nothing replicated here (and, ranks being alike, anywhere)
         parts: list[torch.Tensor] = []
         residues: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
         zero2 = torch.zeros(2, dtype=torch.float32, device=device)

@@ -116,11 +116,11 @@ class GradScaler(torch.amp.GradScaler):
             (DDP, HSDP's replicate dimension, ``grad_layout="replicated"``) compare them on the
             step's collective, and a mismatch skips the step on every rank
             ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
-        replica_check_interval (int | None): keyword-only, updates between two gradient checks,
-            >= 1; default None: every update where a host read is free (the CPU), every 32 on a
+        replica_check_interval (int | None): keyword-only, updates between two gradient checks
+            (at least 1); default None: every update where a host read is free (the CPU), every 32 on a
             GPU (a checked step there costs one read pass over the gradients and one host read).
         param_check_interval (int): keyword-only, updates between two comparisons of the
-            replicated parameters and their optimizer state, >= 0, default 1000 (0: never).
+            replicated parameters and their optimizer state, default 1000 (0: never).
         on_replica_mismatch (``"skip"`` | ``"raise"`` | callable): keyword-only, default
             ``"skip"``; ``"raise"`` raises `ReplicaMismatchError` on every rank before the
             optimizer steps; a callable is called with the
@@ -244,7 +244,7 @@ class GradScaler(torch.amp.GradScaler):
         fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
         result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
-        self._settle(fold, record, group, world_size)
+        self._settle_replica_check(fold, record, group, world_size)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -313,7 +313,7 @@ class GradScaler(torch.amp.GradScaler):
         if record is not None:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
                         counters=not unscaled, clipped=True)  # fmt: skip
-            self._settle(fold, record, group, world_size)
+            self._settle_replica_check(fold, record, group, world_size)
         assert result.total_norm is not None
         return result.total_norm
 
@@ -333,7 +333,7 @@ class GradScaler(torch.amp.GradScaler):
         result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
         record = self._records.setdefault(id(optimizer), StepRecord())
         record.keep(optimizer, result)
-        self._settle(fold, record, group, world_size)
+        self._settle_replica_check(fold, record, group, world_size)
         assert result.found_inf is not None
         found = state.one if record.replica_mismatch else result.found_inf
         return {found.device: found}
@@ -399,7 +399,7 @@ class GradScaler(torch.amp.GradScaler):
             record.keep(optimizer, result)
         else:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
-        self._settle(fold, record, group, world_size)
+        self._settle_replica_check(fold, record, group, world_size)
         if plan.fused:
             assert result.found_inf is not None
             # A replica mismatch skips the step (found_inf 1.0 for the kernel) without being an
@@ -452,7 +452,8 @@ class GradScaler(torch.amp.GradScaler):
                 flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
-        self._replicas.end_iteration(any(r.replica_mismatch for r in self._records.values()))
+        if not torch.compiler.is_compiling():  # (an int a compiled update wrote would recompile it)
+            self._replicas.end_iteration(any(r.replica_mismatch for r in self._records.values()))
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
@@ -508,7 +509,7 @@ class GradScaler(torch.amp.GradScaler):
             device=state.device, with_grads=check_grads, with_params=check_params,
         )  # fmt: skip
 
-    def _settle(
+    def _settle_replica_check(
         self,
         fold: Fold | None,
         record: StepRecord,

@@ -250,7 +250,12 @@ def test_quick_run_end_to_end(tmp_path):
         assert r["counts"]["distscaler"]["ops"] > 0, r
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
-        assert ours["host_reads"] == 1, r  # the flag (fused: on the CPU only, where it is free)
+        # The flag (fused: on the CPU only, where it is free), and at more than one DDP rank the
+        # replica check's verdict (every update on a CPU; distscaler.replica_check).
+        checked = r.get("layout") == "ddp" and r["world_size"] > 1
+        assert ours["host_reads"] == 1 + checked, r
+        if checked:
+            assert r["counts"]["distscaler-nocheck"]["host_reads"] == 1, r
     worlds = {
         (r["layout"], r["world_size"], r["optimizer"]) for r in records if r["sweep"] == "world"
     }

@@ -64,7 +64,8 @@ ON_REQUEST = ("distscaler-compiled",)
 #: distscaler with other settings (the launch sweep runs them beside ``distscaler``): the DeepSpeed
 #: rule as ``ScalerConfig.from_deepspeed`` gives it to a DeepSpeed user (hysteresis 2, window 1000,
 #: minimum 1, raise at the minimum: one host read per update), Megatron's rule (hysteresis 2,
-#: minimum 1), and the torch rule without the overflow report (``skip_log_interval=0``).
+#: minimum 1), the torch rule without the overflow report (``skip_log_interval=0``), and without the
+#: replica check (``replica_check=False``; distscaler.replica_check).
 VARIANTS: dict[str, dict[str, Any]] = {
     "distscaler-deepspeed": {"deepspeed": {"fp16": {"enabled": True}}},
     "distscaler-megatron": {
@@ -74,6 +75,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "growth_interval": 1000,
     },
     "distscaler-noreport": {"skip_log_interval": 0},
+    # The replica check off (it is on by default, and runs where gradients are replicated: DDP).
+    "distscaler-nocheck": {"replica_check": False},
 }
 
 INIT_SCALE = 2.0**16

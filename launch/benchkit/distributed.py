@@ -157,7 +157,7 @@ def run_layout(layout: str, args: argparse.Namespace, d: Dist) -> dict[str, Any]
         case,
         params=list(wrapped.parameters()),
         device=d.device,
-        contenders=[c for c in CONTENDERS if c not in ON_REQUEST],
+        contenders=[*(c for c in CONTENDERS if c not in ON_REQUEST), "distscaler-nocheck"],
         rounds=args.rounds,
         warmup=args.warmup,
         model=wrapped if layout == "ddp" else None,
