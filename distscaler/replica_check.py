@@ -442,14 +442,13 @@ class ReplicaCheck:
             return None  # nothing replicated here (and, ranks being alike, anywhere)
         parts: list[torch.Tensor] = []
         residues: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
-        zero2 = torch.zeros(2, dtype=torch.float32, device=device)
         if with_grads:
             flat = [g for gs in grads.values() for g in gs]
             local, res = local_residues(bit_sums(flat, device), coefs, primes_t)
             parts.append(local)
             residues["gradients"] = (res, sets)
-        else:
-            parts.append(zero2)
+        else:  # the parameters' slots stay the 3rd and 4th
+            parts.append(torch.zeros(2, dtype=torch.float32, device=device))
         if with_params:
             tensors, owners = [], []
             for i, p in enumerate(params):
@@ -463,7 +462,7 @@ class ReplicaCheck:
             local, res = local_residues(bit_sums(tensors, device), coefs[idx], primes_t)
             parts.append(local)
             residues["parameters"] = (res, [sets[i] for i in owners])
-        return Fold(torch.cat(parts), primes, residues)
+        return Fold(parts[0] if len(parts) == 1 else torch.cat(parts), primes, residues)
 
     def _sets(
         self,
