@@ -196,16 +196,16 @@ class ReplicaSet(NamedTuple):
 
     Attributes:
         ranks: global ranks of the replicas, in replica order (the same tuple on each of them).
-        index: this rank's position in ``ranks``.
+        position: this rank's place in ``ranks``.
     """
 
     ranks: tuple[int, ...]
-    index: int
+    position: int
 
     @property
     def coefficient(self) -> int:
         """This rank's coefficient in the set (`coefficient()`)."""
-        return coefficient(self.index, len(self.ranks))
+        return coefficient(self.position, len(self.ranks))
 
 
 # ---------------------------------------------------------------------- what a check found
@@ -525,14 +525,14 @@ def _name_ranks(
     residues, sets = fold.residues[what]
     rows = residues.cpu().tolist()
     mine: dict[tuple[int, ...], list[int]] = {}
-    for row, s in zip(rows, sets):
-        if s is None:
+    for row, rs in zip(rows, sets):
+        if rs is None:
             continue
-        acc = mine.setdefault(s.ranks, [0, 0])
+        acc = mine.setdefault(rs.ranks, [0, 0])
         acc[0] += row[0]
         acc[1] += row[1]
     me = dist.get_rank() if dist.is_initialized() else 0
-    local = {s: (a % fold.primes[0], b % fold.primes[1]) for s, (a, b) in mine.items()}
+    local = {key: (a % fold.primes[0], b % fold.primes[1]) for key, (a, b) in mine.items()}
     gathered: list[Any] = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(gathered, (me, local), group=group)
@@ -540,18 +540,18 @@ def _name_ranks(
         gathered = [(me, local)]
     by_set: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
     for rank, per_set in gathered:
-        for s, fp in per_set.items():
-            by_set.setdefault(s, {})[rank] = fp
+        for key, fp in per_set.items():
+            by_set.setdefault(key, {})[rank] = fp
     named: set[int] = set()
     bad_sets = []
-    for s, fps in sorted(by_set.items()):
+    for members, fps in sorted(by_set.items()):
         counts = collections.Counter(fps.values())
         if len(counts) <= 1:
             continue
         value, n = counts.most_common(1)[0]
         majority = value if n * 2 > len(fps) else None
         named |= {r for r, fp in fps.items() if fp != majority}
-        bad_sets.append((s, tuple(fps.get(r, (-1, -1)) for r in s)))
+        bad_sets.append((members, tuple(fps.get(r, (-1, -1)) for r in members)))
     if not named:  # the sets agree as wholes: the cancellation lies across sets
         named = {r for r, _ in gathered}
     return tuple(sorted(named)), tuple(bad_sets)

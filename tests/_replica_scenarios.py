@@ -227,7 +227,9 @@ def clean_run(rank: int, world_size: int) -> dict[str, Any]:
         model = _mlp(torch.float32)
         ddp = DDP(model)
 
-        def build(model: nn.Module, ddp: DDP) -> tuple[Any, GradScaler]:
+        def build(
+            model: nn.Module, ddp: DDP, opt_kind: str = opt_kind
+        ) -> tuple[Any, GradScaler]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=opt_kind == "fused",
                                     foreach=opt_kind == "foreach")  # fmt: skip
             scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=50,

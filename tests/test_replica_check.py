@@ -164,7 +164,7 @@ def four(tmp_path_factory):
 
 
 def _cases():
-    for dtype, bits in S.BITS.items():
+    for dtype in S.BITS:
         opts = ["fused", "foreach"] if dtype == "float32" else ["fused"]
         for opt, clip, path in itertools.product(opts, ("noclip", "clip"), ("cpu", "gpu")):
             yield f"{dtype}-{opt}-{clip}-{path}"
