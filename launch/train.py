@@ -62,6 +62,10 @@ command line)::
     --out DIR       output folder (default: runs/default)
     --data PATH     text file or folder to train on instead of the stdlib sources
     --parallelism L ddp | fsdp1 | fsdp2 | hsdp | tp | pp (config key ``parallelism``)
+    --inject-bitflip STEP:RANK
+                    flip the sign bit of one gradient element on RANK after the reduce at STEP
+                    (silent data corruption): the replica check skips that step on every rank
+                    and the summary names the rank (distscaler.replica_check)
     --resume [auto] continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
                     states; metrics.jsonl keeps the lines up to that step and grows from there.
                     ``--resume auto``: the same if DIR holds a checkpoint, a fresh start if not.
@@ -117,6 +121,17 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def _step_rank(text: str) -> tuple[int, int]:
+    """``"STEP:RANK"`` -> (STEP, RANK); an argparse type (its error names the argument)."""
+    try:
+        step, rank = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK (two integers), got: {text!r}") from None
+    if step < 1 or rank < 0:
+        raise argparse.ArgumentTypeError(f"STEP must be >= 1 and RANK >= 0, got: {text!r}")
+    return step, rank
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Byte-level GPT trained with fp16 autocast and distscaler.GradScaler, "
@@ -130,6 +145,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parallelism",
         choices=["ddp", "fsdp1", "fsdp2", "hsdp", "tp", "pp"],
         help="how the model is laid out over the ranks (default: the config's, ddp)",
+    )
+    parser.add_argument(
+        "--inject-bitflip",
+        metavar="STEP:RANK",
+        type=_step_rank,
+        help="flip the sign bit of one gradient element on RANK after the reduce at optimizer "
+        "step STEP (silent data corruption): the replica check skips that step on every rank "
+        "and names the rank in the summary",
     )
     parser.add_argument(
         "--resume",
@@ -169,6 +192,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # not fit the world size exits here rather than hang in a collective.
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if launched() else 1
         problems = check_parallelism(cfg, world_size, launched=launched())
+        if args.inject_bitflip is not None and args.inject_bitflip[1] >= world_size:
+            problems.append(
+                f"--inject-bitflip rank must be below the world size {world_size}, "
+                f"got: {args.inject_bitflip[1]}"
+            )
         if problems:
             raise ConfigError(problems)
     except ConfigError as e:
@@ -179,7 +207,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logger.info("configs/default.yaml is sized for CPUs; on GPUs try --config configs/gpu.yaml")
     # No teardown after an error: destroy_process_group is collective-like and would hang the
     # ranks that are still running (torchrun stops them instead).
-    summary = Trainer(cfg, d, config_path=config_path, resume=args.resume, t_start=t_start).run()
+    summary = Trainer(
+        cfg,
+        d,
+        config_path=config_path,
+        resume=args.resume,
+        t_start=t_start,
+        inject_bitflip=args.inject_bitflip,
+    ).run()
     # The trainer is gone: its cycles (a DDP model) are collected while the process group lives.
     destroy_process_group()
     return summary

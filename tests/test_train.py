@@ -435,12 +435,23 @@ def test_the_default_command_shows_the_scaler_at_work_within_five_minutes(tmp_pa
 def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
     # Default data (the stdlib sources): real input. The inf is written on rank 1 only, after
     # DDP's all-reduce, so only the scaler's own collective can make rank 0 skip as well.
+    # And at step 4 one bit flipped on rank 1 (--inject-bitflip): silent data corruption, which
+    # the replica check catches on the same collective.
     config = _smoke_config_with(tmp_path, inject_inf={"steps": [3], "rank": 1})
     out = tmp_path / "out"
-    _run_jobs([_standalone() + _job_args(out, steps=5, config=config)], [tmp_path / "job.log"])
+    args = _job_args(out, steps=5, config=config) + ["--inject-bitflip", "4:1"]
+    _run_jobs([_standalone() + args], [tmp_path / "job.log"])
     records = _check_run(out, list(range(1, 6)))
-    # Guard against a vacuous pass: the injected inf must have been seen.
-    assert [r["step"] for r in records if r["skipped"]] == [3]
+    # Guard against a vacuous pass: the injected inf and the flipped bit must have been seen.
+    assert [r["step"] for r in records if r["skipped"]] == [3, 4]
+    assert records[3]["replica_mismatch"] == {"step": 4, "what": "gradients", "ranks": [0, 1]}
+    assert records[4]["scale"] == records[3]["scale"]  # a mismatch is not an overflow: no backoff
+    assert math.isfinite(records[3]["grad_norm"])  # the corrupted value was finite
+    log = (tmp_path / "job.log").read_text(errors="replace")
+    # The inf written on rank 1 alone after the reduce made the replicas differ too.
+    assert records[2]["replica_mismatch"]["ranks"] == [0, 1]
+    assert "5 update(s) compared across replicas, 2 mismatch(es)" in log
+    assert "step 4: gradients of rank(s) [0, 1] differed, skipped" in log
     assert records[2]["grad_norm"] is None
     # The overflow report names the rank and the parameter the fault was written into: the first
     # parameter of the model (lm.faults), by its name in the unwrapped model.
@@ -449,11 +460,14 @@ def test_inf_on_one_rank_skips_step_on_every_rank(tmp_path: Path) -> None:
 
     first = next(iter(ByteGPT(TrainConfig(d_model=8, n_layer=1, n_head=1)).named_parameters()))[0]
     assert records[2]["overflow"] == [{"rank": 1, "param": first, "kind": "inf"}]
-    assert all("overflow" not in r for r in records if not r["skipped"])
+    assert all("overflow" not in r for r in records if r["step"] != 3)
     assert records[3]["scale"] == records[2]["scale"] * 0.5
     summary = _summary(out)
-    assert summary["skipped_steps"] == 1
-    # Every rank skipped step 3 and ends with the same scale and bit-identical parameters.
+    assert summary["skipped_steps"] == 2
+    assert summary["replica_checks"] == 5
+    assert summary["replica_mismatches"] == [records[2]["replica_mismatch"],
+                                             records[3]["replica_mismatch"]]  # fmt: skip
+    # Every rank skipped steps 3 and 4 and ends with the same scale and bit-identical parameters.
     assert summary["ranks_consistent"] is True
     assert summary["world_size"] == 2
     # The run's plot, and the standalone plotting script on the same run.

@@ -1,4 +1,5 @@
-"""Fault injection: an inf written into one gradient of one rank, after the gradients are reduced."""
+"""Fault injection after the gradients are reduced, on one rank: an inf written into one gradient
+(an overflow), or one bit flipped (silent data corruption)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn as nn
 
 from common.tensors import local_tensor
 
-__all__ = ["inject_inf_"]
+__all__ = ["flip_sign_bit_", "inject_inf_"]
 
 
 def inject_inf_(model: nn.Module) -> None:
@@ -26,3 +27,24 @@ def inject_inf_(model: nn.Module) -> None:
             grad.view(-1)[0] = math.inf
             return
     raise RuntimeError("inject_inf: this rank holds no gradient element to write an inf into")
+
+
+def flip_sign_bit_(model: nn.Module) -> str:
+    """Flips the sign bit of the first non-zero element of the first gradient ``model`` holds on
+    this rank (this rank only), as a memory or compute fault would: the value stays finite and
+    plausible, so no overflow check can see it. Returns where (``"<param>[i]"``).
+
+    Raises:
+        RuntimeError: this rank holds no non-zero gradient element.
+    """
+    for name, p in model.named_parameters():
+        grad = None if p.grad is None else local_tensor(p.grad)
+        if grad is None or grad.numel() == 0 or not grad.is_floating_point():
+            continue
+        flat = grad.view(-1)
+        nonzero = flat.nonzero()
+        if nonzero.numel():
+            i = int(nonzero[0, 0])
+            flat[i] = -flat[i]  # exactly the sign bit: IEEE negation flips it and nothing else
+            return f"{name}[{i}]"
+    raise RuntimeError("inject_bitflip: this rank holds no non-zero gradient element to corrupt")

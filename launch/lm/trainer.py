@@ -29,7 +29,7 @@ from lm.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from lm.config import TrainConfig
 from lm.data import get_batch, load_corpus
 from lm.evaluate import evaluate
-from lm.faults import inject_inf_
+from lm.faults import flip_sign_bit_, inject_inf_
 from lm.layout import Parallel
 from lm.metrics import (
     METRICS_NAME,
@@ -61,19 +61,24 @@ def train_step(
     cfg: TrainConfig,
     *,
     inject: bool = False,
+    bitflip: bool = False,
     timer: PhaseTimer | None = None,
     comm: CommDebugMode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step; returns the loss and the global unscaled gradient norm, on the device.
 
     No host read here: with a fused optimizer the scaler's skip decision and clipping stay on the
-    device. ``inject``: write an inf into this rank's first gradient after backward. ``timer`` and
+    device. ``inject``: write an inf into this rank's first gradient after backward; ``bitflip``:
+    flip the sign bit of one of its gradient elements (silent data corruption). ``timer`` and
     ``comm`` (CommDebugMode) cover the scaler phase: clip_grad_norm_ + step + update.
     """
     loss = par.forward_backward(x, y, optimizer, scaler, cfg)
     if inject:
         # After backward the gradients are already reduced (DDP, FSDP): only this rank sees it.
         inject_inf_(par.state_module)
+    if bitflip:
+        where = flip_sign_bit_(par.state_module)
+        logger.warning("inject_bitflip: flipped the sign bit of %s on this rank", where)
     if timer is not None:
         timer.start()
     with comm if comm is not None else nullcontext():
@@ -101,8 +106,14 @@ class Trainer:
         config_path: str | Path | None = None,
         resume: Resume | None = None,
         t_start: float | None = None,
+        inject_bitflip: tuple[int, int] | None = None,
     ) -> None:
         self.cfg, self.d = cfg, d
+        #: ``--inject-bitflip STEP:RANK``: flip a gradient bit on RANK after the reduce at STEP.
+        self.inject_bitflip = inject_bitflip
+        #: The steps a replica mismatch skipped, with the ranks named (the same on every rank).
+        self.replica_mismatches: list[dict[str, Any]] = []
+        self._last_mismatch: Any = None
         self.config_path = config_path
         self.resume = resume
         self.t_start = time.perf_counter() if t_start is None else t_start
@@ -235,6 +246,7 @@ class Trainer:
             y,
             cfg,
             inject=step in self.inject_steps,
+            bitflip=self.inject_bitflip is not None and self.inject_bitflip == (step, d.rank),
             timer=self.timer,
             comm=comm,
         )
@@ -247,7 +259,17 @@ class Trainer:
             self.comm_counts = {str(op): n for op, n in comm.get_comm_counts().items()}
         else:
             self.scaler_times.append(self.timer.seconds())
-        skipped = bool(skip and skip[0])
+        overflowed = bool(skip and skip[0])
+        skipped = overflowed
+        mismatch = self.scaler.last_replica_mismatch if self.scaler.is_enabled() else None
+        if mismatch is not None and mismatch is not self._last_mismatch:
+            # The replica check skipped this step (found_inf says whether it overflowed too: an
+            # inf written on one rank after the reduce is both).
+            self._last_mismatch = mismatch
+            skipped = True
+            self.replica_mismatches.append(
+                {"step": step, "what": mismatch.what, "ranks": list(mismatch.ranks)}
+            )
         dt = time.perf_counter() - t0
         self.train_time += dt
         if skipped:
@@ -261,7 +283,9 @@ class Trainer:
             lr=lr,
             tokens_per_s=self.tokens_per_step / dt,
         )
-        if skipped:
+        if self.replica_mismatches and self.replica_mismatches[-1]["step"] == step:
+            record["replica_mismatch"] = self.replica_mismatches[-1]
+        if overflowed:
             # Which ranks and parameters held the inf/NaN (every rank calls: they all skipped).
             report = self.scaler.report_overflow()
             if report is not None:
@@ -350,6 +374,10 @@ class Trainer:
             scaler_phase_ms_median=1e3 * statistics.median(self.scaler_times)
             if self.scaler_times
             else None,
+            # The replica check (distscaler.replica_check): updates whose replicated gradients
+            # were compared, and the mismatches that skipped a step (step, ranks named).
+            replica_checks=self.scaler.replica_ledger.checks,
+            replica_mismatches=self.replica_mismatches,
         )
         if d.is_main:
             write_summary(self.out / SUMMARY_NAME, summary)
@@ -380,6 +408,16 @@ class Trainer:
             summary["scaler_collectives_per_step"],
             summary["scaler_collectives"],
             number(summary["scaler_phase_ms_median"]),
+        )
+        mismatches = summary["replica_mismatches"]
+        logger.info(
+            "replica check: %d update(s) compared across replicas, %d mismatch(es)%s",
+            summary["replica_checks"],
+            len(mismatches),
+            "".join(
+                f"; step {m['step']}: {m['what']} of rank(s) {m['ranks']} differed, skipped"
+                for m in mismatches
+            ),
         )
 
     def _plot(self, records: list[dict[str, Any]]) -> None:
