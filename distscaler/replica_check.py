@@ -7,8 +7,10 @@ The check compares them where the scaler already reads every gradient and runs o
 
 1. **Fingerprint** (`bit_sums()`): each replicated gradient tensor's elements read as integers
    (their bit patterns: ``int32`` for float32, ``int16`` for fp16/bf16, ``int64`` for float64)
-   and summed exactly in ``int64``: ``C_t``. Flipping bit ``j`` of one element changes ``C_t`` by
-   exactly ``±2**j``.
+   and summed in that width, wrapping: ``C_t``, the exact sum modulo ``2**w`` (the order of the
+   additions does not matter, and the native width runs at the speed of a float sum: a 64-bit
+   accumulation is ~15x slower on a CPU). Flipping bit ``j`` of one element changes ``C_t`` by
+   ``±2**j``, or by ``±2**j ∓ 2**w`` where the sum wraps.
 2. **Folded** into two residues (`local_residues()`): with primes ``P1 > P2`` (`moduli()`) and each
    replica set's *coefficients* (`coefficient()`: ``+1/-1`` alternating over the set's replicas,
    ``(1, 1, -2)`` for the first three of an odd number, so that they sum to 0), this rank sends
@@ -17,10 +19,12 @@ The check compares them where the scaler already reads every gradient and runs o
 3. **Verdict** (`verdict()`): the reduced ``S = sum over ranks of x``. When every replica holds
    the same gradients each set's terms cancel, so ``S mod P == 0`` for both primes, on every
    rank alike (the verdict is a function of the reduced values only). A single flipped bit on one
-   rank adds ``coef * 2**j``, never a multiple of an odd prime ``P`` (``|coef| <= 2``), so **every
-   single-bit flip is caught**: sign, exponent and mantissa bits alike (also a sign flip of 0.0,
+   rank adds ``coef * 2**j`` (or ``coef * 2**j * (1 - 2**(w-j))``), never a multiple of ``P``:
+   ``P`` is an odd prime above 2, and 2's multiplicative order modulo ``P`` exceeds 64, so ``P``
+   divides no ``2**m - 1`` for ``m <= 64`` (`moduli()` picks them so). So **every single-bit flip
+   is caught**: sign, exponent and mantissa bits alike (also a sign flip of 0.0,
    which changes no value). Several corrupted elements are missed only when their changes cancel
-   modulo both primes: probability about ``1 / (P1 * P2)`` for unrelated changes (2**-44 at 2
+   modulo both primes: probability about ``1 / (P1 * P2)`` for unrelated changes (2**-46 at 2
    ranks, 2**-20 at 16,384 ranks).
 
 **Exact in float32, no float64.** Each ``x`` is an integer below ``P`` and ``P * world_size <=
@@ -64,6 +68,7 @@ from .errors import ReplicaMismatchError
 
 __all__ = [
     "GPU_INTERVAL",
+    "MAX_WORLD_SIZE",
     "SUSPECT_EVENTS",
     "SUSPECT_WINDOW",
     "ReplicaLedger",
@@ -80,6 +85,9 @@ logger = logging.getLogger("distscaler")
 
 #: Largest integer float32 holds exactly with all below it (its significand's 24 bits).
 FLOAT32_EXACT = 1 << 24
+#: The largest group the replica check takes: its primes (below 2**24 / world size) must keep a
+#: 2-order above 64, and 101 and 107 are the last two such below 128.
+MAX_WORLD_SIZE = 1 << 17
 #: A rank alone at fault (an overflow only it saw, a replica mismatch it was named in) this many
 #: times within `SUSPECT_WINDOW` updates is named a suspect.
 SUSPECT_EVENTS = 3
@@ -110,23 +118,32 @@ def _is_prime(n: int) -> bool:
 _MODULI: dict[int, tuple[int, int]] = {}
 
 
+def _order_of_two_exceeds(p: int, bound: int) -> bool:
+    """2's multiplicative order modulo ``p`` exceeds ``bound``: ``p`` divides no ``2**m - 1``."""
+    return all(pow(2, m, p) != 1 for m in range(1, bound + 1))
+
+
 def moduli(world_size: int) -> tuple[int, int]:
-    """The two largest primes ``P1 > P2 >= 3`` with ``P * max(world_size, 2) <= 2**24``: a sum of
-    ``world_size`` residues below them is exact in float32. Host arithmetic, cached per size.
+    """The two largest primes ``P1 > P2`` with ``P * max(world_size, 2) <= 2**24`` (a sum of
+    ``world_size`` residues below them is exact in float32) whose 2-order exceeds 64 (a wrapped
+    bit flip, ``2**j * (2**m - 1)``, is never a multiple of them). Host arithmetic, cached per
+    size.
 
     Raises:
-        ValueError: ``world_size`` above 2**21 (the residues would leave too few bits).
+        ValueError: ``world_size`` above `MAX_WORLD_SIZE` (131,072).
     """
     n = max(int(world_size), 2)
     cached = _MODULI.get(n)
     if cached is not None:
         return cached
-    if n > 1 << 21:
-        raise ValueError(f"world_size must be at most 2**21 for the replica check, got: {n}")
+    if n > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world_size must be at most {MAX_WORLD_SIZE} for the replica check, got: {n}"
+        )
     found: list[int] = []
     p = FLOAT32_EXACT // n
-    while len(found) < 2:
-        if _is_prime(p):
+    while len(found) < 2 and p > 2:
+        if _is_prime(p) and _order_of_two_exceeds(p, 64):
             found.append(p)
         p -= 1
     _MODULI[n] = (found[0], found[1])
@@ -155,20 +172,31 @@ def _int_view(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def bit_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each tensor's elements read as integers (their bit patterns) and summed exactly: int64
-    ``(len(tensors),)`` on ``device``. One read of every byte: one reduction per tensor and one
-    ``stack``. A non-floating tensor sums to 0. float64 sums wrap modulo 2**64 (still changed by
-    any single-bit flip but the top one's twin; float64 gradients are rare)."""
-    sums = []
-    for t in tensors:
+    """Each tensor's elements read as signed integers of their width (their bit patterns) and
+    summed in that width, wrapping (the exact sum modulo ``2**w``, whatever the order of the
+    additions): int64 ``(len(tensors),)`` on ``device``. One read of every byte: one reduction
+    per tensor, then per (integer width, device) one ``stack`` and one cast to int64 (more than one
+    such group adds a ``cat`` and an ``index_select``). A non-floating tensor sums to 0."""
+    groups: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
         ints = _int_view(t)
-        if ints is None:
-            sums.append(torch.zeros((), dtype=torch.int64, device=device))
-        else:
-            sums.append(ints.sum(dtype=torch.int64).to(device, non_blocking=True))
-    if not sums:
+        total = (
+            torch.zeros((), dtype=torch.int32, device=t.device)
+            if ints is None
+            else ints.sum(dtype=ints.dtype)
+        )
+        order, sums = groups.setdefault((total.dtype, total.device), ([], []))
+        order.append(i)
+        sums.append(total)
+    if not groups:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.stack(sums)
+    parts = [torch.stack(sums).to(device, torch.int64, non_blocking=True)
+             for _, sums in groups.values()]  # fmt: skip
+    if len(parts) == 1:
+        return parts[0]
+    order = [i for indices, _ in groups.values() for i in indices]
+    inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=device)
+    return torch.cat(parts).index_select(0, inverse)
 
 
 def local_residues(
@@ -408,8 +436,8 @@ class ReplicaCheck:
         """(compare gradients, compare parameters) at this iteration: the same on every rank
         (the update count, the settings and the group's size). Never over a group whose
         membership changes (torchft's: a healing replica's contribution is zeroed there, which
-        would read as a mismatch)."""
-        if not self.enabled or world_size < 2 or dynamic:
+        would read as a mismatch), nor above `MAX_WORLD_SIZE` ranks."""
+        if not self.enabled or world_size < 2 or dynamic or world_size > MAX_WORLD_SIZE:
             return False, False
         n = self.iteration + 1
         params = self.param_interval > 0 and n % self.param_interval == 0

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from distscaler import GradScaler, ReplicaMismatchError
 from distscaler.replica_check import (
     FLOAT32_EXACT,
+    MAX_WORLD_SIZE,
     SUSPECT_EVENTS,
     ReplicaLedger,
     ReplicaMismatch,
@@ -47,7 +48,7 @@ def test_coefficients_sum_to_zero_and_are_never_zero(replicas):
     assert coefficient(0, 1) == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 1000, 16384, 1 << 21])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 1000, 16384, MAX_WORLD_SIZE])
 def test_moduli_are_primes_whose_sums_stay_exact_in_float32(world_size):
     p1, p2 = moduli(world_size)
     assert p1 > p2 >= 3
@@ -55,7 +56,7 @@ def test_moduli_are_primes_whose_sums_stay_exact_in_float32(world_size):
         assert all(p % f for f in range(2, int(p**0.5) + 1))
         assert p * world_size <= FLOAT32_EXACT
     with pytest.raises(ValueError, match="world_size"):
-        moduli((1 << 21) + 1)
+        moduli(MAX_WORLD_SIZE + 1)
 
 
 def _simulate(replica_grads: list[torch.Tensor], world_size: int) -> tuple[bool, list[float]]:
@@ -104,14 +105,34 @@ def test_every_single_bit_flip_changes_the_verdict(dtype, replicas, numel, seed,
     assert _simulate(corrupted, replicas)[0] is True
 
 
-def test_bit_sums_change_by_exactly_the_flipped_bit():
-    g = torch.randn(64)
+def test_bit_sums_keep_the_order_of_mixed_widths():
+    tensors = [torch.randn(5), torch.randn(3).half(), torch.randn(4), torch.arange(3)]
+    got = bit_sums(tensors, torch.device("cpu")).tolist()
+    assert got[3] == 0  # not floating point
+    for t, value in zip(tensors[:3], got, strict=False):
+        ints = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+        assert value == int(ints.sum(dtype=ints.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bit_sums_change_by_exactly_the_flipped_bit_modulo_the_width(dtype):
+    g = torch.randn(64).to(dtype) * 1e4  # large values: the sums wrap
+    width = g.element_size() * 8
+    ints = g.view({2: torch.int16, 4: torch.int32}[g.element_size()]).long()
+    exact = int(ints.sum())
     before = int(bit_sums([g], torch.device("cpu"))[0])
-    for bit in range(32):
+    assert (before - exact) % (1 << width) == 0  # the exact sum, modulo 2**width
+    for bit in range(width):
         h = g.clone()
         S.flip_bit_(h, 3, bit)
         delta = int(bit_sums([h], torch.device("cpu"))[0]) - before
-        assert abs(delta) == 1 << bit
+        assert delta % (1 << width) in ((1 << bit), (1 << width) - (1 << bit))
+
+
+@pytest.mark.parametrize("world_size", [2, 64, 16384])
+def test_no_modulus_divides_a_wrapped_flip(world_size):
+    for p in moduli(world_size):
+        assert all(pow(2, m, p) != 1 for m in range(1, 65))
 
 
 def test_ledger_names_a_rank_alone_at_fault_as_suspect():
@@ -260,16 +281,17 @@ def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
     ops = two[0]["ops"]
     tensors = ops["tensors"]
     # What a checked step adds, whatever the path: one integer sum per gradient tensor (the read
-    # pass), stack, remainder x2, mul, sum, the cast to float32 (the local residues), the cat that
-    # appends them to the collective, the copy back (and where the verdict was a MAX of flags, the
-    # clamp of its SUM); one host read (the verdict). The all_reduce stays one.
+    # pass), stack, the cast to int64, remainder x2, mul, sum, the cast to float32 (the local
+    # residues), the cat that appends them to the collective, the copy back (and where the
+    # verdict was a MAX of flags, the clamp of its SUM); one host read (the verdict). The
+    # all_reduce stays one.
     base = {
         "aten.sum.default": tensors,
         "aten.stack.default": 1,
         "aten.remainder.Tensor": 2,
         "aten.mul.Tensor": 1,
         "aten.sum.dim_IntList": 1,
-        "aten._to_copy.default": 1,
+        "aten._to_copy.default": 2,
         "aten.cat.default": 1,
         "aten.copy_.default": 1,
     }
