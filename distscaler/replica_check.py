@@ -320,6 +320,20 @@ class ReplicaLedger:
                 )  # fmt: skip
         self.suspects = tuple(sorted(set(self.suspects) | set(new)))
 
+    def metrics(self, prefix: str = "distscaler/") -> dict[str, int]:
+        """The integrations' log entries (``distscaler/replica_checks``,
+        ``distscaler/replica_mismatches``, ``distscaler/replica_skipped``,
+        ``distscaler/suspects``), empty before the first check (nothing replicated: nothing
+        logged)."""
+        if not self.checks and not self.param_checks:
+            return {}
+        return {
+            f"{prefix}replica_checks": self.checks,
+            f"{prefix}replica_mismatches": sum(self.mismatches.values()),
+            f"{prefix}replica_skipped": self.skipped,
+            f"{prefix}suspects": len(self.suspects),
+        }
+
     def as_dict(self) -> dict[str, Any]:
         """Plain numbers for metrics: ``replica_checks``, ``replica_mismatches`` (total),
         ``replica_skipped``, ``lone_overflows`` (total), ``suspects`` (count)."""

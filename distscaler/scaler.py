@@ -75,7 +75,9 @@ class GradScaler(torch.amp.GradScaler):
     ``grad_scale`` and ``found_inf`` (no host read, gradients not rewritten); every counter lives on
     the device, updated by a handful of ops, so a step can be replayed from a CUDA graph;
     [`last_overflow`][distscaler.GradScaler.last_overflow] names the ranks and parameters of the
-    last inf/NaN. The settings and their ranges are those of
+    last inf/NaN; ranks holding the same gradients compare them on the same collective (2 more
+    float32) and a mismatch skips the step everywhere
+    ([`distscaler.replica_check`][distscaler.replica_check]). The settings and their ranges are those of
     [`ScalerConfig`][distscaler.ScalerConfig].
 
     Args:

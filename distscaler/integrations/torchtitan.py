@@ -45,7 +45,10 @@ What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what
   unscale pass and one host read of the agreed flag per step; a skipped step runs no hook.
 * **Logs.** torchtitan's metrics logger (console, TensorBoard, W&B) gets ``distscaler/scale``,
   ``distscaler/skipped`` (since the last log), ``distscaler/skipped_total`` and, after a skip,
-  ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``; a warning names the parameters
+  ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``, and once replicated gradients
+  were compared the replica check's counts (``distscaler/replica_checks``,
+  ``distscaler/replica_mismatches``, ``distscaler/replica_skipped``, ``distscaler/suspects``:
+  [`distscaler.replica_check`][distscaler.replica_check]); a warning names the parameters
   and ranks ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]). The LR
   scheduler steps on skipped steps too (torch's recipe; holding it would cost a host read per step).
 * **Checkpoints.** ``Trainer.state_dict`` (torchtitan's ``train_state``) carries the scaler: a
@@ -400,6 +403,7 @@ class DistScalerTrainer(Trainer):
         if report is not None:
             metrics["distscaler/overflow_step"] = report.step
             metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
+        metrics.update(scaler.replica_ledger.metrics())  # once replicas were compared
         return metrics
 
     # ------------------------------------------------------------------ checkpoint

@@ -31,7 +31,10 @@ Transformers 5.x (``trainer.py``: ``_inner_training_loop``, ``_clip_grad_norm``,
   and ``trainer.state.log_history``) carries ``distscaler/scale``, ``distscaler/skipped`` (skipped
   optimizer steps since the previous log), ``distscaler/skipped_total`` and, once a step was
   skipped, ``distscaler/overflow_step`` (the scaler's update number of the last skipped step) and
-  ``distscaler/overflow_tensors`` (how many gradient tensors held inf/NaN, all ranks). The names,
+  ``distscaler/overflow_tensors`` (how many gradient tensors held inf/NaN, all ranks), and once
+  replicated gradients were compared ([`distscaler.replica_check`][distscaler.replica_check]),
+  ``distscaler/replica_checks``, ``distscaler/replica_mismatches``,
+  ``distscaler/replica_skipped`` and ``distscaler/suspects``. The names,
   ranks and kinds are logged as a warning on rank 0 (logger ``"distscaler"``) right after the
   skipped step: [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow].
 * **Checkpoints.** Unchanged code path: the Trainer saves ``accelerator.scaler.state_dict()`` as
@@ -117,6 +120,7 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
         if report is not None:
             metrics["distscaler/overflow_step"] = report.step
             metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
+        metrics.update(self.scaler.replica_ledger.metrics())  # once replicas were compared
         logs.update(metrics)
         # Trainer.log stored a copy of ``logs`` in the history before calling the callbacks.
         history = state.log_history
