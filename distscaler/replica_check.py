@@ -271,7 +271,7 @@ class ReplicaLedger:
     """Per-rank counts over the run, the same on every rank of the scaler's group.
 
     Attributes:
-        checks: updates whose gradients were compared across replicas.
+        checks: gradient comparisons across replicas (one per optimizer per checked update).
         param_checks: updates whose parameters and optimizer state were compared.
         mismatches: per global rank, the replica mismatches it was named in.
         lone_overflows: per rank of the group, overflow reports where it alone held inf/NaN.

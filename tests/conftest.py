@@ -49,6 +49,7 @@ COMPAT: dict[str, str] = {
     "test_layout_costs.py": "the job's model laid out in every layout under torchrun",
     "test_train.py::test_inf_on_one_rank_skips_step_on_every_rank": "the reference job, end to end",
     "test_teardown.py": "gloo's teardown, which hangs before torch 2.8 unless done in order",
+    "test_replica_check.py": "the replica check: integer views and sums, DDP and HSDP on gloo",
 }
 
 #: On GPU CI runners: the number of GPUs the machine must show, so that the GPU tests cannot pass
