@@ -17,6 +17,7 @@ import _replica_scenarios as S
 import pytest
 import torch
 from _harness import spawn
+from _torch_gaps import guarded
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -181,7 +182,8 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return spawn(S.everything_4, 4, tmp_path_factory.mktemp("replica4"))
+    # HSDP's results skip where torch's own fully_shard fails (torch 2.6 on CPUs: _torch_gaps).
+    return guarded(spawn(S.everything_4, 4, tmp_path_factory.mktemp("replica4")))
 
 
 def _cases():
