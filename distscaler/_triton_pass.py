@@ -1,0 +1,981 @@
+"""One read of every gradient: a multi-tensor Triton kernel for the scaler's phase.
+
+What it replaces (the torch path of the inf check): torch's check kernel or ``_foreach_norm`` for
+the non-finite flag and the norm, ``_foreach_norm`` again for the per-tensor flags, the replica
+check's own sums (one reduction per tensor), each a pass or a launch group of its own.
+
+**What is read once.** `grad_pass()` reads every element of every gradient exactly once, in one
+launch over all tensors (all dtypes: a block looks up its tensor's dtype and takes one of three
+compiled branches), and from that read writes per-block partials of
+
+* the largest magnitude (as the int32 bits of ``|x|`` in float32: ordered like the values, and
+  NaN's bits sort above inf's, so one integer max gives the max, the inf flag and the NaN flag),
+* ``sum |x|**p`` in float32 (p = 2 or 1; nothing for p = inf, which is the max),
+* the replica fingerprint's two exact integer moments of the tensor's 16-bit words.
+
+A second launch reduces the partials **in a fixed order** (each tensor's blocks by tiles, each tile
+by ``tl.sum``'s fixed tree; no atomics, so the same bits on every run) into the step's collective
+buffer ``stat = [found, norm_stat]``, the per-tensor statistics and the fingerprint moments.
+
+**Launches per phase** (`LAUNCHES`): 2 for `grad_pass()` (read + reduce; plus one host-to-device
+copy of the address table when the tensors' addresses, sizes or dtypes changed since the last
+call), 1 for `finish()` after the collective (``found_inf``, ``grad_scale``, the total norm), 1
+for `scale_()`/`div_()` where gradients are unscaled or clipped in place. So a clipped step
+without a fused optimizer is 4 launches + the all_reduce at any number of tensors; with a fused
+optimizer (it divides by ``grad_scale``) 3.
+
+**The tables.** Tensor addresses (``data_ptr``), element counts, dtype codes, weights (float32
+bits) and each tensor's first block in one int64 array; per block its tensor and first element
+(int64). A block covers ``chunk`` elements of one tensor (``chunk`` a multiple of ``BLOCK * INNER``,
+larger for larger totals so that the partials stay few: `_chunk_for()`). The tables are cached per
+(addresses, sizes, dtypes, weights, chunk): a step whose gradients sit where they sat at the last
+step launches the two kernels and nothing else.
+
+**int64 addressing.** Every element offset is ``first element of the block`` (loaded from the
+int64 table, so int64) ``+ iteration * BLOCK + lane``: int64 arithmetic from the first operand on,
+so a tensor of 2**31 elements or more is addressed without wrapping (``tests/test_triton_pass.py``
+runs the kernels over a fake table whose tensor starts 2**33 elements before real memory and
+whose blocks start past 2**31, 2**32 and 2**33). Word indices of the fingerprint (up to 2**35) are
+int64 too and enter only modulo ``P``.
+
+**Exactness of the fingerprint.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L =
+numel * element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high
+half)), ``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B =
+sum_k k * w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <=
+2**16``) and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``A = sum u``
+and ``B = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. Per lane, over ``INNER <=
+128`` iterations ``it``, int32 sums ``W = sum u`` (``<= 2**23``) and ``V = sum it * u`` (``<=
+2**29``) cannot overflow; every ``INNER`` iterations they are summed over the block's lanes in
+int64 into the block's ``U = sum u`` and ``J = sum (e - e0) * u + c`` (``|J| < 2**61`` for a
+chunk of at most 2**22 elements). The reduction takes each block's ``U mod P``, ``J mod P`` and its
+first word ``K0 = m * e0`` modulo ``P``: ``B = sum_blocks (K0 * U + J)``, every product of two
+residues below ``2**48``, every sum reduced modulo ``P`` before it could reach 2**63. No float, no
+wrap, any order: exact (tests compare with Python integers).
+
+**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each lane adds
+its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum``
+adds the block's lanes (a tree of depth ``log2 BLOCK``), then the reduction adds a tensor's blocks
+per lane (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``); the total adds all blocks
+the same way. A float32 sum of non-negative terms computed along a tree of depth ``d`` differs
+from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24``; Higham,
+*Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each square. `norm_bound()`
+returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's is about half
+of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same form with its
+own ``d``; the tests hold both to their bound against the float64 sum and to the sum of the two
+bounds against each other. At 1.5e9 elements in one tensor (chunk 2**18): ``d`` = 128 + 11 + 6 +
+10 + 2, a relative error below 1e-5.
+
+**Cost.** One read of the bytes (no write), a few integer ops per element (fingerprint), and the
+partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read once by the reduction.
+
+Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU under
+``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's
+ops (`_torch_pass()`, several launches), as are norm types other than 1, 2 and inf
+(`grad_pass()` refuses them). The functions are registered as custom ops
+(``distscaler::grad_pass``, ``distscaler::scale_``, ``distscaler::finish``) with fake
+implementations, so ``torch.compile(fullgraph=True)`` traces a phase that calls them (opaque to
+the compiler: the host builds the address tables from ``data_ptr()``, which a traced function
+cannot read).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import os
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+__all__ = [
+    "LAUNCHES",
+    "FinishResult",
+    "PassResult",
+    "available",
+    "div_",
+    "finish",
+    "grad_pass",
+    "norm_bound",
+    "scale_",
+]
+
+#: Kernel launches per call: `grad_pass()` (read + reduce), `finish()`, `scale_()`/`div_()`.
+LAUNCHES = {"grad_pass": 2, "finish": 1, "scale_": 1, "div_": 1}
+
+#: Elements per tile (``BLOCK``), tiles per int32 flush (``INNER``), warps per block of the read
+#: and write kernels; ``RT`` partials per tile of the reduction. ``launch/kernel_bench.py`` sweeps
+#: ``BLOCK`` and ``num_warps``.
+_CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024}
+#: The reduction aims at about this many blocks; a chunk is at most this many elements (the bound
+#: of the fingerprint's int64 block sums, see the module docstring).
+_TARGET_BLOCKS = 8192
+_MAX_CHUNK = 1 << 22
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_WORDS = {0: 2, 1: 1, 2: 1}  # 16-bit words per element
+#: norm_type -> the kernels' NORM: 0 none, 1 sum |x|, 2 sum x**2, 3 max |x|.
+_NORM_MODE = {1.0: 1, 2.0: 2, math.inf: 3}
+_PRIME_LIMIT = 1 << 24
+_INF_BITS = 0x7F800000
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """What `grad_pass()` read, on the tensors' device.
+
+    Attributes:
+        stat: float32 ``(2,)``: ``[found, norm_stat]``, the buffer the step all-reduces (``found``
+            is a 0/1 flag: a SUM or a MAX over ranks is > 0 exactly when some rank saw inf/NaN).
+        per_tensor: float32 ``(n,)``: each tensor's 2-norm (``norm_type == 2``) or largest
+            magnitude (otherwise), NaN for a tensor holding a NaN, else inf for one holding an
+            inf (torch's ``_foreach_norm`` values); None when ``flags=False``.
+        moments: int64 ``(n, 4)``: ``[A mod P1, A mod P2, B mod P1, B mod P2]`` per tensor (the
+            module docstring); None without ``primes``.
+        has_norm: whether ``norm_type`` was given (else ``stat[1]`` is 0.0).
+    """
+
+    stat: torch.Tensor
+    per_tensor: torch.Tensor | None
+    moments: torch.Tensor | None
+    has_norm: bool
+
+    @property
+    def found(self) -> torch.Tensor:
+        """float32 0-dim: 1.0 if an element of a tensor is inf/NaN, else 0.0 (a view of ``stat``)."""
+        return self.stat[0]
+
+    @property
+    def norm_stat(self) -> torch.Tensor | None:
+        """float32 0-dim: ``sum_t weights[t] * sum |g|**p`` (``max |g|`` for p = inf; NaN when an
+        element is NaN), a view of ``stat``; None without ``norm_type``."""
+        return self.stat[1] if self.has_norm else None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishResult:
+    """What `finish()` computed: float32 0-dim views of one ``(3,)`` buffer ``out``.
+
+    Attributes:
+        out: ``[found_inf, grad_scale, total_norm]``.
+    """
+
+    out: torch.Tensor
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        """Exactly 1.0 if the reduced flag is > 0 or the norm is inf/NaN, else 0.0."""
+        return self.out[0]
+
+    @property
+    def grad_scale(self) -> torch.Tensor:
+        """``max(scale, T / max_norm)`` (``scale / clip_coef``), ``scale`` on an overflow or
+        without ``max_norm``: what a fused optimizer divides the gradients by."""
+        return self.out[1]
+
+    @property
+    def total_norm(self) -> torch.Tensor:
+        """The norm of the unscaled gradients, ``T / scale`` (``T``: the norm of the scaled ones,
+        ``norm_stat ** (1/p)``); 0.0 without a norm."""
+        return self.out[2]
+
+
+# ---------------------------------------------------------------------- where it runs
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install (a missing libcuda stub, say)
+        return False
+    return True
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels run on ``device``: a CUDA device with Triton importable, or the CPU
+    with ``TRITON_INTERPRET=1`` set (Triton's interpreter, for tests: slow). Imports Triton on its
+    first call; never raises."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and _triton_importable()
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET", "0") == "1" and _triton_importable()
+    return False
+
+
+# ---------------------------------------------------------------------- the kernels
+
+if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
+    tl: Any = None
+    _SUM: Any = None
+    _MAX: Any = None
+#
+# Plain functions here; `_kernels()` wraps them with ``triton.jit`` in a namespace of their own
+# (Triton resolves the names a kernel uses through its globals), so that this module imports
+# without Triton. The annotations stay strings (``from __future__ import annotations``); Triton
+# reads "constexpr" in them. Reductions call ``tl.reduce`` with Triton's own combine functions
+# (``_SUM``, ``_MAX``: what ``tl.sum``/``tl.max`` call), ``tl.full`` stands for ``tl.zeros`` and
+# the bodies are inlined (one branch per dtype, ``tl.static_range``): under the interpreter every call of a jit function re-patches
+# ``triton.language`` (milliseconds), which made 10,000 tiny tensors take minutes.
+
+
+def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
+                 NORM: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
+                 INNER: tl.constexpr, DYNAMIC: tl.constexpr):  # fmt: skip
+    """Grid: one program per block of ``chunk`` elements of one tensor. Writes ``part_s[b]``
+    (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
+    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring)."""
+    pid = tl.program_id(0)
+    t = tl.load(blk + pid)
+    e0 = tl.load(blk + num_blocks + pid)  # int64: every offset below is
+    addr = tl.load(tab + t)
+    numel = tl.load(tab + num_tensors + t)
+    dt = tl.load(tab + 2 * num_tensors + t)
+    end = tl.minimum(numel, e0 + chunk)
+    lane = tl.arange(0, BLOCK)
+    span = INNER * BLOCK
+    num_flush = (end - e0 + (span - 1)) // span
+    for DT in tl.static_range(3):  # a compiled branch per dtype; the block takes its tensor's
+        if dt == DT:
+            s_acc = tl.full([BLOCK], 0, tl.float32)
+            mx_acc = tl.full([BLOCK], 0, tl.int32)
+            u_tot = tl.full([], 0, tl.int64)
+            j_tot = tl.full([], 0, tl.int64)
+            h_tot = tl.full([], 0, tl.int64)
+            for f in range(num_flush):
+                base = e0 + f * span
+                w_acc = tl.full([BLOCK], 0, tl.int32)  # sum u        (|.| <= INNER * 2**16)
+                v_acc = tl.full([BLOCK], 0, tl.int32)  # sum it * u   (<= INNER**2 * 2**15)
+                h_acc = tl.full([BLOCK], 0, tl.int32)  # sum hi words (float32)
+                num_it = INNER
+                if DYNAMIC:  # the interpreter: skip the fully masked tiles of a short chunk
+                    num_it = tl.minimum((end - base + (BLOCK - 1)) // BLOCK, INNER)
+                for it in range(num_it):
+                    offs = base + it * BLOCK + lane
+                    mask = offs < end
+                    if DT == 0:
+                        x = tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask,
+                                    other=0.0)  # fmt: skip
+                        bits = x.to(tl.int32, bitcast=True)
+                        if MOMENTS:
+                            hi = bits >> 16  # arithmetic shift: the high word, signed
+                            lo = (bits << 16) >> 16  # the low word, signed
+                            w_acc += lo + hi
+                            v_acc += it * (lo + hi)
+                            h_acc += hi
+                    else:
+                        # 16-bit types read as their words (int16): bfloat16's float32 bits are
+                        # the word shifted up (exact), float16's come from its conversion
+                        word = tl.load(addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask,
+                                       other=0).to(tl.int32)  # fmt: skip
+                        if DT == 1:
+                            bits = word.to(tl.int16).to(tl.float16, bitcast=True).to(
+                                tl.float32).to(tl.int32, bitcast=True)  # fmt: skip
+                        else:
+                            bits = word << 16
+                        if MOMENTS:
+                            w_acc += word
+                            v_acc += it * word
+                    abits = bits & 0x7FFFFFFF  # |x|: NaN's bits above inf's above any finite
+                    mx_acc = tl.maximum(mx_acc, abits)
+                    if NORM == 2:
+                        a = abits.to(tl.float32, bitcast=True)
+                        s_acc += a * a
+                    elif NORM == 1:
+                        s_acc += abits.to(tl.float32, bitcast=True)
+                if MOMENTS:  # the flush: int64 sums over the block's lanes
+                    w64 = w_acc.to(tl.int64)
+                    u_f = tl.reduce(w64, 0, _SUM)
+                    u_tot += u_f
+                    j_tot += (f * span).to(tl.int64) * u_f
+                    j_tot += tl.reduce(lane.to(tl.int64) * w64, 0, _SUM)
+                    j_tot += BLOCK * tl.reduce(v_acc.to(tl.int64), 0, _SUM)
+                    if DT == 0:
+                        h_tot += tl.reduce(h_acc.to(tl.int64), 0, _SUM)
+            if NORM == 1 or NORM == 2:
+                tl.store(part_s + pid, tl.reduce(s_acc, 0, _SUM))
+            tl.store(part_i + pid, tl.reduce(mx_acc, 0, _MAX).to(tl.int64))
+            if MOMENTS:
+                if DT == 0:
+                    j_tot = 2 * j_tot + h_tot  # 2 words per element; the high word's index is odd
+                tl.store(part_i + num_blocks + pid, u_tot)
+                tl.store(part_i + 2 * num_blocks + pid, j_tot)
+
+
+def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_blocks, num_tensors,
+                   p1, p2, NORM: tl.constexpr, PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr,
+                   RT: tl.constexpr):  # fmt: skip
+    """Grid: program 0 the totals (``stat``), program ``1 + t`` tensor ``t``'s statistic and
+    moments. Fixed order: tiles of ``RT`` partials in sequence, lanes by the reduction's tree."""
+    pid = tl.program_id(0)
+    lane = tl.arange(0, RT)
+    if pid == 0:
+        s_acc = tl.full([RT], 0, tl.float32)
+        mx_acc = tl.full([RT], 0, tl.int32)
+        for start in range(0, num_blocks, RT):
+            idx = start + lane
+            m = idx < num_blocks
+            mx_acc = tl.maximum(mx_acc, tl.load(part_i + idx, mask=m, other=0).to(tl.int32))
+            if NORM == 1 or NORM == 2:
+                t = tl.load(blk + idx, mask=m, other=0)
+                w_bits = tl.load(tab + 3 * num_tensors + t, mask=m, other=0).to(tl.int32)
+                s = tl.load(part_s + idx, mask=m, other=0.0)
+                s_acc += w_bits.to(tl.float32, bitcast=True) * s
+        mx = tl.reduce(mx_acc, 0, _MAX)
+        tl.store(stat, tl.where(mx >= 0x7F800000, 1.0, 0.0))
+        if NORM == 3:
+            tl.store(stat + 1, mx.to(tl.float32, bitcast=True))
+        elif NORM == 0:
+            tl.store(stat + 1, 0.0)
+        else:
+            tl.store(stat + 1, tl.reduce(s_acc, 0, _SUM))
+    else:
+        t = pid - 1
+        b0 = tl.load(tab + 4 * num_tensors + t)
+        b1 = tl.load(tab + 4 * num_tensors + t + 1)
+        words = tl.where(tl.load(tab + 2 * num_tensors + t) == 0, 2, 1).to(tl.int64)
+        s_acc = tl.full([RT], 0, tl.float32)
+        mx_acc = tl.full([RT], 0, tl.int32)
+        a1 = tl.full([RT], 0, tl.int64)
+        a2 = tl.full([RT], 0, tl.int64)
+        c1 = tl.full([RT], 0, tl.int64)
+        c2 = tl.full([RT], 0, tl.int64)
+        for start in range(b0, b1, RT):
+            idx = start + lane
+            m = idx < b1
+            if PER_TENSOR:
+                mx_acc = tl.maximum(mx_acc, tl.load(part_i + idx, mask=m, other=0).to(tl.int32))
+                if NORM == 2:
+                    s_acc += tl.load(part_s + idx, mask=m, other=0.0)
+            if MOMENTS:
+                u = tl.load(part_i + num_blocks + idx, mask=m, other=0)
+                j = tl.load(part_i + 2 * num_blocks + idx, mask=m, other=0)
+                k0 = words * tl.load(blk + num_blocks + idx, mask=m, other=0)  # >= 0
+                u1 = (u % p1 + p1) % p1  # C's % keeps the sign: make it a residue in [0, P)
+                u2 = (u % p2 + p2) % p2
+                a1 = (a1 + u1) % p1
+                a2 = (a2 + u2) % p2
+                c1 = (c1 + (k0 % p1) * u1 + (j % p1 + p1) % p1) % p1  # < 2**48 + 2**25
+                c2 = (c2 + (k0 % p2) * u2 + (j % p2 + p2) % p2) % p2
+        if PER_TENSOR:
+            if NORM == 2:
+                tl.store(per_tensor + t, tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM)))
+            else:
+                mx = tl.reduce(mx_acc, 0, _MAX)
+                tl.store(per_tensor + t, mx.to(tl.float32, bitcast=True))
+        if MOMENTS:
+            tl.store(moments + 4 * t, tl.reduce(a1, 0, _SUM) % p1)
+            tl.store(moments + 4 * t + 1, tl.reduce(a2, 0, _SUM) % p2)
+            tl.store(moments + 4 * t + 2, tl.reduce(c1, 0, _SUM) % p1)
+            tl.store(moments + 4 * t + 3, tl.reduce(c2, 0, _SUM) % p2)
+
+
+def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``,
+    in float32, rounded once to the tensor's dtype."""
+    pid = tl.program_id(0)
+    t = tl.load(blk + pid)
+    e0 = tl.load(blk + num_blocks + pid)
+    addr = tl.load(tab + t)
+    numel = tl.load(tab + num_tensors + t)
+    dt = tl.load(tab + 2 * num_tensors + t)
+    end = tl.minimum(numel, e0 + chunk)
+    f = tl.load(factor)
+    lane = tl.arange(0, BLOCK)
+    for DT in tl.static_range(3):
+        if dt == DT:
+            for start in range(e0, end, BLOCK):
+                offs = start + lane
+                mask = offs < end
+                if DT == 0:
+                    ptr = addr.to(tl.pointer_type(tl.float32)) + offs
+                    x = tl.load(ptr, mask=mask, other=0.0)
+                elif DT == 1:
+                    ptr = addr.to(tl.pointer_type(tl.float16)) + offs
+                    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    ptr = addr.to(tl.pointer_type(tl.int16)) + offs
+                    word = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+                    x = (word << 16).to(tl.float32, bitcast=True)  # exact
+                if DIVIDE:
+                    y = tl.math.div_rn(x, f)  # IEEE division (Triton's `/` is approximate)
+                else:
+                    y = x * f
+                if DT == 0:
+                    tl.store(ptr, y, mask=mask)
+                elif DT == 1:
+                    tl.store(ptr, y.to(tl.float16), mask=mask)
+                else:
+                    # float32 -> bfloat16, rounded to nearest even on the bits (torch's
+                    # c10::BFloat16 rule; the interpreter's own cast truncates): int32 ops that
+                    # cannot overflow, NaN made a quiet NaN of the same sign
+                    b = y.to(tl.int32, bitcast=True)
+                    mag = b & 0x7FFFFFFF
+                    nan = mag > 0x7F800000
+                    mag = tl.where(nan, 0x7FC00000, mag)
+                    mag = tl.where(nan, mag, mag + 0x7FFF + ((mag >> 16) & 1))
+                    out = (mag >> 16) | ((b >> 16) & -32768)
+                    tl.store(ptr, out.to(tl.int16), mask=mask)
+
+
+def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
+    """Grid (1,): ``out = [found_inf, grad_scale, total_norm]`` from the reduced ``stat``."""
+    flag = tl.load(stat)
+    s = tl.load(stat + 1)
+    sc = tl.load(scale)
+    if NORM == 2:
+        norm = tl.sqrt_rn(s)
+    elif NORM == 0:
+        norm = s * 0.0
+    else:
+        norm = s
+    bad = (flag > 0.0) | (norm != norm) | (norm == float("inf"))
+    tl.store(out, tl.where(bad, 1.0, 0.0))
+    if CLIP:
+        q = tl.math.div_rn(norm, tl.load(max_norm))
+        tl.store(out + 1, tl.where(bad, sc, tl.maximum(q, sc)))
+    else:
+        tl.store(out + 1, sc)
+    tl.store(out + 2, tl.math.div_rn(norm, sc))
+
+
+_RAW = {
+    "_read_kernel": _read_kernel,
+    "_reduce_kernel": _reduce_kernel,
+    "_scale_kernel": _scale_kernel,
+    "_finish_kernel": _finish_kernel,
+}
+
+
+@functools.cache
+def _kernels() -> types.SimpleNamespace:
+    """The kernels, wrapped by ``triton.jit``: compiled, or run by Triton's interpreter where
+    ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton decides for its own
+    ``triton.language`` then, so one process runs one way). Imports Triton."""
+    import triton
+    import triton.language as tl
+
+    namespace: dict[str, Any] = {"tl": tl, "triton": triton, "__name__": __name__}
+    standard = tl.standard
+    namespace["_SUM"] = standard._sum_combine
+    namespace["_MAX"] = getattr(standard, "_elementwise_max", None) or standard.maximum
+    for name, raw in _RAW.items():
+        clone = types.FunctionType(raw.__code__, namespace, name, raw.__defaults__)
+        clone.__doc__ = raw.__doc__
+        clone.__annotations__ = dict(raw.__annotations__)
+        clone.__qualname__ = raw.__qualname__
+        namespace[name] = triton.jit(clone)
+    return types.SimpleNamespace(**{name: namespace[name] for name in _RAW})
+
+
+# ---------------------------------------------------------------------- the tables
+
+
+@dataclass(frozen=True)
+class _Tables:
+    tab: torch.Tensor  # int64 (5n + 1 + 2 nb,): addr | numel | dtype | weight bits | first block
+    blk: torch.Tensor  # a view of tab: block tensor (nb) | block first element (nb)
+    num_blocks: int
+    num_tensors: int
+    chunk: int
+    host: torch.Tensor  # the host copy (pinned where the copy is asynchronous)
+
+
+_TABLE_CACHE: collections.OrderedDict[tuple, _Tables] = collections.OrderedDict()
+_TABLE_CACHE_SIZE = 16
+
+
+def _chunk_for(total: int, block: int, inner: int) -> int:
+    """Elements per block: ``block * inner`` times a power of two, so that a total of ``total``
+    elements makes about `_TARGET_BLOCKS` blocks at most, and never more than `_MAX_CHUNK`."""
+    span = block * inner
+    outer = 1
+    while span * outer * _TARGET_BLOCKS < total and span * outer * 2 <= _MAX_CHUNK:
+        outer *= 2
+    return span * outer
+
+
+def _build_tables(
+    addrs: Sequence[int],
+    numels: Sequence[int],
+    codes: Sequence[int],
+    weights: Sequence[float] | None,
+    chunk: int,
+    device: torch.device,
+    block_starts: Sequence[Sequence[int]] | None = None,
+) -> _Tables:
+    """The int64 table on ``device`` (one copy). ``block_starts`` (tests only) lists each tensor's
+    block first elements instead of ``0, chunk, 2 chunk...``."""
+    n = len(addrs)
+    numel_t = torch.tensor(list(numels), dtype=torch.int64)
+    if block_starts is None:
+        nblk = (numel_t + (chunk - 1)) // chunk
+        first = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(nblk, 0, out=first[1:])
+        num_blocks = int(first[-1])
+        blk_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), nblk)
+        blk_s = (torch.arange(num_blocks, dtype=torch.int64) - first[blk_t]) * chunk
+    else:
+        nblk = torch.tensor([len(s) for s in block_starts], dtype=torch.int64)
+        first = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(nblk, 0, out=first[1:])
+        num_blocks = int(first[-1])
+        blk_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), nblk)
+        blk_s = torch.tensor([s for starts in block_starts for s in starts], dtype=torch.int64)
+    w = (
+        torch.ones(n, dtype=torch.float32)
+        if weights is None
+        else torch.tensor(list(weights), dtype=torch.float32)
+    )
+    host = torch.cat([
+        torch.tensor(list(addrs), dtype=torch.int64),
+        numel_t,
+        torch.tensor(list(codes), dtype=torch.int64),
+        w.view(torch.int32).to(torch.int64),
+        first,
+        blk_t,
+        blk_s,
+    ])  # fmt: skip
+    if device.type == "cuda":
+        host = host.pin_memory()
+        tab = host.to(device, non_blocking=True)
+    else:
+        tab = host
+    return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host)
+
+
+def _tables(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> _Tables:
+    """The cached tables of ``tensors`` (contiguous, of `_DTYPE_CODE`'s dtypes, one device)."""
+    block, inner = _CONFIG["BLOCK"], _CONFIG["INNER"]
+    numels = [t.numel() for t in tensors]
+    chunk = _chunk_for(sum(numels), block, inner)
+    addrs = [t.data_ptr() for t in tensors]
+    codes = [_DTYPE_CODE[t.dtype] for t in tensors]
+    device = tensors[0].device
+    key = (device, chunk, tuple(addrs), tuple(numels), tuple(codes),
+           None if weights is None else tuple(weights))  # fmt: skip
+    cached = _TABLE_CACHE.get(key)
+    if cached is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return cached
+    tables = _build_tables(addrs, numels, codes, weights, chunk, device)
+    _TABLE_CACHE[key] = tables
+    while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return tables
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor], name: str = "tensors") -> torch.device | None:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{name} must be a list of tensors, got: {type(tensors).__name__}")
+    device = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a tensor, got: {type(t).__name__}")
+        if t.dtype not in _DTYPE_CODE and t.dtype != torch.float64:
+            raise TypeError(
+                f"{name}[{i}] must be float32, float16, bfloat16 or float64, got: {t.dtype}"
+            )
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(
+                f"{name} must all be on one device, got: {device} ({name}[0]) and {t.device} "
+                f"({name}[{i}])"
+            )
+    return device
+
+
+def _check_norm_type(norm_type: float | None) -> int:
+    if norm_type is None:
+        return 0
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type must be a float or None, got: {norm_type!r}")
+    mode = _NORM_MODE.get(float(norm_type))
+    if mode is None:
+        raise ValueError(
+            f"norm_type must be 1.0, 2.0, inf or None for the Triton pass (other p: torch's "
+            f"kernels), got: {norm_type!r}"
+        )
+    return mode
+
+
+def _check_primes(primes: Sequence[int] | None) -> tuple[int, int] | None:
+    if primes is None:
+        return None
+    if len(primes) != 2 or any(isinstance(p, bool) or not isinstance(p, int) for p in primes):
+        raise ValueError(f"primes must be two ints (P1, P2), got: {primes!r}")
+    if any(not (2 < p < _PRIME_LIMIT) or p % 2 == 0 for p in primes):
+        raise ValueError(f"primes must be odd and in (2, 2**24), got: {tuple(primes)!r}")
+    return int(primes[0]), int(primes[1])
+
+
+def _check_weights(weights: Sequence[float] | None, n: int) -> tuple[float, ...] | None:
+    if weights is None:
+        return None
+    values = tuple(float(w) for w in weights)
+    if len(values) != n:
+        raise ValueError(f"weights must have one float per tensor ({n}), got: {len(values)}")
+    if not all(math.isfinite(w) and w >= 0 for w in values):
+        raise ValueError(f"weights must be finite and >= 0, got: {values!r}")
+    return values
+
+
+# ---------------------------------------------------------------------- the read pass
+
+
+def grad_pass(
+    tensors: Sequence[torch.Tensor],
+    *,
+    weights: Sequence[float] | None = None,
+    norm_type: float | None = None,
+    flags: bool = True,
+    primes: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> PassResult:
+    """Read every element of ``tensors`` once: the non-finite flag, the norm statistic, the
+    per-tensor statistics and the replica fingerprint, in 2 launches (read + reduce).
+
+    Args:
+        tensors: gradients on one device, float32/float16/bfloat16 in any mix (float64: torch's
+            ops, several launches). Non-contiguous ones are read through a contiguous copy.
+        weights: per tensor, the factor of its ``sum |g|**p`` in ``norm_stat`` (``1 / replicas``);
+            default all 1.0; ignored for p = inf.
+        norm_type: None (no norm: ``stat[1]`` is 0.0), 2.0, 1.0 or ``math.inf``.
+        flags: compute ``per_tensor``.
+        primes: ``(P1, P2)``, odd, below 2**24: compute ``moments``.
+        device: where the outputs go when ``tensors`` is empty (default: the CPU).
+
+    Returns:
+        `PassResult`: fresh tensors on the tensors' device.
+
+    Raises:
+        TypeError, ValueError: bad arguments (named), before anything is launched.
+    """
+    dev = _check_tensors(tensors)
+    mode = _check_norm_type(norm_type)
+    ps = _check_primes(primes)
+    ws = _check_weights(weights, len(tensors))
+    if dev is None:
+        dev = torch.device("cpu" if device is None else device)
+    if torch.compiler.is_compiling() and _OPS is not None:
+        stat, per_tensor, moments = _OPS.grad_pass(
+            list(tensors), dev, None if ws is None else list(ws),
+            None if norm_type is None else float(norm_type), flags,
+            None if ps is None else list(ps),
+        )  # fmt: skip
+    else:
+        stat, per_tensor, moments = _grad_pass_impl(list(tensors), dev, ws, mode, flags, ps)
+    return PassResult(
+        stat,
+        per_tensor if flags else None,
+        moments if ps is not None else None,
+        norm_type is not None,
+    )
+
+
+def _grad_pass_impl(
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    weights: Sequence[float] | None,
+    mode: int,
+    flags: bool,
+    primes: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = len(tensors)
+    n_flags = n if flags else 0
+    n_moments = n if primes is not None else 0
+    if any(t.dtype == torch.float64 for t in tensors):
+        return _torch_pass(tensors, device, weights, mode, n_flags, primes)
+    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    stat = torch.empty(2, dtype=torch.float32, device=device)
+    per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
+    moments = torch.empty((n_moments, 4), dtype=torch.int64, device=device)
+    if n == 0:
+        stat.zero_()
+        return stat, per_tensor, moments
+    tables = _tables(tensors, weights)
+    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes)
+    return stat, per_tensor, moments
+
+
+def _launch_pass(
+    tables: _Tables,
+    stat: torch.Tensor,
+    per_tensor: torch.Tensor,
+    moments: torch.Tensor,
+    mode: int,
+    flags: bool,
+    primes: tuple[int, int] | None,
+) -> None:
+    """The two launches over ``tables`` (outputs written in place)."""
+    k = _kernels()
+    nb, n = tables.num_blocks, tables.num_tensors
+    device = stat.device
+    part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float32, device=device)
+    part_i = torch.empty(nb * (3 if primes is not None else 1), dtype=torch.int64, device=device)
+    p1, p2 = primes if primes is not None else (3, 5)
+    if nb:
+        k._read_kernel[(nb,)](
+            tables.tab, tables.blk, part_s, part_i, nb, n, tables.chunk,
+            NORM=mode, MOMENTS=primes is not None, BLOCK=_CONFIG["BLOCK"],
+            INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=_CONFIG["num_warps"],
+        )  # fmt: skip
+    per_program = flags or primes is not None
+    k._reduce_kernel[(1 + (n if per_program else 0),)](
+        tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, nb, n, p1, p2,
+        NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None, RT=_CONFIG["RT"], num_warps=4,
+    )  # fmt: skip
+
+
+def _torch_pass(
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    weights: Sequence[float] | None,
+    mode: int,
+    n_flags: int,
+    primes: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`grad_pass()`'s outputs with torch's ops (float64 gradients): several launches per tensor."""
+    n = len(tensors)
+    ws = [1.0] * n if weights is None else list(weights)
+    stat = torch.zeros(2, dtype=torch.float32, device=device)
+    amax = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
+            for t in tensors]  # fmt: skip
+    nonfinite = torch.stack([~t.isfinite().all() for t in tensors]).any()
+    stat[0] = nonfinite.to(torch.float32)
+    if mode == 3:
+        stat[1] = torch.stack(amax).max().float()
+        nan = torch.stack([t.isnan().any() for t in tensors]).any()
+        stat[1] = torch.where(nan, torch.nan, stat[1])
+    elif mode in (1, 2):
+        p = 2 if mode == 2 else 1
+        sums = [(t.double().abs() ** p).sum() * w for t, w in zip(tensors, ws)]
+        stat[1] = torch.stack(sums).sum().float()
+    per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
+    if n_flags:
+        ord_ = 2.0 if mode == 2 else math.inf
+        per_tensor.copy_(torch.stack(torch._foreach_norm(tensors, ord_)).float())
+    moments = torch.empty((n if primes else 0, 4), dtype=torch.int64, device=device)
+    if primes is not None:
+        for i, t in enumerate(tensors):
+            moments[i] = _torch_moments(t, primes)
+    return stat, per_tensor, moments
+
+
+def _torch_moments(t: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+    """``[A mod P1, A mod P2, B mod P1, B mod P2]`` of one tensor with int64 ops, exactly: the
+    word indices taken modulo P, products below 2**39, summed in slices of 2**20 (< 2**59)."""
+    words = t.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    out = []
+    a = words.sum()
+    for p in primes:
+        out.append(a.remainder(p))
+    for p in primes:
+        idx = torch.arange(words.numel(), dtype=torch.int64, device=t.device).remainder_(p)
+        prod = idx * words
+        b = torch.zeros((), dtype=torch.int64, device=t.device)
+        for piece in prod.split(1 << 20):
+            b = (b + piece.sum().remainder(p)).remainder(p)
+        out.append(b)
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------- the write pass
+
+
+def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-dim float32 ``factor`` (on their device): in
+    float32, rounded once to the tensor's dtype, as ``torch._foreach_mul_`` and torch's unscale
+    kernel do (bit for bit). One launch over all tensors (float64 or non-contiguous tensors: torch's
+    ``_foreach_mul_`` for those)."""
+    _scale_or_div(tensors, factor, divide=False, name="factor")
+
+
+def div_(tensors: Sequence[torch.Tensor], divisor: torch.Tensor) -> None:
+    """Divide every tensor in place by the 0-dim float32 ``divisor``: IEEE float32 division,
+    rounded once, as ``torch._foreach_div_`` (bit for bit). One launch, as `scale_()`."""
+    _scale_or_div(tensors, divisor, divide=True, name="divisor")
+
+
+def _scale_or_div(
+    tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, divide: bool, name: str
+) -> None:
+    dev = _check_tensors(tensors)
+    if not isinstance(factor, torch.Tensor) or factor.numel() != 1 or factor.dim() != 0:
+        raise ValueError(f"{name} must be a 0-dim float32 tensor, got: {factor!r}")
+    if factor.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got: {factor.dtype}")
+    if dev is None:
+        return
+    if factor.device != dev:
+        raise ValueError(f"{name} must be on the tensors' device {dev}, got: {factor.device}")
+    if torch.compiler.is_compiling() and _OPS is not None:
+        _OPS.scale_(list(tensors), factor, divide)
+    else:
+        _scale_impl(list(tensors), factor, divide)
+
+
+def _scale_impl(tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool) -> None:
+    ours = [t for t in tensors if t.dtype in _DTYPE_CODE and t.is_contiguous()]
+    others = [t for t in tensors if not (t.dtype in _DTYPE_CODE and t.is_contiguous())]
+    if others:
+        (torch._foreach_div_ if divide else torch._foreach_mul_)(others, factor)
+    if not ours:
+        return
+    tables = _tables(ours, None)
+    _launch_scale(tables, factor, divide)
+
+
+def _launch_scale(tables: _Tables, factor: torch.Tensor, divide: bool) -> None:
+    k = _kernels()
+    if tables.num_blocks:
+        k._scale_kernel[(tables.num_blocks,)](
+            tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
+            DIVIDE=divide, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- after the collective
+
+
+def finish(
+    stat: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    max_norm: torch.Tensor | None = None,
+    norm_type: float | None = 2.0,
+) -> FinishResult:
+    """From the all-reduced ``stat = [found, norm_stat]`` (float32 ``(2,)``), in one launch:
+    ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, or the norm inf/NaN), ``grad_scale =
+    max(scale, T / max_norm)`` (``scale`` on an overflow or without ``max_norm``) and ``total_norm
+    = T / scale``, where ``T = norm_stat ** (1/p)`` (``sqrt`` for p = 2, correctly rounded; IEEE
+    divisions: the values torch's ops give for the same ``stat``).
+
+    Args:
+        stat: the buffer of `PassResult.stat` after the collective.
+        scale: 0-dim float32, the loss scale.
+        max_norm: 0-dim float32 (clipping), or None.
+        norm_type: the pass's ``norm_type`` (None: no norm; the total norm is 0.0).
+    """
+    for name, value in (("stat", stat), ("scale", scale), ("max_norm", max_norm)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor, got: {value!r}")
+        if value.device != stat.device:
+            raise ValueError(f"{name} must be on {stat.device}, got: {value.device}")
+    if stat.shape != (2,):
+        raise ValueError(f"stat must have shape (2,), got: {tuple(stat.shape)}")
+    _check_norm_type(norm_type)
+    nt = None if norm_type is None else float(norm_type)
+    if torch.compiler.is_compiling() and _OPS is not None:
+        out = _OPS.finish(stat, scale, max_norm, nt)
+    else:
+        out = _finish_impl(stat, scale, max_norm, nt)
+    return FinishResult(out)
+
+
+def _finish_impl(
+    stat: torch.Tensor, scale: torch.Tensor, max_norm: torch.Tensor | None, norm_type: float | None
+) -> torch.Tensor:
+    out = torch.empty(3, dtype=torch.float32, device=stat.device)
+    k = _kernels()
+    k._finish_kernel[(1,)](
+        stat, scale, stat if max_norm is None else max_norm, out,
+        NORM=_check_norm_type(norm_type), CLIP=max_norm is not None, num_warps=1,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------- the norm's bound
+
+
+def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
+    """The relative bound of `grad_pass()`'s float32 ``sum |g|**p`` (p = 2 or 1) against the exact
+    sum, for tensors of these sizes: ``gamma_d = d*u / (1 - d*u)`` with ``u = 2**-24`` and ``d``
+    the depth of the summation (module docstring), plus ``u`` for the squares (p = 2). Applies to
+    ``norm_stat`` and, for each tensor, to the square of its ``per_tensor`` 2-norm before the
+    ``sqrt`` (the norm itself: about half, plus ``u``)."""
+    block, inner, rt = _CONFIG["BLOCK"], _CONFIG["INNER"], _CONFIG["RT"]
+    chunk = _chunk_for(sum(numels), block, inner)
+    blocks = sum(-(-int(n) // chunk) for n in numels)
+    depth = (chunk // block) + math.ceil(math.log2(block)) + 1
+    depth += -(-max(blocks, 1) // rt) + math.ceil(math.log2(rt)) + 1
+    u = 2.0**-24
+    return depth * u / (1 - depth * u) + (u if norm_type == 2.0 else 0.0)
+
+
+# ---------------------------------------------------------------------- custom ops
+
+
+def _register_ops() -> Any:
+    """``distscaler::grad_pass``, ``distscaler::scale_``, ``distscaler::finish`` as custom ops
+    with fake implementations (``torch.library.custom_op``, torch >= 2.4), so that a compiled
+    phase traces them with ``fullgraph=True``; None where registering fails (then a traced phase
+    calls the functions eagerly: a graph break)."""
+    try:
+        lib = "distscaler"
+
+        @torch.library.custom_op(
+            f"{lib}::grad_pass",
+            mutates_args=(),
+            schema="(Tensor[] tensors, Device device, float[]? weights, float? norm_type, "
+            "bool flags, int[]? primes) -> (Tensor, Tensor, Tensor)",
+        )
+        def _grad_pass_op(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
+            mode = _check_norm_type(norm_type)
+            ps = None if primes is None else (int(primes[0]), int(primes[1]))
+            return _grad_pass_impl(list(tensors), device, weights, mode, flags, ps)
+
+        @_grad_pass_op.register_fake
+        def _(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
+            n = len(tensors)
+            return (
+                torch.empty(2, dtype=torch.float32, device=device),
+                torch.empty(n if flags else 0, dtype=torch.float32, device=device),
+                torch.empty((n if primes is not None else 0, 4), dtype=torch.int64, device=device),
+            )
+
+        @torch.library.custom_op(
+            f"{lib}::scale_",
+            mutates_args=("tensors",),
+            schema="(Tensor(a!)[] tensors, Tensor factor, bool divide) -> ()",
+        )
+        def _scale_op(tensors, factor, divide):  # type: ignore[no-untyped-def]
+            _scale_impl(list(tensors), factor, divide)
+
+        @_scale_op.register_fake
+        def _(tensors, factor, divide):  # type: ignore[no-untyped-def]
+            return None
+
+        @torch.library.custom_op(
+            f"{lib}::finish",
+            mutates_args=(),
+            schema="(Tensor stat, Tensor scale, Tensor? max_norm, float? norm_type) -> Tensor",
+        )
+        def _finish_op(stat, scale, max_norm, norm_type):  # type: ignore[no-untyped-def]
+            return _finish_impl(stat, scale, max_norm, norm_type)
+
+        @_finish_op.register_fake
+        def _(stat, scale, max_norm, norm_type):  # type: ignore[no-untyped-def]
+            return stat.new_empty(3)
+
+        return types.SimpleNamespace(grad_pass=_grad_pass_op, scale_=_scale_op, finish=_finish_op)
+    except Exception:  # an older torch without custom_op's schema=, a second registration
+        return None
+
+
+_OPS = _register_ops()
