@@ -5,10 +5,17 @@ Run plainly ([`DeepSpeedPolicy`][distscaler.policies.DeepSpeedPolicy],
 device ops. Here the same rule keeps its counters in two float32 values of one device tensor and
 moves them in ops the update runs anyway: the terms it needs are made in the inf check's one
 ``_foreach_addcdiv`` (`PackedCounters.operands()`), the overflow values ride in the skip record's
-``_foreach_lerp_``, and torch's scale kernel moves the scale, so that `_packed_update_()` adds one
+``_foreach_lerp_``, and torch's scale kernel moves the scale, so that `packed_update_()` adds one
 ``_foreach_clamp_min`` and one ``_foreach_lerp_`` to the torch rule (pinned in
 ``tests/test_step_cost.py``). The plain rules are its reference: ``tests/test_policies.py`` runs
 both over random overflow sequences and compares the scale and every counter at every step.
+
+A rule packs through its own hook,
+[`LossScalePolicy.packed_counters()`][distscaler.policies.LossScalePolicy.packed_counters], which
+returns one of the forms here (`PackedCounters`: Megatron's; `DeepSpeedCounters`); each form says
+what differs in its update (`PackedCounters.backoff_input()`, `PackedCounters.lerps()`), so that
+`packed_update_()` runs any of them without asking which it is. This module imports nothing of the
+package: ``distscaler.policies`` imports it.
 
 The two values, with ``n`` the skip record's update count (so that a clean step changes nothing
 here) and ``W`` the growth interval:
@@ -26,21 +33,19 @@ integers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .policies import (
-    DeepSpeedPolicy,
-    LossScalePolicy,
-    MegatronPolicy,
-    ScaleRule,
-    _clamp_,
-    check_minimum,
-)
-
-__all__ = ["EXACT_GROWTH_INTERVAL", "PackedCounters", "packed_counters_for"]
+__all__ = [
+    "EXACT_GROWTH_INTERVAL",
+    "DeepSpeedCounters",
+    "Lerp",
+    "PackedCounters",
+    "PackedTerms",
+    "packed_update_",
+]
 
 #: Above this growth interval the packed counters (float32) no longer count every step exactly.
 EXACT_GROWTH_INTERVAL = 1 << 22
@@ -51,6 +56,30 @@ _GROW_BITS = 0x3F800000 + 1
 
 #: One in-place lerp of the skip record's ``_foreach_lerp_``: (tensor, end, weight of 0.0 or 1.0).
 Lerp = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: In-place lerps as three lists (tensors, ends, weights), and the overflow lerps.
+Lerps = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[Lerp]]
+
+
+class Rule(Protocol):
+    """What a packed form reads of its settings: a ``distscaler.policies.ScaleRule`` (not imported
+    here: that module imports this one)."""
+
+    @property
+    def growth_factor(self) -> float: ...
+    @property
+    def backoff_factor(self) -> float: ...
+    @property
+    def growth_interval(self) -> int: ...
+    @property
+    def min_scale(self) -> float | None: ...
+    @property
+    def hysteresis(self) -> int: ...
+    @property
+    def consecutive_hysteresis(self) -> bool: ...
+    def clamp_(self, scale: torch.Tensor) -> None: ...
+    def check_minimum(
+        self, found_inf: torch.Tensor, scale: torch.Tensor, exhausted: torch.Tensor | None
+    ) -> None: ...
 
 
 class PackedTerms(NamedTuple):
@@ -69,34 +98,41 @@ class PackedTerms(NamedTuple):
 
 
 class PackedCounters:
-    """One scaler's counters of a packed rule (Megatron's; `_DeepSpeedCounters`).
+    """One scaler's counters of a packed rule: Megatron's (`DeepSpeedCounters` for DeepSpeed's).
 
     Args:
+        policy: the rule's ``LossScalePolicy`` subclass, whose hook made this form.
         rule: the settings.
         growth_tracker, values: torch's growth tracker and the policy's counters (host ints).
         device: the scale's device.
     """
 
-    policy: type[LossScalePolicy] = MegatronPolicy
     #: Number of operands this rule takes from the inf check's ``_foreach_addcdiv``.
     num_terms = 3
 
     def __init__(
-        self, rule: ScaleRule, growth_tracker: int, values: dict[str, int], device: torch.device
+        self,
+        policy: Any,
+        rule: Rule,
+        growth_tracker: int,
+        values: Mapping[str, int],
+        device: torch.device,
     ) -> None:
+        #: The rule's class (``distscaler.policies``), for the scaler's "same rule?" test.
+        self.policy = policy
         values_on_host, self.host = self._pack(growth_tracker, values, rule)
         self.anchor, self.hyst = torch.tensor(values_on_host, dtype=torch.float32).to(device)
         self.device = device
         self._set_constants(rule)
 
-    def _set_constants(self, rule: ScaleRule) -> None:
+    def _set_constants(self, rule: Rule) -> None:
         self.rule = rule
         w = rule.growth_interval
         # W - 1, W, 2 - hysteresis (``hyst`` after a refill)
         values = torch.tensor([w - 1, w, 2 - rule.hysteresis], dtype=torch.float32)
         self.interval_minus_one, self.interval, self.refill = values.to(self.device)
 
-    def set_rule(self, rule: ScaleRule, num_updates: torch.Tensor) -> None:
+    def set_rule(self, rule: Rule, num_updates: torch.Tensor) -> None:
         """Follow changed settings; a changed growth interval keeps the count, and past the new
         interval the next clean step grows (``num_updates``: the record's count)."""
         old = self.rule.growth_interval
@@ -106,7 +142,7 @@ class PackedCounters:
         self._set_constants(rule)
 
     def _pack(
-        self, growth_tracker: int, values: dict[str, int], rule: ScaleRule
+        self, growth_tracker: int, values: Mapping[str, int], rule: Rule
     ) -> tuple[list[float], dict[str, int]]:
         tracker = min(growth_tracker, rule.growth_interval - 1)
         anchor = rule.growth_interval - 2 - tracker
@@ -140,16 +176,36 @@ class PackedCounters:
         """The results of `operands()`, named."""
         return PackedTerms(*values)
 
+    def backoff_input(self, one: torch.Tensor) -> torch.Tensor:
+        """What `packed_update_()` clamps at 0 into "exhausted" (an overflow now backs off where
+        it is > 0): ``hyst``."""
+        return self.hyst
 
-class _DeepSpeedCounters(PackedCounters):
+    def lerps(
+        self,
+        terms: PackedTerms,
+        grow: torch.Tensor,
+        exhausted: torch.Tensor,
+        found: torch.Tensor,
+        one: torch.Tensor,
+    ) -> Lerps:
+        """The counters' lerps of one update: those of `packed_update_()`'s ``_foreach_lerp_`` (the
+        counters as after a clean step) and the overflow lerps that ride in the skip record's."""
+        anchor, hyst = self.anchor, self.hyst
+        # clean: a growth resets the tracker and refills; overflow: reset, hysteresis - 1.
+        overflow = [(anchor, terms.reset, found), (hyst, terms.hyst_plus_one, found)]
+        return [anchor, hyst], [terms.reset, self.refill], [grow, grow], overflow
+
+
+class DeepSpeedCounters(PackedCounters):
     """DeepSpeed's: ``cur_iter`` and ``last_overflow_iter`` are host offsets plus the skip
-    record's counts; the growth counter restarts at -1 after an overflow."""
+    record's counts; the growth counter restarts at -1 after an overflow; with ``hysteresis`` 1
+    every overflow backs off."""
 
-    policy = DeepSpeedPolicy
     num_terms = 5
 
     def _pack(self, growth_tracker, values, rule):  # type: ignore[no-untyped-def]
-        g = DeepSpeedPolicy.growth_count_from(
+        g = self.policy.growth_count_from(
             values["cur_iter"], values["last_overflow_iter"], rule.growth_interval
         )
         host = {"iter": values["cur_iter"], "last": values["last_overflow_iter"]}
@@ -164,7 +220,7 @@ class _DeepSpeedCounters(PackedCounters):
             else self.host["last"],
             "cur_hysteresis": 2 - int(values[1]),
         }
-        return DeepSpeedPolicy.growth_tracker_from(counters, self.rule.growth_interval), counters
+        return self.policy.growth_tracker_from(counters, self.rule.growth_interval), counters
 
     def fold(self, record, num_updates):  # type: ignore[no-untyped-def]
         n, _, last, _ = record
@@ -178,18 +234,24 @@ class _DeepSpeedCounters(PackedCounters):
         # n + W (the counter after an overflow: -1), and a copy of hyst.
         return [*a, n, self.hyst], [*b, self.interval, zero], [*c, one, one]
 
+    def backoff_input(self, one: torch.Tensor) -> torch.Tensor:
+        """``hyst``; with ``hysteresis`` 1 a constant 1.0: DeepSpeed backs off at every overflow
+        with ``delayed_shift`` 1, whatever ``cur_hysteresis``."""
+        return one if self.rule.hysteresis == 1 else self.hyst
 
-_FORMS: dict[type[LossScalePolicy], type[PackedCounters]] = {
-    form.policy: form for form in (PackedCounters, _DeepSpeedCounters)
-}
+    def lerps(self, terms, grow, exhausted, found, one):  # type: ignore[no-untyped-def]
+        assert terms.overflow_anchor is not None and terms.hyst_copy is not None
+        anchor, hyst = self.anchor, self.hyst
+        refill = one if self.rule.consecutive_hysteresis else grow
+        # clean: a growth resets the counter to 0 (refills too); overflow: the counter at -1 and
+        # the hysteresis down by one unless exhausted (then it stays at 1).
+        selves = [anchor, hyst, terms.hyst_plus_one]
+        targets = [terms.reset, self.refill, terms.hyst_copy]
+        overflow = [(anchor, terms.overflow_anchor, found), (hyst, terms.hyst_plus_one, found)]
+        return selves, targets, [grow, refill, exhausted], overflow
 
 
-def packed_counters_for(policy: type[LossScalePolicy]) -> type[PackedCounters] | None:
-    """The packed form of ``policy``'s counters, None where it runs plainly."""
-    return _FORMS.get(policy)
-
-
-def _packed_update_(
+def packed_update_(
     counters: PackedCounters,
     found_inf: torch.Tensor,
     terms: PackedTerms,
@@ -203,12 +265,14 @@ def _packed_update_(
 ) -> None:
     """One update of a packed rule: the plain rule's ``update_`` in torch's rule's ops + 2.
 
-    1. ``_foreach_clamp_min`` of ``[G, G, hyst, -1]`` at 0: ``[grow, grow, exhausted, 0]``
+    1. ``_foreach_clamp_min`` of ``[G, G, hyst, -1]`` at 0 (``hyst``: the form's
+       `PackedCounters.backoff_input()`): ``[grow, grow, exhausted, 0]``
        (``g`` never exceeds ``growth_interval - 1`` and a DeepSpeed counter never drops below 1,
        so the first three are exactly 0.0 or 1.0; Megatron's may exceed 1, read only as nonzero);
     2. one ``_foreach_lerp_``: the counters as after a clean step (a growth resets the counter and
-       refills the hysteresis), the overflow values, and for the scale kernel a "grow now" flag
-       (``grow`` unless overflow) and a "back off now" flag (``found_inf * exhausted``);
+       refills the hysteresis; the form's `PackedCounters.lerps()`), the overflow values, and for
+       the scale kernel a "grow now" flag (``grow`` unless overflow) and a "back off now" flag
+       (``found_inf * exhausted``);
     3. ``record`` runs the skip record's ``_foreach_lerp_`` (there anyway) with the counters'
        overflow lerps (to their overflow values where ``found_inf`` is 1.0);
     4. ``torch._amp_update_scale_`` backs off where "back off now" is nonzero and grows where the
@@ -217,28 +281,13 @@ def _packed_update_(
        ``[min_scale, max_scale]`` (with bounds).
     """
     rule = counters.rule
-    deepspeed = isinstance(counters, _DeepSpeedCounters)
-    anchor, hyst, found = counters.anchor, counters.hyst, found_inf
-    # DeepSpeed backs off at every overflow with delayed_shift 1, whatever cur_hysteresis.
-    hyst_in = one if deepspeed and rule.hysteresis == 1 else hyst
+    found = found_inf
     grow, grow_now, exhausted, backoff_now = torch._foreach_clamp_min(
-        [terms.growth, terms.growth, hyst_in, minus_one], 0.0
+        [terms.growth, terms.growth, counters.backoff_input(one), minus_one], 0.0
     )
     if raise_at_minimum:
-        check_minimum(found, scale, exhausted, rule.min_scale)
-    if deepspeed:
-        assert terms.overflow_anchor is not None and terms.hyst_copy is not None
-        refill = one if rule.consecutive_hysteresis else grow
-        # clean: a growth resets the counter to 0 (refills too); overflow: the counter at -1 and
-        # the hysteresis down by one unless exhausted (then it stays at 1).
-        selves = [anchor, hyst, terms.hyst_plus_one]
-        targets = [terms.reset, counters.refill, terms.hyst_copy]
-        weights = [grow, refill, exhausted]
-        overflow = [(anchor, terms.overflow_anchor, found), (hyst, terms.hyst_plus_one, found)]
-    else:
-        # clean: a growth resets the tracker and refills; overflow: reset, hysteresis - 1.
-        selves, targets, weights = [anchor, hyst], [terms.reset, counters.refill], [grow, grow]
-        overflow = [(anchor, terms.reset, found), (hyst, terms.hyst_plus_one, found)]
+        rule.check_minimum(found, scale, exhausted)
+    selves, targets, weights, overflow = counters.lerps(terms, grow, exhausted, found, one)
     torch._foreach_lerp_(
         [*selves, grow_now, backoff_now], [*targets, zero, exhausted], [*weights, found, found]
     )
@@ -247,4 +296,4 @@ def _packed_update_(
         scale, grow_now.view(torch.int32), backoff_now, rule.growth_factor, rule.backoff_factor,
         _GROW_BITS,
     )  # fmt: skip
-    _clamp_(scale, rule)
+    rule.clamp_(scale)

@@ -1,15 +1,16 @@
 """Loss-scale update rules ("policies"): the scale and its counters, updated on the device.
 
 A policy turns the agreed ``found_inf`` of one iteration into the next loss scale. Each is one
-[`LossScalePolicy`][distscaler.policies.LossScalePolicy] subclass, as in Megatron-core: the counters
-it keeps (0-dim device tensors, saved in ``state_dict`` under
-[`state_keys`][distscaler.policies.LossScalePolicy.state_keys]), its
-[`update_()`][distscaler.policies.LossScalePolicy.update_] (tensor ops only: no host read, no Python
-branch on a tensor value, so ``GradScaler.update()`` adds no host sync and a CUDA graph replays it),
-and the settings it accepts
+[`LossScalePolicy`][distscaler.policies.LossScalePolicy] subclass, an abstract base class as
+Megatron-core's ``MegatronGradScaler``: the counters it keeps (0-dim device tensors, saved in
+``state_dict`` under [`state_keys`][distscaler.policies.LossScalePolicy.state_keys]), its
+[`update_()`][distscaler.policies.LossScalePolicy.update_], the one method a rule must define
+(tensor ops only: no host read, no Python branch on a tensor value, so ``GradScaler.update()`` adds
+no host sync and a CUDA graph replays it), and the settings it accepts
 ([`settings_problems()`][distscaler.policies.LossScalePolicy.settings_problems], asked by
 ``ScalerConfig``). Every setting a rule reads comes from one
-[`ScaleRule`][distscaler.policies.ScaleRule].
+[`ScaleRule`][distscaler.policies.ScaleRule]; [`move_scale_()`][distscaler.policies.move_scale_]
+grows or backs off the scale with torch's own kernel.
 
 | policy | rule |
 |---|---|
@@ -23,13 +24,17 @@ and independently of the policy), including one that hysteresis absorbs.
 
 Adding a policy: subclass [`LossScalePolicy`][distscaler.policies.LossScalePolicy] and pass it to
 [`register_policy()`][distscaler.policies.register_policy]; then ``GradScaler(policy=its_name)``
-runs it. For the op count, the scaler runs the DeepSpeed and Megatron rules on their counters packed
-into two float32 values (``distscaler._packed``), with the plain rules here as the reference, step
-for step, in ``tests/test_policies.py``.
+runs it. For the op count, the DeepSpeed and Megatron rules give the scaler their counters packed
+into two float32 values
+([`packed_counters()`][distscaler.policies.LossScalePolicy.packed_counters], an optional hook;
+``distscaler._packed``), with their plain ``update_`` here as the reference, step for step, in
+``tests/test_policies.py``.
 """
 
 from __future__ import annotations
 
+import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, get_args
@@ -37,6 +42,7 @@ from typing import Any, ClassVar, Literal, get_args
 import torch
 
 from . import _validation as V
+from ._packed import DeepSpeedCounters, PackedCounters
 from .errors import MIN_SCALE_MESSAGE, LossScaleAtMinimumError
 
 __all__ = [
@@ -51,6 +57,7 @@ __all__ = [
     "StaticPolicy",
     "TorchPolicy",
     "get_policy",
+    "move_scale_",
     "policy_for",
     "policy_names",
     "register_policy",
@@ -91,18 +98,56 @@ class ScaleRule:
         """Whether the scale is clamped after each update."""
         return self.min_scale is not None or self.max_scale is not None
 
+    def clamp_(self, scale: torch.Tensor) -> None:
+        """Clamp ``scale`` in place to ``[min_scale, max_scale]``: one op with bounds, none
+        without."""
+        if self.bounded:
+            scale.clamp_(min=self.min_scale, max=self.max_scale)
 
-class LossScalePolicy:
+    def check_minimum(
+        self, found_inf: torch.Tensor, scale: torch.Tensor, exhausted: torch.Tensor | None
+    ) -> None:
+        """Raise [`LossScaleAtMinimumError`][distscaler.policies.LossScaleAtMinimumError] where
+        this update would back off a scale already at ``min_scale`` (``raise_error_at_min_scale``).
+
+        Args:
+            found_inf: the agreed flag (0-dim float32, 1.0 or 0.0).
+            scale: the loss scale (0-dim float32).
+            exhausted: 0-dim, nonzero where an overflow now backs off
+                ([`LossScalePolicy.exhausted()`][distscaler.policies.LossScalePolicy.exhausted]);
+                None: every overflow backs off.
+
+        Cost: one host read of the flag, the scale and ``exhausted`` (``stack`` + ``tolist``).
+        """
+        parts = [found_inf, scale]
+        if exhausted is not None:
+            parts.append(exhausted.to(torch.float32))
+        values = torch.stack(parts).tolist()
+        exhausted_now = values[2] > 0 if exhausted is not None else True
+        floor = self.min_scale
+        if values[0] > 0 and exhausted_now and floor is not None and values[1] <= floor:
+            raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
+
+
+class LossScalePolicy(ABC):
     """One loss-scale update rule, and the counters it keeps for one scaler.
 
-    A subclass sets [`name`][distscaler.policies.LossScalePolicy.name] and, if it keeps counters,
-    [`state_keys`][distscaler.policies.LossScalePolicy.state_keys] (with their ranges in
+    An abstract base class: a subclass sets [`name`][distscaler.policies.LossScalePolicy.name] and
+    defines [`update_()`][distscaler.policies.LossScalePolicy.update_], the one abstract method.
+    Everything else has a default a rule overrides only where it differs: its counters
+    ([`state_keys`][distscaler.policies.LossScalePolicy.state_keys], their ranges in
     [`counter_ranges`][distscaler.policies.LossScalePolicy.counter_ranges], their values at the
-    start in [`initial_state()`][distscaler.policies.LossScalePolicy.initial_state]), and implements
-    [`update_()`][distscaler.policies.LossScalePolicy.update_]. The class attributes and class
-    methods are what the scaler asks before any device state exists (settings, checkpoints); an
-    instance holds the scale, torch's growth tracker and the counters of one scaler as device
-    tensors.
+    start in [`initial_state()`][distscaler.policies.LossScalePolicy.initial_state] and from a
+    checkpoint in
+    [`state_from_checkpoint()`][distscaler.policies.LossScalePolicy.state_from_checkpoint]), the
+    settings it accepts (``accepts_*``,
+    [`settings_problems()`][distscaler.policies.LossScalePolicy.settings_problems]), its hysteresis
+    ([`exhausted()`][distscaler.policies.LossScalePolicy.exhausted]) and, optionally, a packed form
+    of its counters
+    ([`packed_counters()`][distscaler.policies.LossScalePolicy.packed_counters]). The class
+    attributes and class methods are what the scaler asks before any device state exists
+    (settings, checkpoints); an instance holds the scale, torch's growth tracker and the counters
+    of one scaler as device tensors.
 
     Args:
         rule: the settings the rule reads.
@@ -151,7 +196,31 @@ class LossScalePolicy:
 
     @classmethod
     def growth_tracker_from(cls, counters: Mapping[str, int], growth_interval: int) -> int | None:
-        """torch's growth tracker as these saved counters imply it, or None where they do not."""
+        """torch's growth tracker as these counters (host ints, saved or read) imply it, or None
+        where they do not (the growth tracker tensor is then the one the rule moves)."""
+        return None
+
+    @classmethod
+    def packed_counters(
+        cls,
+        rule: ScaleRule,
+        growth_tracker: int,
+        counters: Mapping[str, int],
+        device: torch.device,
+    ) -> PackedCounters | None:
+        """Optional hook: this rule's counters packed so that the scaler runs the rule in ops its
+        update makes anyway (``distscaler._packed``: the torch rule's ops + 2), or None (the
+        default): the scaler runs [`update_()`][distscaler.policies.LossScalePolicy.update_] on
+        the counters as they are. The DeepSpeed and Megatron rules pack; a subclass of theirs that
+        defines its own ``update_`` runs plainly.
+
+        Args:
+            rule: the settings.
+            growth_tracker: torch's growth tracker (host int).
+            counters: the values of [`state_keys`][distscaler.policies.LossScalePolicy.state_keys]
+                (host ints).
+            device: the scale's device.
+        """
         return None
 
     @classmethod
@@ -200,67 +269,42 @@ class LossScalePolicy:
         """Follow changed settings (``set_growth_interval``...), keeping the counters."""
         self.rule = rule
 
+    @abstractmethod
     def update_(self, found_inf: torch.Tensor) -> None:
         """One update from the agreed ``found_inf`` (0-dim float32, exactly 1.0 or 0.0): the scale
-        and the counters, in place, with tensor ops only."""
-        raise NotImplementedError
+        and the counters, in place, with tensor ops only (the one method a rule must define)."""
 
     def exhausted(self) -> torch.Tensor | None:
-        """0-dim, nonzero where an overflow now would back off; None: every overflow backs off."""
+        """0-dim, nonzero where an overflow now would back off; None (the default): every overflow
+        backs off. ``raise_error_at_min_scale`` asks it
+        ([`ScaleRule.check_minimum()`][distscaler.policies.ScaleRule.check_minimum])."""
         return None
-
-    def check_minimum(self, found_inf: torch.Tensor) -> None:
-        """Raise [`LossScaleAtMinimumError`][distscaler.policies.LossScaleAtMinimumError] where this
-        update would back off a scale already at ``min_scale`` (``raise_error_at_min_scale``): one
-        host read."""
-        check_minimum(found_inf, self.scale, self.exhausted(), self.rule.min_scale)
-
-    def counter_tensors(self) -> list[torch.Tensor]:
-        """The counters to read on the host (in the scaler's one transfer), in a fixed order."""
-        return list(self.counters.values())
-
-    def read(self, growth_tracker: int, values: list[float]) -> tuple[int, dict[str, int]]:
-        """(growth tracker, counters) from the host values of ``growth_tracker`` and
-        [`counter_tensors()`][distscaler.policies.LossScalePolicy.counter_tensors]."""
-        return growth_tracker, {k: int(v) for k, v in zip(self.state_keys, values)}
 
 
 # ---------------------------------------------------------------------- shared pieces
 
 
-def _clamp_(scale: torch.Tensor, rule: ScaleRule) -> None:
-    if rule.bounded:
-        scale.clamp_(min=rule.min_scale, max=rule.max_scale)
-
-
 def move_scale_(
     scale: torch.Tensor, grow: torch.Tensor, backoff: torch.Tensor, rule: ScaleRule
 ) -> None:
-    """``scale *= growth_factor`` where ``grow`` (bool; skipped where the result is not finite),
-    ``*= backoff_factor`` where ``backoff`` (float32, nonzero), then the clamp to the rule's
-    bounds: torch's scale kernel, so the products are torch's to the bit (its tracker, a throw-away
-    here, reaches its interval of 2 exactly where ``grow``)."""
-    r = rule
+    """Grow or back off ``scale`` in place with torch's scale kernel, then clamp it to the rule's
+    bounds: the step a rule's [`update_()`][distscaler.policies.LossScalePolicy.update_] ends with.
+
+    Args:
+        scale: 0-dim float32, the loss scale.
+        grow: 0-dim bool, True where ``scale *= rule.growth_factor`` (skipped where the product is
+            not finite, as torch's).
+        backoff: 0-dim float32, nonzero where ``scale *= rule.backoff_factor`` (it wins over
+            ``grow``); the agreed ``found_inf`` for a rule that backs off at every overflow.
+        rule: the settings (factors and bounds).
+
+    The products are torch's to the bit (``torch._amp_update_scale_``, whose growth tracker, a
+    throw-away here, reaches its interval of 2 exactly where ``grow``). Cost: three device ops (the
+    tracker's cast, the kernel, the clamp with bounds), no host read.
+    """
     tracker = grow.to(torch.int32)
-    torch._amp_update_scale_(scale, tracker, backoff, r.growth_factor, r.backoff_factor, 2)
-    _clamp_(scale, r)
-
-
-def check_minimum(
-    found_inf: torch.Tensor,
-    scale: torch.Tensor,
-    exhausted: torch.Tensor | None,
-    min_scale: float | None,
-) -> None:
-    """Raise when this update would back off a scale already at ``min_scale``: one host read of
-    the flag, the scale and whether the hysteresis is exhausted (``stack`` + ``tolist``)."""
-    parts = [found_inf, scale]
-    if exhausted is not None:
-        parts.append(exhausted.to(torch.float32))
-    values = torch.stack(parts).tolist()
-    exhausted_now = values[2] > 0 if exhausted is not None else True
-    if values[0] > 0 and exhausted_now and min_scale is not None and values[1] <= min_scale:
-        raise LossScaleAtMinimumError(MIN_SCALE_MESSAGE)
+    torch._amp_update_scale_(scale, tracker, backoff, rule.growth_factor, rule.backoff_factor, 2)
+    rule.clamp_(scale)
 
 
 def _saved_hysteresis(values: Mapping[str, int], own: str) -> tuple[str, int] | None:
@@ -294,7 +338,7 @@ class TorchPolicy(LossScalePolicy):
             self.scale, self.growth_tracker, found_inf, r.growth_factor, r.backoff_factor,
             r.growth_interval,
         )  # fmt: skip
-        _clamp_(self.scale, r)
+        r.clamp_(self.scale)
 
 
 class StaticPolicy(LossScalePolicy):
@@ -365,6 +409,20 @@ class MegatronPolicy(LossScalePolicy):
         tracker.copy_(torch.where(overflow | grow, 0, tracker + 1))
         hyst.copy_(torch.where(overflow, hyst - 1, torch.where(grow, r.hysteresis, hyst)))
         move_scale_(self.scale, grow, backoff, r)
+
+    @classmethod
+    def packed_counters(
+        cls,
+        rule: ScaleRule,
+        growth_tracker: int,
+        counters: Mapping[str, int],
+        device: torch.device,
+    ) -> PackedCounters | None:
+        """The growth and hysteresis trackers packed in two float32 values
+        (``distscaler._packed``)."""
+        if cls.update_ is not MegatronPolicy.update_:  # a subclass's own rule runs plainly
+            return None
+        return PackedCounters(cls, rule, growth_tracker, counters, device)
 
 
 class DeepSpeedPolicy(LossScalePolicy):
@@ -490,11 +548,19 @@ class DeepSpeedPolicy(LossScalePolicy):
         cur_iter.add_(1)
         move_scale_(self.scale, grow, backs_off.to(torch.float32), r)
 
-    def read(self, growth_tracker: int, values: list[float]) -> tuple[int, dict[str, int]]:
-        """The counters, and torch's growth tracker from them
-        ([`growth_tracker_from()`][distscaler.policies.DeepSpeedPolicy.growth_tracker_from])."""
-        _, counters = super().read(growth_tracker, values)
-        return self.growth_tracker_from(counters, self.rule.growth_interval), counters
+    @classmethod
+    def packed_counters(
+        cls,
+        rule: ScaleRule,
+        growth_tracker: int,
+        counters: Mapping[str, int],
+        device: torch.device,
+    ) -> PackedCounters | None:
+        """The counters packed in two float32 values (``distscaler._packed``; ``cur_iter`` and
+        ``last_overflow_iter`` as host offsets plus the skip record's counts)."""
+        if cls.update_ is not DeepSpeedPolicy.update_:  # a subclass's own rule runs plainly
+            return None
+        return DeepSpeedCounters(cls, rule, growth_tracker, counters, device)
 
 
 # ---------------------------------------------------------------------- the registry
@@ -512,7 +578,8 @@ def register_policy(cls: type[LossScalePolicy]) -> type[LossScalePolicy]:
 
     Raises:
         TypeError: ``cls`` is not a [`LossScalePolicy`][distscaler.policies.LossScalePolicy]
-            subclass.
+            subclass, or leaves an abstract method
+            ([`update_()`][distscaler.policies.LossScalePolicy.update_]) undefined.
         ValueError: ``cls.name`` is empty or already taken by another class.
     """
     if not (isinstance(cls, type) and issubclass(cls, LossScalePolicy)):
@@ -521,6 +588,12 @@ def register_policy(cls: type[LossScalePolicy]) -> type[LossScalePolicy]:
         raise ValueError(
             f"policy name must be non-empty and not taken (taken: {policy_names()}), "
             f"got: {cls.name!r}"
+        )
+    if inspect.isabstract(cls):
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        raise TypeError(
+            f"policy must define {', '.join(missing)} (LossScalePolicy's abstract methods), got: "
+            f"{cls.__qualname__}"
         )
     _REGISTRY[cls.name] = cls
     return cls

@@ -48,7 +48,7 @@ from .plan import (
     plan_step,
     plan_unscale,
 )
-from .policies import PolicyName, get_policy
+from .policies import PolicyName, get_policy, policy_names
 from .process_group import ScalerGroup, has_dynamic_membership
 from .replica_check import Fold, OnMismatch, ReplicaCheck, ReplicaLedger, check_settings
 from .state import DeviceState, HostValues, NextCounters, ScalerState
@@ -981,12 +981,13 @@ class GradScaler(torch.amp.GradScaler):
         self._records.clear()
 
     def _policy_counter(self, key: str) -> int:
-        # DeepSpeed's counters are the policy's, as state_dict() saves them (one host read).
+        # A policy's counters (DeepSpeed's names), as state_dict() saves them (one host read).
         policy = self._config.policy
         if key not in get_policy(policy).state_keys:
+            owners = [n for n in policy_names() if key in get_policy(n).state_keys]
             raise AttributeError(
-                f"{key} exists for policy='deepspeed' (DeepSpeed's DynamicLossScaler); this scaler "
-                f"has policy={policy!r}"
+                f"{key} exists for policy={' or '.join(map(repr, owners))}; this scaler has "
+                f"policy={policy!r}"
             )
         if not self._enabled:
             return self._state.initial.policy[key]

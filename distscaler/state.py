@@ -26,13 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._packed import (
-    EXACT_GROWTH_INTERVAL,
-    Lerp,
-    PackedCounters,
-    _packed_update_,
-    packed_counters_for,
-)
+from ._packed import EXACT_GROWTH_INTERVAL, Lerp, PackedCounters, packed_update_
 from ._validation import check_scale
 from .policies import LossScalePolicy, ScaleRule, get_policy
 from .telemetry import SkipLog, SkipTotals
@@ -209,8 +203,12 @@ class DeviceState:
             return
         if self.policy is None and self.packed is None or held is not policy:
             pending = self.pending
-            form = packed_counters_for(policy) if self.pack_counters else None
-            if form is not None:
+            packed = None
+            if self.pack_counters:  # the rule's optional hook (None: it runs plainly)
+                packed = policy.packed_counters(
+                    rule, pending.growth_tracker, pending.policy, self.device
+                )
+            if packed is not None:
                 if rule.growth_interval > EXACT_GROWTH_INTERVAL:
                     warnings.warn(
                         f"policy={policy.name!r} counts its growth interval in float32: with "
@@ -218,7 +216,7 @@ class DeviceState:
                         "may come a few steps early or late",
                         stacklevel=4,
                     )
-                self.packed = form(rule, pending.growth_tracker, pending.policy, self.device)
+                self.packed = packed
                 self.policy = None
                 self._packing = object()
             else:
@@ -251,7 +249,7 @@ class DeviceState:
             def record(lerps: list[Lerp]) -> None:
                 self.record_(found_inf, counters, [*extra, *lerps])
 
-            _packed_update_(
+            packed_update_(
                 self.packed,
                 found_inf,
                 counters.policy,  # type: ignore[arg-type]
@@ -266,7 +264,7 @@ class DeviceState:
         policy = self.policy
         assert policy is not None
         if raise_at_minimum:
-            policy.check_minimum(found_inf)
+            policy.rule.check_minimum(found_inf, policy.scale, policy.exhausted())
         self.record_(found_inf, counters, extra)
         policy.update_(found_inf)
 
@@ -280,7 +278,7 @@ class DeviceState:
         if self.packed is not None:
             counters = self.packed.tensors()
         else:
-            counters = self.policy.counter_tensors() if self.policy is not None else []
+            counters = list(self.policy.counters.values()) if self.policy is not None else []
         parts = [t.reshape(1).to(torch.float64) for t in (*extra, self.scale, self.growth_tracker)]
         parts += [t.reshape(1).to(torch.float64) for t in counters]
         parts.append(self.record.to(torch.float64))
@@ -292,7 +290,10 @@ class DeviceState:
         if self.packed is not None:
             tracker, policy_values = self.packed.read(counter_values, record)
         elif self.policy is not None:
-            tracker, policy_values = self.policy.read(tracker, counter_values)
+            policy = self.policy
+            policy_values = {k: int(v) for k, v in zip(policy.state_keys, counter_values)}
+            implied = policy.growth_tracker_from(policy_values, policy.rule.growth_interval)
+            tracker = tracker if implied is None else implied
         else:
             policy_values = dict(self.pending.policy)
         return values[:n], HostValues(values[n], tracker, policy_values), record

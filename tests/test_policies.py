@@ -762,3 +762,40 @@ def test_hysteresis_counter_names_the_state_key_of_each_policy():
         "megatron": "hysteresis_tracker",
         "static": None,
     }
+
+
+# ----------------------------------------------------------------------------- the rule's interface
+
+
+def test_a_rule_must_define_update_and_nothing_else():
+    assert LossScalePolicy.update_.__isabstractmethod__
+    assert LossScalePolicy.__abstractmethods__ == frozenset({"update_"})
+    no_update = type("NoUpdate", (LossScalePolicy,), {"name": "test_no_update"})
+    with pytest.raises(TypeError, match=r"policy must define update_ .*got: NoUpdate"):
+        register_policy(no_update)
+    assert "test_no_update" not in policies.policy_names()  # refused before registering
+    with pytest.raises(TypeError, match="abstract"):
+        no_update(ScaleRule(), torch.ones(()), torch.zeros((), dtype=torch.int32), {})
+
+
+def test_packing_is_the_rules_hook_and_a_subclass_with_its_own_update_runs_plainly():
+    rule, device = ScaleRule(hysteresis=2), torch.device("cpu")
+    counters = {n: policies.get_policy(n).initial_state(rule) for n in ("deepspeed", "megatron")}
+    for name in ("torch", "static"):
+        assert get_policy(name).packed_counters(rule, 0, {}, device) is None
+    for name in ("deepspeed", "megatron"):
+        cls = get_policy(name)
+        packed = cls.packed_counters(rule, 0, counters[name], device)
+        assert packed is not None and packed.policy is cls
+        same_rule = type("Same", (cls,), {"name": f"test_{name}_same"})
+        assert same_rule.packed_counters(rule, 0, counters[name], device).policy is same_rule
+        own = {"name": f"test_{name}_own", "update_": lambda self, found_inf: None}
+        own_rule = type("Own", (cls,), own)
+        assert own_rule.packed_counters(rule, 0, counters[name], device) is None
+
+
+def test_a_counter_of_another_policy_names_the_policies_that_keep_it():
+    with pytest.raises(AttributeError, match=r"cur_iter exists for policy='deepspeed'; .*'torch'"):
+        GradScaler("cpu").cur_iter  # noqa: B018
+    with pytest.raises(AttributeError, match=r"cur_hysteresis exists for policy='deepspeed'"):
+        GradScaler("cpu", policy="static").cur_hysteresis  # noqa: B018
