@@ -218,9 +218,9 @@ if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
     _SUM: Any = None
     _MAX: Any = None
 #
-# Plain functions here; `_kernels()` wraps them with ``triton.jit`` in a namespace of their own
-# (Triton resolves the names a kernel uses through its globals), so that this module imports
-# without Triton. The annotations stay strings (``from __future__ import annotations``); Triton
+# Plain functions here; `_kernels()` wraps them for Triton in a namespace of their own (Triton
+# resolves the names a kernel uses through its globals), so that this module imports without
+# Triton and the compiled and the interpreted set live in one process. The annotations stay strings (``from __future__ import annotations``); Triton
 # reads "constexpr" in them. Reductions call ``tl.reduce`` with Triton's own combine functions
 # (``_SUM``, ``_MAX``: what ``tl.sum``/``tl.max`` call), ``tl.full`` stands for ``tl.zeros`` and
 # the bodies are inlined (one branch per dtype, ``tl.static_range``): under the interpreter every call of a jit function re-patches
@@ -325,8 +325,8 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
             m = idx < num_blocks
             mx_acc = tl.maximum(mx_acc, tl.load(part_i + idx, mask=m, other=0).to(tl.int32))
             if NORM == 1 or NORM == 2:
-                t = tl.load(blk + idx, mask=m, other=0)
-                w_bits = tl.load(tab + 3 * num_tensors + t, mask=m, other=0).to(tl.int32)
+                owner = tl.load(blk + idx, mask=m, other=0)
+                w_bits = tl.load(tab + 3 * num_tensors + owner, mask=m, other=0).to(tl.int32)
                 s = tl.load(part_s + idx, mask=m, other=0.0)
                 s_acc += w_bits.to(tl.float32, bitcast=True) * s
         mx = tl.reduce(mx_acc, 0, _MAX)
@@ -348,17 +348,17 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
         a2 = tl.full([RT], 0, tl.int64)
         c1 = tl.full([RT], 0, tl.int64)
         c2 = tl.full([RT], 0, tl.int64)
-        for start in range(b0, b1, RT):
-            idx = start + lane
-            m = idx < b1
+        for pos in range(b0, b1, RT):
+            jdx = pos + lane
+            mj = jdx < b1
             if PER_TENSOR:
-                mx_acc = tl.maximum(mx_acc, tl.load(part_i + idx, mask=m, other=0).to(tl.int32))
+                mx_acc = tl.maximum(mx_acc, tl.load(part_i + jdx, mask=mj, other=0).to(tl.int32))
                 if NORM == 2:
-                    s_acc += tl.load(part_s + idx, mask=m, other=0.0)
+                    s_acc += tl.load(part_s + jdx, mask=mj, other=0.0)
             if MOMENTS:
-                u = tl.load(part_i + num_blocks + idx, mask=m, other=0)
-                j = tl.load(part_i + 2 * num_blocks + idx, mask=m, other=0)
-                k0 = words * tl.load(blk + num_blocks + idx, mask=m, other=0)  # >= 0
+                u = tl.load(part_i + num_blocks + jdx, mask=mj, other=0)
+                j = tl.load(part_i + 2 * num_blocks + jdx, mask=mj, other=0)
+                k0 = words * tl.load(blk + num_blocks + jdx, mask=mj, other=0)  # >= 0
                 u1 = (u % p1 + p1) % p1  # C's % keeps the sign: make it a residue in [0, P)
                 u2 = (u % p2 + p2) % p2
                 a1 = (a1 + u1) % p1
@@ -369,8 +369,8 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
             if NORM == 2:
                 tl.store(per_tensor + t, tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM)))
             else:
-                mx = tl.reduce(mx_acc, 0, _MAX)
-                tl.store(per_tensor + t, mx.to(tl.float32, bitcast=True))
+                mx_t = tl.reduce(mx_acc, 0, _MAX)
+                tl.store(per_tensor + t, mx_t.to(tl.float32, bitcast=True))
         if MOMENTS:
             tl.store(moments + 4 * t, tl.reduce(a1, 0, _SUM) % p1)
             tl.store(moments + 4 * t + 1, tl.reduce(a2, 0, _SUM) % p2)
@@ -448,32 +448,54 @@ def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.cons
     tl.store(out + 2, tl.math.div_rn(norm, sc))
 
 
+def _add(a, b):
+    return a + b
+
+
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
 _RAW = {
     "_read_kernel": _read_kernel,
     "_reduce_kernel": _reduce_kernel,
     "_scale_kernel": _scale_kernel,
     "_finish_kernel": _finish_kernel,
+    "_add": _add,
+    "_maximum": _maximum,
 }
 
 
 @functools.cache
-def _kernels() -> types.SimpleNamespace:
-    """The kernels, wrapped by ``triton.jit``: compiled, or run by Triton's interpreter where
-    ``TRITON_INTERPRET=1`` was set before Triton was imported (Triton decides for its own
-    ``triton.language`` then, so one process runs one way). Imports Triton."""
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    """The kernels, compiled (``interpret=False``: CUDA tensors) or run by Triton's interpreter
+    (CPU tensors), whatever ``TRITON_INTERPRET`` said when Triton was imported: each set is
+    wrapped explicitly (``JITFunction``/``InterpretedFunction``) in a namespace of its own, and
+    neither calls a jit function of ``triton.language`` (which that variable decides for). The
+    interpreted reductions name Triton's own combine functions, which its interpreter runs as one
+    numpy call (it matches them by identity); the compiled ones use ``_add``/``_maximum``, the same
+    arithmetic. Imports Triton."""
     import triton
     import triton.language as tl
 
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+    else:
+        from triton.runtime.jit import JITFunction as wrap
     namespace: dict[str, Any] = {"tl": tl, "triton": triton, "__name__": __name__}
-    standard = tl.standard
-    namespace["_SUM"] = standard._sum_combine
-    namespace["_MAX"] = getattr(standard, "_elementwise_max", None) or standard.maximum
     for name, raw in _RAW.items():
         clone = types.FunctionType(raw.__code__, namespace, name, raw.__defaults__)
         clone.__doc__ = raw.__doc__
         clone.__annotations__ = dict(raw.__annotations__)
         clone.__qualname__ = raw.__qualname__
-        namespace[name] = triton.jit(clone)
+        namespace[name] = wrap(clone)
+    if interpret:
+        standard = tl.standard  # (a Triton without them: the same arithmetic, slower)
+        namespace["_SUM"] = getattr(standard, "_sum_combine", None) or namespace["_add"]
+        namespace["_MAX"] = getattr(standard, "_elementwise_max", None) or namespace["_maximum"]
+    else:
+        namespace["_SUM"] = namespace["_add"]
+        namespace["_MAX"] = namespace["_maximum"]
     return types.SimpleNamespace(**{name: namespace[name] for name in _RAW})
 
 
@@ -721,7 +743,7 @@ def _launch_pass(
     primes: tuple[int, int] | None,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place)."""
-    k = _kernels()
+    k = _kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
     part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float32, device=device)
@@ -840,7 +862,7 @@ def _scale_impl(tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool)
 
 
 def _launch_scale(tables: _Tables, factor: torch.Tensor, divide: bool) -> None:
-    k = _kernels()
+    k = _kernels(factor.device.type != "cuda")
     if tables.num_blocks:
         k._scale_kernel[(tables.num_blocks,)](
             tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
@@ -892,7 +914,7 @@ def _finish_impl(
     stat: torch.Tensor, scale: torch.Tensor, max_norm: torch.Tensor | None, norm_type: float | None
 ) -> torch.Tensor:
     out = torch.empty(3, dtype=torch.float32, device=stat.device)
-    k = _kernels()
+    k = _kernels(stat.device.type != "cuda")
     k._finish_kernel[(1,)](
         stat, scale, stat if max_norm is None else max_norm, out,
         NORM=_check_norm_type(norm_type), CLIP=max_norm is not None, num_warps=1,
