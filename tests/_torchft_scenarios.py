@@ -15,7 +15,8 @@ Spec keys: ``wiring`` ("ours" | "stock"), ``num_groups``, ``group_size``, ``step
 stop at), ``crash`` ({group: manager step}: attempt 0 of that group exits there), ``late``
 ({group: seconds}), ``inject`` (list of [where, when, group, group_rank]: where "pre" (an inf in the
 local gradient, before the average) or "post" (after it, on that group only); when a manager step,
-"join" (the step a survivor sees a group join in) or "join+K"), ``sync_quorum``, ``clip``,
+"join" (the step a survivor sees a group join in), "join+K" or "heal" (a restarted group's first
+step, the one it heals in)), ``sync_quorum``, ``clip``,
 ``report_lone``.
 """
 
@@ -71,6 +72,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "report_lone_replica": dict(
         num_groups=2, steps=8, report_lone=True, inject=[["post", 3, 0, 0]]
     ),
+    # Issue 41: group 1 dies at step 4 and is restarted; in the step it heals in, an inf appears in
+    # its own gradients after the average (a local fault on the healer, whose contribution torchft
+    # zeroes).
+    "heal_step_inf": dict(
+        num_groups=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
+        inject=[["post", "heal", 1, 0]],
+    ),  # fmt: skip
+    # The same with 2 groups x 2 ranks (gradients sharded inside a group), on the healer's rank 0.
+    "heal_step_inf_2x2": dict(
+        num_groups=2, group_size=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
+        quorum_timeout=6, inject=[["post", "heal", 1, 0]],
+    ),  # fmt: skip
 }
 
 
@@ -384,6 +397,8 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
                 continue
             if when == "join":
                 hit = joined
+            elif when == "heal":  # a restarted group's first step: the step it heals in
+                hit = attempt > 0 and it == 1
             elif when.startswith("join+"):
                 hit = join_step is not None and manager.current_step() == join_step + int(when[5:])
             else:
@@ -445,6 +460,7 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         if ours:
             lone = scaler.replica_overflow
             record["lone"] = None if lone is None else [lone.step, lone.replica_rank, lone.this_group]
+            record["ledger"] = scaler.replica_ledger.as_dict()
             record["found_inf"] = float(scaler.found_inf) if scaler.found_inf is not None else None
         out.write(json.dumps(record) + "\n")
         time.sleep(spec.get("sleep", 0.05))
