@@ -712,6 +712,51 @@ class GradScaler(torch.amp.GradScaler):
         """
         return self._read()[2] if self._enabled else SkipTotals()
 
+    def metrics(self) -> dict[str, float | int]:
+        """The scaler's numbers for a training log, under the keys every integration logs them
+        (Lightning, Transformers, torchtitan, verl; torchft's scaler is this one):
+
+        | key | value |
+        |---|---|
+        | ``distscaler/scale`` | the loss scale (float) |
+        | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals]) |
+        | ``distscaler/skipped_total`` | skipped optimizer steps so far |
+        | ``distscaler/overflow_step`` | the update number (1-based) of the last skipped step reported ([`last_overflow`][distscaler.GradScaler.last_overflow]); present once one was |
+        | ``distscaler/overflow_tensors`` | gradient tensors that held inf/NaN at that step, all ranks; with ``overflow_step`` |
+        | ``distscaler/replica_checks`` | replica checks so far ([`replica_ledger`][distscaler.GradScaler.replica_ledger]); present once replicas were compared, as the three below |
+        | ``distscaler/replica_mismatches`` | replica mismatches, summed over the ranks they named |
+        | ``distscaler/replica_skipped`` | steps skipped because of a replica mismatch |
+        | ``distscaler/suspects`` | ranks named suspects |
+
+        The key names are stable; keys are added, never renamed. An integration adds
+        ``distscaler/skipped``, the skipped steps since its previous log. Empty when disabled.
+        The same on every rank of ``process_group`` (the report and the ledger are).
+
+        Cost: one host read (the scale and the counts in one transfer); no collective. Reading
+        [`last_overflow`][distscaler.GradScaler.last_overflow] fills no report: call
+        [`report_overflow()`][distscaler.GradScaler.report_overflow] first (every rank) for the
+        report of a step that just skipped.
+        """
+        if not self._enabled:
+            return {}
+        _, values, totals = self._read()
+        metrics: dict[str, float | int] = {
+            "distscaler/scale": values.scale,
+            "distscaler/updates": totals.num_updates,
+            "distscaler/skipped_total": totals.num_skipped,
+        }
+        report = self.last_overflow
+        if report is not None:
+            metrics["distscaler/overflow_step"] = report.step
+            metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
+        ledger = self.replica_ledger
+        if ledger.checks or ledger.param_checks:
+            metrics["distscaler/replica_checks"] = ledger.checks
+            metrics["distscaler/replica_mismatches"] = sum(ledger.mismatches.values())
+            metrics["distscaler/replica_skipped"] = ledger.skipped
+            metrics["distscaler/suspects"] = len(ledger.suspects)
+        return metrics
+
     # ------------------------------------------------------------------ the replica check
 
     @property
