@@ -52,7 +52,8 @@ global batch:
   (scale, growth tracker, skip counts) to ``distscaler_world_size_{W}_rank_{R}.pt`` in
   ``optimizer_path`` and returns once every rank's file exists (one ``barrier``);
   ``load_checkpoint`` and a worker built with ``optimizer_path`` (NeMo-RL's resume) read it. A
-  checkpoint without it loads with a warning and the scale starts from its initial value.
+  checkpoint without it loads with a warning, the scaler's state left as it is (in a new worker:
+  the initial scale).
 
 Settings, in the policy config (``policy.distscaler``, every key optional) or as
 ``policy_factory``'s keywords (``functools.partial(policy_factory, scaler=...)``):
@@ -401,8 +402,13 @@ class DistScalerWorker:
                 "gradients live on the CPU, the scale on the device"
             )
         stock_train = super().train.__func__  # type: ignore[misc]
+        # Looked up at each call, so that a subclass's (or a test's) override is the one called.
         train, core = _rebound(
-            stock_train, {_CLIP: self._distscaler_clip, _WARN: self._distscaler_warn_if_inf}
+            stock_train,
+            {
+                _CLIP: lambda *args, **kwargs: self._distscaler_clip(*args, **kwargs),
+                _WARN: lambda *args, **kwargs: self._distscaler_warn_if_inf(*args, **kwargs),
+            },
         )
         if core is None or _CLIP not in core.__code__.co_names:
             raise NotImplementedError(
