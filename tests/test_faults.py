@@ -278,7 +278,9 @@ def healed(tmp_path_factory):
     def go(name: str) -> None:
         try:
             spec = dict(T.SCENARIOS[name], wiring="ours")
-            results[name] = T.run(spec, str(root / name), timeout=100)
+            # A ceiling, not the run's length (about 10 s of training): on a loaded 2-core
+            # machine the 9 processes' imports alone took 90 s.
+            results[name] = T.run(spec, str(root / name), timeout=240)
         except BaseException as e:  # reported on the main thread
             errors.append(e)
 
