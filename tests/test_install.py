@@ -113,6 +113,7 @@ def test_every_integration_has_its_extra() -> None:
         "megatron",
         "verl",
         "torchft",
+        "nemo_rl",
     }
     assert integrations <= EXTRAS
 
