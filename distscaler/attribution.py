@@ -24,7 +24,7 @@ clean steps a few small device ops:
    logged on rank 0 (logger ``"distscaler"``, WARNING).
 
 On the CPU, where a host read costs no sync, a fused step reads the agreed flag and flags its
-gradients only when it is 1.0 (`distscaler.plan.host_read_is_free()`): clean steps there pay nothing
+gradients only when it is 1.0: clean steps there pay nothing
 for the report but that read; without clipping the check stays torch's kernel and a skipped step
 takes one more read pass for the flags.
 
@@ -327,7 +327,7 @@ class OverflowTracker:
             gathered = torch.empty(world_size * PAYLOAD_BYTES, dtype=torch.uint8, device=device)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             gather(gathered, payload, group=group)
-            raw = gathered.cpu().numpy().tobytes()  # the report's second host read
+            raw = bytes(gathered.cpu().untyped_storage())  # the report's second host read
         entries: list[OverflowEntry] = []
         unlisted = 0
         for rank in range(world_size):
@@ -337,7 +337,7 @@ class OverflowTracker:
         report = OverflowReport(step, scale, tuple(sorted(entries)), unlisted)
         self.last_overflow = report
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-            logger.warning("distscaler: inf/NaN gradients at %s", report.describe())
+            logger.warning("inf/NaN gradients at %s", report.describe())
         return report
 
     def _local_entries(self, step: int) -> tuple[list[tuple[str, str]], int]:

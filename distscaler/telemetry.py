@@ -1,7 +1,7 @@
 """The host's side of the skip record: totals folded in from the device, and the skip log.
 
-``update()`` folds each iteration's agreed ``found_inf`` into the device state's record with tensor
-ops only (see `distscaler.state`). The host reads the record, adds its counts to the totals kept
+``update()`` folds each iteration's agreed ``found_inf`` into a record kept on the device, with
+tensor ops only. The host reads the record, adds its counts to the totals kept
 here and logs new skips on rank 0 (logger ``"distscaler"``, INFO) whenever it reads the scaler
 anyway (``get_scale()``, ``state_dict()``, ``step_was_skipped``...) and every ``skip_log_interval``
 updates (one host read then).
@@ -74,7 +74,7 @@ class SkipLog:
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         logger.info(
-            "distscaler: %d optimizer step(s) skipped for inf/NaN gradients since the last report, "
+            "%d optimizer step(s) skipped for inf/NaN gradients since the last report, "
             "agreed on all %d rank(s) (%d skipped in %d steps so far); the last at step %d, at "
             "loss scale %g (now %g)",
             new,

@@ -200,9 +200,9 @@ def test_the_log_line_names_the_step_the_scale_and_a_few_entries(caplog):
     scaler.step(opt)
     scaler.update()
     (record,) = caplog.records
-    assert record.levelname == "WARNING"
-    assert record.getMessage() == (
-        "distscaler: inf/NaN gradients at step 1 (loss scale 16): inf in `0.weight` on rank 0, "
+    assert record.levelname == "WARNING" and record.name == "distscaler"
+    assert record.getMessage() == (  # no "distscaler: " in it: a %(name)s format says it once
+        "inf/NaN gradients at step 1 (loss scale 16): inf in `0.weight` on rank 0, "
         "inf in `1.weight` on rank 0, inf in `2.weight` on rank 0, nan in `3.weight` on rank 0, "
         "and 2 more"
     )
