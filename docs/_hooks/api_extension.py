@@ -12,7 +12,16 @@ extension adds what the package's own source does not hold:
 * ``OptState``, torch's enum re-exported by ``distscaler``, is documented from the same file;
 * an attribute documented by ``#:`` comment lines right above it (the package's convention for
   constants and class attributes: ``__version__``, ``MIN_SCALE_MESSAGE``,
-  ``LossScalePolicy.name``...) gets them as its docstring, which griffe does not read itself.
+  ``LossScalePolicy.name``...) gets them as its docstring, which griffe does not read itself;
+
+and hides what would show a private name in a rendered signature or value:
+
+* a parameter whose name starts with an underscore (a dataclass's private field, such as
+  ``ReplicaLedger._events``, is a parameter of its generated ``__init__``);
+* an attribute's value, or a parameter's default, that names a private object
+  (``__version__ = _version()``, ``view = _MainGrads(...)``, ``V.check_bool`` of
+  ``distscaler._validation``): the attribute shows its name and annotation, the parameter
+  ``...`` as its default.
 
 A public method of torch's GradScaler that GradScaler neither overrides nor ``TORCH_METHODS``
 documents (a newer torch) is a warning, which ``mkdocs build --strict`` turns into a failure.
@@ -23,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +40,9 @@ import griffe
 
 log = logging.getLogger("mkdocs.plugins.distscaler_api")
 
-#: The class that inherits from torch, and where torch's class and enum are defined.
-SCALER = "distscaler.scaler.GradScaler"
+#: The class that inherits from torch (found through the package's export, wherever it is
+#: defined), and where torch's class and enum are defined.
+SCALER = "distscaler.GradScaler"
 TORCH_MODULE = "torch.amp.grad_scaler"
 
 #: What each inherited method does on a ``distscaler.GradScaler`` (Google style, as ours).
@@ -92,8 +103,81 @@ def _docstring(text: str, parent: griffe.Object, like: griffe.Docstring | None) 
     )
 
 
+def _private(name: str) -> bool:
+    """A name with a leading underscore, not a dunder (``_x``, ``distscaler._packed``)."""
+    return any(p.startswith("_") and not p.endswith("__") for p in name.split("."))
+
+
+def _names_private(value: object) -> bool:
+    """Whether a value or default (a griffe expression, or its source text) names a private
+    object: a name with a leading underscore, or one that resolves into a private module."""
+    if value is None:
+        return False
+    if isinstance(value, str):
+        return bool(re.search(r"(?<![\w.])_[A-Za-z]\w*|\._[A-Za-z]", value))
+    for part in value.iterate(flat=True) if isinstance(value, griffe.Expr) else ():
+        if isinstance(part, griffe.ExprName):
+            try:
+                path = part.canonical_path
+            except Exception:  # noqa: BLE001 - an unresolvable name: judge it by its own
+                path = part.name
+            if _private(part.name) or (path.startswith("distscaler") and _private(path)):
+                return True
+    return False
+
+
+def _hide_private(obj: griffe.Object) -> None:
+    """Hide private parameters, and values and defaults that name private objects, in ``obj``
+    and its members (aliases left alone: they are documented where they are defined)."""
+    for member in list(obj.members.values()):
+        if member.is_alias:
+            continue
+        if isinstance(member, griffe.Attribute) and _names_private(member.value):
+            member.value = None
+        if isinstance(member, griffe.Function):
+            kept = [p for p in member.parameters if not _private(p.name) or p.name.endswith("__")]
+            for parameter in kept:
+                if _names_private(parameter.default):
+                    parameter.default = "..."
+            member.parameters = griffe.Parameters(*kept)
+        if isinstance(member, (griffe.Module, griffe.Class)):
+            _hide_private(member)
+
+
+def _exported(pkg: griffe.Module) -> dict[str, str]:
+    """Where each name ``distscaler`` exports is defined -> its public path (``distscaler.X``)."""
+    public: dict[str, str] = {}
+    for name in pkg.exports or ():
+        name = name if isinstance(name, str) else name.name
+        member = pkg.members.get(name)
+        if member is not None and member.is_alias:
+            try:
+                public[member.final_target.path] = f"{pkg.path}.{name}"
+            except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+                continue
+    return public
+
+
+def _public_bases(obj: griffe.Object, public: dict[str, str]) -> None:
+    """Each class's bases as the page shows them: the public path of a class ``distscaler``
+    exports (``distscaler.GradScaler``, not the module it is defined in), else the full path
+    (``extra["distscaler"]["bases"]``, read by templates/python/material/class.html.jinja)."""
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if isinstance(member, griffe.Class):
+            shown = []
+            for base in member.bases:
+                path = base.canonical_path if isinstance(base, griffe.Expr) else str(base)
+                shown.append(public.get(path, path))
+            member.extra["distscaler"]["bases"] = shown
+        if isinstance(member, (griffe.Module, griffe.Class)):
+            _public_bases(member, public)
+
+
 class DistscalerAPI(griffe.Extension):
-    """Documents GradScaler's methods inherited from torch, OptState, and ``#:`` attributes."""
+    """Documents GradScaler's methods inherited from torch, OptState, and ``#:`` attributes;
+    hides private parameters and values that name private objects."""
 
     def on_attribute_instance(
         self, *, attr: griffe.Attribute, agent: griffe.Visitor | griffe.Inspector, **kwargs: Any
@@ -119,11 +203,18 @@ class DistscalerAPI(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         if pkg.name != "distscaler":
             return
+        # Dataclasses get their generated __init__ now (griffe's own extension runs after this
+        # one and leaves a class that has one), so that their private fields can be hidden.
+        griffe.DataclassesExtension().on_package(pkg=pkg)
+        _hide_private(pkg)
+        _public_bases(pkg, _exported(pkg))
         torch_module = _torch_module()
         if torch_module is None:
             return
-        scaler_module = pkg["scaler"]
-        ours = scaler_module["GradScaler"]
+        ours = pkg["GradScaler"]
+        if ours.is_alias:
+            ours = ours.final_target
+        scaler_module = ours.parent
         theirs = torch_module["GradScaler"]
         added = set()
         for name, member in list(theirs.members.items()):
