@@ -15,7 +15,7 @@ from .errors import (
     UnknownLayoutError,
 )
 from .replica_check import ReplicaLedger, ReplicaMismatch
-from .scaler import GradScaler, OptState
+from ._scaler import GradScaler, OptState
 from .telemetry import SkipTotals
 
 __all__ = [

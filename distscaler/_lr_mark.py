@@ -1,4 +1,4 @@
-"""The mark an LR scheduler reads, set from a step dynamo traces (`distscaler.traced_step`).
+"""The mark an LR scheduler reads, set from a step dynamo traces (`distscaler._traced_step`).
 
 A module of its own so that ``import distscaler`` does not import dynamo: marking a function with
 ``torch.compiler.assume_constant_result`` does, and this module is imported only while dynamo

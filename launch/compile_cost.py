@@ -14,7 +14,7 @@ scaler's per-optimizer caches are warm), then the steady host time per call (med
 * ``distscaler-fullgraph``: the same with ``fullgraph=True`` (the whole phase one graph);
 * ``distscaler-eager-step``: the same, default mode, with ``step`` wrapped in
   ``torch.compiler.disable``: the optimizer step runs eagerly between the graphs, as torch's
-  recipe's does, instead of being traced into them (``distscaler.traced_step``);
+  recipe's does, instead of being traced into them (``distscaler._traced_step``);
 * ``torch``: ``torch.amp.GradScaler``'s recipe, ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``
   + ``step`` + ``update``, ``torch.compile`` default (its step cannot be traced whole).
 

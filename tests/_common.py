@@ -46,7 +46,7 @@ TARGETS = ("first", "last", "all")
 def gpu_path(scaler: Any) -> Any:
     """``scaler`` (a ``distscaler.GradScaler``) set to run the step a GPU runs, on the CPU:
     ``found_inf`` never read on the host (the CPU's own path reads it, free there:
-    ``distscaler.plan.host_read_is_free``). For tests that prove a fused step's no-read promise on
+    ``distscaler._plan.host_read_is_free``). For tests that prove a fused step's no-read promise on
     gloo. Returns ``scaler``."""
     scaler._host_reads = False
     return scaler

@@ -19,7 +19,7 @@ from _common import gpu_path_of, make_optimizer
 from _torch_gaps import run_case
 
 from distscaler import GradScaler
-from distscaler.traced_step import TRACES_WHOLE_PHASE
+from distscaler._traced_step import TRACES_WHOLE_PHASE
 
 __all__ = ["INJECT_STEP", "NUM_STEPS", "compile_scenarios", "compiled_kernels"]
 

@@ -301,7 +301,7 @@ def test_the_private_name_checks_are_not_vacuous() -> None:
         '<article><div class="doc-signature highlight"><pre><code>ReplicaLedger(checks: int = 0,'
         " _events: deque = deque())</code></pre></div>"
         '<div class="doc-signature"><pre><code>__version__: str = _version()</code></pre></div>'
-        '<a title="GradScaler (distscaler.scaler.GradScaler)" href="#distscaler.GradScaler">x</a>'
+        '<a title="GradScaler (distscaler._scaler.GradScaler)" href="#distscaler.GradScaler">x</a>'
         '<span title="distscaler._validation">V</span>'
         "<p>packed (distscaler._packed); see optimizer._distscaler and "
         "tests/_transformers_scenarios.py; the _packed rules</p></article>"

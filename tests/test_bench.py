@@ -167,7 +167,7 @@ def test_compiled_contender_steps_and_says_when_it_cannot(world_of_one):
     """distscaler-compiled (asked for by name) compiles the phase and the step whole: built with a
     fused AdamW its step moves the parameters as the eager distscaler's does; with another
     optimizer it says why it does not run."""
-    from distscaler.traced_step import TRACES_WHOLE_PHASE
+    from distscaler._traced_step import TRACES_WHOLE_PHASE
 
     case = Case(params=600, tensors=3)
     moved = {}

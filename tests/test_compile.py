@@ -117,10 +117,10 @@ def test_graph_breaks_of_the_phase(runs):
     breaks = _whole(results[0]["breaks"])
     assert breaks["fused"] == []
     # A non-fused step is decided on the host (the agreed flag, read once, by the step's verdict:
-    # distscaler.plan.plan_step): that read breaks it.
+    # distscaler._plan.plan_step): that read breaks it.
     assert breaks["foreach"], "the non-fused step's graph break was not seen"
     assert all(
-        "distscaler/inf_check.py" in site and "item()" in site or "torch/optim/optimizer.py" in site
+        "distscaler/_inf_check.py" in site and "item()" in site or "torch/optim/optimizer.py" in site
         for site in breaks["foreach"]
     ), breaks["foreach"]
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distscaler import inf_check
-from distscaler.inf_check import check_and_unscale_, local_stat
+from distscaler import _inf_check as inf_check
+from distscaler._inf_check import check_and_unscale_, local_stat
 from distscaler.layouts import collect_grads
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

@@ -22,7 +22,7 @@ from common.probes import DispatchCounter, HostReadSpy
 NUM_TENSORS = 144
 
 #: distscaler's scaler phase on the CPU, op by op (clip_grad_norm_ + step + update), a clean step.
-#: A host read costs no sync there (distscaler.plan.host_read_is_free): the flag is read and the
+#: A host read costs no sync there (distscaler._plan.host_read_is_free): the flag is read and the
 #: gradients are coded only on a skip.
 OURS_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient

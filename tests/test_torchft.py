@@ -300,7 +300,7 @@ def test_a_group_whose_membership_changes_is_all_reduced_at_every_step(monkeypat
     import torch.distributed as dist
 
     from distscaler import GradScaler, inf_check
-    from distscaler.process_group import has_dynamic_membership, needs_collective
+    from distscaler._process_group import has_dynamic_membership, needs_collective
 
     calls = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: calls.append(group))

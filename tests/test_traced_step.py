@@ -1,4 +1,4 @@
-"""distscaler.traced_step: the fused Adam/AdamW step a compiled phase traces, checked eagerly.
+"""distscaler._traced_step: the fused Adam/AdamW step a compiled phase traces, checked eagerly.
 
 ``traced_step`` acts only while dynamo traces; here ``torch.compiler.is_compiling`` is made to say
 so, and the mirrored step runs eagerly, on real tensors, against torch's own fused step
@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from distscaler import traced_step as T
+from distscaler import _traced_step as traced_step as T
 
 
 def _traced(*args):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import ScalerConfig
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 
 __all__ = ["ConfigFileNotFoundError", "scaler_from_argument"]
 

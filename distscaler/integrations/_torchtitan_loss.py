@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 
 __all__ = ["scale_loss_fn", "scaled_for_backward"]
 

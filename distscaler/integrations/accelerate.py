@@ -93,7 +93,7 @@ except ImportError as e:  # pragma: no cover - exercised only without accelerate
         "distscaler.integrations.accelerate needs HuggingFace Accelerate: pip install accelerate"
     ) from e
 
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = ["ScaledAcceleratedOptimizer", "install", "installed_scaler", "uninstall"]

@@ -91,7 +91,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
         "pip install 'distscaler[lightning]' (or: pip install lightning)"
     ) from e
 
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = ["PRECISIONS", "DistScalerPrecision"]

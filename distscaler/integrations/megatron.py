@@ -91,7 +91,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from ..config import ScalerConfig
 from ..policies import get_policy
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = ["MegatronBinding", "SharedGradScaler", "install", "installed_scaler", "scaler_config"]

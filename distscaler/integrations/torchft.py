@@ -95,8 +95,8 @@ except ImportError as e:  # pragma: no cover - exercised only without torchft
         "distscaler.integrations.torchft needs torchft 0.2.0: pip install 'distscaler[torchft]'"
     ) from e
 
-from ..process_group import ScalerGroup, has_dynamic_membership
-from ..scaler import GradScaler
+from .._process_group import ScalerGroup, has_dynamic_membership
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -184,7 +184,7 @@ class CrossReplicaGroup(dist.ProcessGroup):
     ([`FaultTolerantGradScaler`][distscaler.integrations.torchft.FaultTolerantGradScaler]).
     ``size()`` is the replica group's, for gradient layouts (the groups hold replicas of the
     averaged gradients, so a norm sums inside the group only). ``dynamic_membership`` makes the core
-    issue it at every step, also at 1 rank (`distscaler.process_group.needs_collective()`).
+    issue it at every step, also at 1 rank (`distscaler._process_group.needs_collective()`).
     ``all_gather_single`` (the overflow report) stays inside the replica group.
     """
 

@@ -97,9 +97,9 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     ) from e
 
 from ..config import ScalerConfig
-from ..contract import uses_fused_scaling
+from .._contract import uses_fused_scaling
 from ..layouts import GradLayout
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 from ._torchtitan_loss import scale_loss_fn, scaled_for_backward
 

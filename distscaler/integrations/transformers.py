@@ -69,7 +69,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "pip install 'distscaler[transformers]'"
     ) from e
 
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from . import accelerate as _accelerate
 
 __all__ = ["DistScalerCallback", "install", "installed_scaler", "uninstall"]

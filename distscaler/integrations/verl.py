@@ -86,7 +86,7 @@ from typing import Any
 import torch
 
 from ..config import ScalerConfig
-from ..scaler import GradScaler
+from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [

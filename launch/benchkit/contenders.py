@@ -336,7 +336,7 @@ def _distscaler_compiled(*, params, optimizer, device, **kwargs) -> Contender:
     """distscaler's sequence without the overflow report (``skip_log_interval=0``: the report reads
     the host) compiled whole: ``torch.compile(fullgraph=True)``, on CUDA with
     ``mode="reduce-overhead"`` (inductor's CUDA graphs). Compiled at build time (two calls each)."""
-    from distscaler.traced_step import TRACES_WHOLE_PHASE
+    from distscaler._traced_step import TRACES_WHOLE_PHASE
 
     if not TRACES_WHOLE_PHASE:
         raise _NotApplicable(f"torch {torch.__version__}: dynamo traces the phase whole from 2.12")

@@ -10,7 +10,7 @@ AdamW, with and without clipping:
 * ``ops``: device ops the phase dispatches (:class:`common.probes.DispatchCounter`), the same
   on every machine: what a GPU launches (per dtype group, independent of the tensor count). On a
   CPU one of distscaler's is the host read of its flag (``_local_scalar_dense``: no sync there,
-  see ``distscaler.plan.host_read_is_free``); a GPU runs the step without it instead.
+  see ``distscaler._plan.host_read_is_free``); a GPU runs the step without it instead.
 
 Beside ``distscaler`` (the torch rule, overflow report on) run its variants
 (``benchkit.contenders.VARIANTS``): the DeepSpeed rule as ``ScalerConfig.from_deepspeed`` gives it,

@@ -1,7 +1,7 @@
 """The optimizer step on the agreed ``found_inf``, and the hand-off to fused optimizers.
 
 Optimizers with ``_step_supports_amp_scaling`` (``Adam``/``AdamW``/``SGD(fused=True)``, and any
-optimizer that follows torch's contract, `distscaler.contract`) read ``optimizer.grad_scale`` and
+optimizer that follows torch's contract, `distscaler._contract`) read ``optimizer.grad_scale`` and
 ``optimizer.found_inf`` inside their step: they divide the gradients by ``grad_scale`` and skip (and
 undo their step count) when ``found_inf`` is exactly 1.0. The scaler sets both for the duration of
 the step only, so no value is read on the host and the gradients are never rewritten (other
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._torch_compat import fused_handoff
-from .traced_step import NOT_TRACED, traced_step
+from ._traced_step import NOT_TRACED, traced_step
 
 __all__ = ["fused_step"]
 
@@ -43,7 +43,7 @@ def fused_step(
 
     The optimizer's ``grad_scale``/``found_inf`` attributes are left as they were, also when the
     step raises. No host read, no collective. While ``torch.compile`` traces, a fused torch
-    ``Adam``/``AdamW`` step is traced into the same graph (`distscaler.traced_step`; no attribute is
+    ``Adam``/``AdamW`` step is traced into the same graph (`distscaler._traced_step`; no attribute is
     set: dynamo cannot set attributes on an optimizer).
     """
     prior = {k: optimizer.__dict__[k] for k in _ATTRIBUTES if k in vars(optimizer)}

@@ -6,17 +6,17 @@ it holds, each an object with its own module:
 
 | attribute | what it holds |
 |---|---|
-| ``_state`` | the scale, the growth tracker and the policy's counters, on the device, and the update that moves them (`distscaler.state`, [`distscaler.policies`][distscaler.policies]) |
+| ``_state`` | the scale, the growth tracker and the policy's counters, on the device, and the update that moves them (`distscaler._state`, [`distscaler.policies`][distscaler.policies]) |
 | ``_layouts`` | how gradients lie across the ranks, for norms ([`distscaler.layouts`][distscaler.layouts]) |
 | ``_overflows`` | the per-tensor flags of the last skipped step and the overflow report ([`distscaler.attribution`][distscaler.attribution]) |
-| ``_group`` | the ranks that must agree (`distscaler.process_group`) |
+| ``_group`` | the ranks that must agree (`distscaler._process_group`) |
 | ``_records`` | this iteration's `StepRecord` per optimizer |
 | ``_replicas`` | the replica check: fingerprints folded into the step's collective, the verdict, the ledger ([`distscaler.replica_check`][distscaler.replica_check]) |
 
 A step for one optimizer is one straight path: the scaler checks torch's call order and decides what
-the step does (a `StepPlan`), the layouts gather the gradients, `distscaler.inf_check.run()` carries
+the step does (a `StepPlan`), the layouts gather the gradients, `distscaler._inf_check.run()` carries
 the plan out (one pass, the step's one collective) and returns a `StepResult`, the record keeps it,
-and the fused hand-off (`distscaler.fused`) or the scaler itself steps the optimizer on it.
+and the fused hand-off (`distscaler._fused`) or the scaler itself steps the optimizer on it.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from torch.amp.grad_scaler import OptState
 from . import _validation as V
 from .attribution import OverflowReport, OverflowTracker
 from .config import ScalerConfig
-from .contract import StepContract, step_contract
+from ._contract import StepContract, step_contract
 from .errors import CallOrderError
-from .fused import fused_step
-from .inf_check import run
+from ._fused import fused_step
+from ._inf_check import run
 from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
-from .persistence import export_state, parse_state
-from .plan import (
+from ._persistence import export_state, parse_state
+from ._plan import (
     GradPass,
     host_read_is_free,
     is_tracing,
@@ -49,10 +49,10 @@ from .plan import (
     plan_unscale,
 )
 from .policies import PolicyName, get_policy, policy_names
-from .process_group import ScalerGroup, has_dynamic_membership
+from ._process_group import ScalerGroup, has_dynamic_membership
 from .replica_check import Fold, OnMismatch, ReplicaCheck, ReplicaLedger, check_settings
-from .state import DeviceState, HostValues, NextCounters, ScalerState
-from .step_record import StepRecord, torch_states
+from ._state import DeviceState, HostValues, NextCounters, ScalerState
+from ._step_record import StepRecord, torch_states
 from .telemetry import SkipTotals
 
 __all__ = ["GradScaler", "OptState"]
@@ -199,7 +199,7 @@ class GradScaler(torch.amp.GradScaler):
         self._overflows = OverflowTracker()
         self._group = ScalerGroup(process_group)
         #: Whether found_inf may be read on the host without a sync (the CPU): a property of the
-        #: device, decided here (`distscaler.plan.host_read_is_free()`). Tests set it to False
+        #: device, decided here (`distscaler._plan.host_read_is_free()`). Tests set it to False
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
         self._replicas = ReplicaCheck(
@@ -259,14 +259,14 @@ class GradScaler(torch.amp.GradScaler):
         [`distscaler.layouts`][distscaler.layouts]), as ``torch.nn.utils.clip_grad_norm_`` would
         compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
         ``clip_coef = min(1, max_norm / total_norm)`` (torch's coefficient without its 1e-6 guard,
-        which this form does not need: see `distscaler.inf_check`). ``max_norm=math.inf`` measures
+        which this form does not need: see `distscaler._inf_check`). ``max_norm=math.inf`` measures
         only, as torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1): the same
         pass and collective, the norm returned, the gradients only unscaled (fused optimizers get
         ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
         Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group has
         several ranks (every rank must call; it *is* the step's collective), a few device ops
-        (`distscaler.inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
+        (`distscaler._inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
         (a second all_reduce unless all are replicated). A disabled scaler only clips.
@@ -348,7 +348,7 @@ class GradScaler(torch.amp.GradScaler):
         [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] the inf check runs here (one
         ``all_reduce`` of 1 or 2 float32; every rank must call). Fused optimizers: one read-only
         check pass, then ``grad_scale`` and ``found_inf`` go to the kernel, no host read
-        (`distscaler.fused`); others: the unscale pass and one host read of the agreed
+        (`distscaler._fused`); others: the unscale pass and one host read of the agreed
         ``found_inf``, and on a skipped step one more read pass for the per-tensor flags of
         [`last_overflow`][distscaler.GradScaler.last_overflow]. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] (and no
@@ -816,7 +816,7 @@ class GradScaler(torch.amp.GradScaler):
         """The scaler's state as plain Python numbers (one host read); empty when disabled.
 
         torch's five keys, so `torch.amp.GradScaler.load_state_dict()` loads it, plus the bounds,
-        the run's counts, the policy and its counters (see `distscaler.persistence`), so that a run
+        the run's counts, the policy and its counters (see `distscaler._persistence`), so that a run
         resumed mid-hysteresis continues exactly. Safe under ``torch.load(weights_only=True)``.
         Never touches the process group.
         """
@@ -831,7 +831,7 @@ class GradScaler(torch.amp.GradScaler):
         torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
         object or the ZeRO state holding it ([`distscaler.interop`][distscaler.interop]). Settings a
         format carries replace the constructor's, as torch does; a replaced bound or hysteresis, or
-        another policy, warns (`distscaler.persistence`). Every value is checked first, all problems
+        another policy, warns (`distscaler._persistence`). Every value is checked first, all problems
         in one error, and on error nothing changes. No-op when disabled.
 
         Raises:

@@ -2,9 +2,9 @@
 
 ``GradScaler`` builds a plan at each of its entry points (``unscale_``, ``clip_grad_norm_``,
 ``step``, torch's ``_check_inf_per_device``) from what it knows before touching a gradient: the
-optimizer's step contract (`distscaler.contract`), what already ran in this iteration (an explicit
+optimizer's step contract (`distscaler._contract`), what already ran in this iteration (an explicit
 ``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor flags, and
-whether this scaler may read ``found_inf`` on the host. `distscaler.inf_check.run()` carries the
+whether this scaler may read ``found_inf`` on the host. `distscaler._inf_check.run()` carries the
 plan out and returns one `StepResult`; nothing downstream branches on these conditions again.
 
 **Where found_inf may be read on the host** is a property of the device, decided when the scaler is
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import StepContract
+from ._contract import StepContract
 
 __all__ = ["HOST_READ_FREE", "GradPass", "StepPlan", "host_read_is_free", "is_tracing"]
 
@@ -71,7 +71,7 @@ class GradPass(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What `distscaler.inf_check.run()` does for one optimizer in one call.
+    """What `distscaler._inf_check.run()` does for one optimizer in one call.
 
     Attributes:
         grad_pass: the pass over the gradients (`GradPass`).

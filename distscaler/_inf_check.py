@@ -49,10 +49,10 @@ import torch.distributed as dist
 from ._torch_compat import amp_check_and_unscale_
 from .attribution import flag_tensors
 from .layouts import GradGroups
-from .plan import GradPass, StepPlan
-from .process_group import needs_collective
+from ._plan import GradPass, StepPlan
+from ._process_group import needs_collective
 from .replica_check import Fold, fold_into
-from .state import DeviceState, NextCounters
+from ._state import DeviceState, NextCounters
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
 
@@ -120,7 +120,7 @@ def run(
     """Carry out ``plan`` over this rank's gradients.
 
     Args:
-        plan: what to do (`distscaler.plan`).
+        plan: what to do (`distscaler._plan`).
         grads: the local gradients grouped by (device, dtype, replication weight), and ``params``
             their parameters in the same order (`distscaler.layouts.local_grads()`).
         state: the scale's device state; None for a disabled scaler (a ``NORM_UNSCALED`` pass).

@@ -26,7 +26,7 @@ from . import _validation as V
 from .config import FIELD_CHECKS, ScalerConfig, raise_problems, settings_problems
 from .interop import to_native_state
 from .policies import get_policy, policy_names
-from .state import HostValues
+from ._state import HostValues
 from .telemetry import SkipTotals
 
 __all__ = ["LoadedState", "export_state", "parse_state"]

@@ -2,7 +2,7 @@
 
 torch's ``GradScaler.step`` knows three: optimizers with ``_step_supports_amp_scaling`` whose
 ``step`` takes no ``grad_scaler`` keyword read ``grad_scale``/``found_inf`` attributes inside their
-step (``Adam``/``AdamW``/``SGD(fused=True)``: `distscaler.fused` hands them over); those whose
+step (``Adam``/``AdamW``/``SGD(fused=True)``: `distscaler._fused` hands them over); those whose
 ``step`` takes the deprecated ``grad_scaler=`` keyword drive the scaler themselves; every other
 optimizer steps unless the agreed flag, read on the host, says overflow. Source:
 ``torch/amp/grad_scaler.py`` (``GradScaler.step``).
@@ -56,7 +56,7 @@ class StepContract(enum.Enum):
     """How an optimizer's step takes the scaler's agreed ``found_inf``."""
 
     #: ``_step_supports_amp_scaling`` and no ``grad_scaler`` keyword: ``grad_scale``/``found_inf``
-    #: attributes read inside the step (`distscaler.fused`); no host read.
+    #: attributes read inside the step (`distscaler._fused`); no host read.
     FUSED = "fused"
     #: torch's deprecated contract: ``step(grad_scaler=scaler)`` drives the scaler itself.
     DRIVES_THE_SCALER = "drives the scaler"

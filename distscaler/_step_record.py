@@ -22,10 +22,10 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .attribution import StepFlags, TensorFlags
-from .state import NextCounters
+from ._state import NextCounters
 
 if TYPE_CHECKING:
-    from .inf_check import StepResult
+    from ._inf_check import StepResult
 
 __all__ = ["StepRecord", "torch_states"]
 

@@ -1,6 +1,6 @@
 """The ranks that must agree on every step: the scaler's process group, looked up at each step.
 
-`ScalerGroup` resolves the group a step's one collective runs over (`distscaler.inf_check.run()`
+`ScalerGroup` resolves the group a step's one collective runs over (`distscaler._inf_check.run()`
 issues it) and its size, which decides whether the collective is needed and how the layouts weigh
 gradients. Nothing is cached: a group whose membership changes (torchft's managed process group)
 gives its current size at every step, and a ``process_group`` passed without ``init_process_group``
