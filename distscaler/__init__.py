@@ -6,20 +6,22 @@ update are agreed by every rank in one collective per optimizer step.
 
 from __future__ import annotations
 
+from ._scaler import GradScaler, OptState
 from .attribution import OverflowEntry, OverflowReport
 from .config import ScalerConfig
 from .errors import (
     CallOrderError,
     LossScaleAtMinimumError,
     ReplicaMismatchError,
+    TrainingCollapsedError,
     UnknownLayoutError,
 )
 from .replica_check import ReplicaLedger, ReplicaMismatch
-from ._scaler import GradScaler, OptState
-from .telemetry import SkipTotals
+from .telemetry import CollapseReport, SkipReport, SkipTotals
 
 __all__ = [
     "CallOrderError",
+    "CollapseReport",
     "GradScaler",
     "LossScaleAtMinimumError",
     "OptState",
@@ -29,7 +31,9 @@ __all__ = [
     "ReplicaMismatch",
     "ReplicaMismatchError",
     "ScalerConfig",
+    "SkipReport",
     "SkipTotals",
+    "TrainingCollapsedError",
     "UnknownLayoutError",
     "__version__",
 ]

@@ -40,19 +40,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._plan import GradPass, StepPlan
+from ._state import DeviceState, NextCounters
 from ._torch_compat import amp_check_and_unscale_
 from .attribution import flag_tensors
 from .layouts import GradGroups
-from ._plan import GradPass, StepPlan
-from ._process_group import needs_collective
-from .replica_check import Fold, fold_into
-from ._state import DeviceState, NextCounters
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
 
@@ -82,6 +80,9 @@ class StepResult:
         next_counters: the update's counters made by this pass (``DeviceState.next_counters``), or None
             (the update makes them).
         skipped: ``found_inf`` as read on the host, None where it was not read.
+        max_norm: the clip's ``max_norm`` (for `clip_coef`), else None.
+        readings: each contribution's reading of the reduced collective, by its name
+            (``"replica"``: a ``ReplicaMismatch`` or None), when the plan carried contributions.
     """
 
     found_inf: torch.Tensor | None
@@ -95,6 +96,7 @@ class StepResult:
     next_counters: NextCounters | None = None
     skipped: bool | None = None
     max_norm: float | None = None
+    readings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def clip_coef(self) -> torch.Tensor | None:
@@ -111,11 +113,8 @@ def run(
     params: tuple[torch.Tensor, ...],
     state: DeviceState | None,
     *,
-    group: dist.ProcessGroup | None,
-    world_size: int,
     found_inf: torch.Tensor | None = None,
     max_norm: torch.Tensor | None = None,
-    fold: Fold | None = None,
 ) -> StepResult:
     """Carry out ``plan`` over this rank's gradients.
 
@@ -124,39 +123,51 @@ def run(
         grads: the local gradients grouped by (device, dtype, replication weight), and ``params``
             their parameters in the same order (`distscaler.layouts.local_grads()`).
         state: the scale's device state; None for a disabled scaler (a ``NORM_UNSCALED`` pass).
-        group, world_size: the ranks that must agree (every rank of ``group`` must call ``run``
-            with the same plan kind: it all-reduces once when ``world_size > 1``).
+            Every rank of ``plan.world`` must call ``run`` with the same plan kind: it issues
+            the step's one collective when ``plan.world.collective``.
         found_inf: the flag an earlier check of this iteration agreed on (``GradPass.NONE``, and
             ``NORM_UNSCALED`` after ``unscale_``).
         max_norm: ``plan.max_norm`` as a 0-dim float32 tensor on the scale's device, for a
             ``NORM`` pass (``DeviceState.max_norm``: made once, not at every step).
-        fold: the replica check's slots (`distscaler.replica_check`), appended to the pass's
-            collective (a MAX of 0/1 flags becomes a SUM, clamped to 1); ``fold.reduced`` receives
-            the reduced slots. Only where the pass all-reduces (``plan.replica_check``).
+
+    Returns:
+        the `StepResult`, with ``readings`` holding each of ``plan.contributions``' reading.
 
     Raises:
         ValueError: fp16 gradients where they are unscaled in place (torch's wording) are refused
             by the gathering; nothing here raises on user input.
     """
+    coll = _Collective(plan, grads, params)
+    result = _run(plan, grads, params, state, coll, found_inf, max_norm)
+    if coll.readings:
+        return replace(result, readings=coll.readings)
+    return result
+
+
+def _run(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState | None,
+    coll: _Collective,
+    found_inf: torch.Tensor | None,
+    max_norm: torch.Tensor | None,
+) -> StepResult:
     grad_pass = plan.grad_pass
     if grad_pass is GradPass.NORM_UNSCALED:
-        return _norm_unscaled(plan, grads, params, state, group, world_size, found_inf)
+        return _norm_unscaled(plan, grads, params, state, coll, found_inf)
     assert state is not None
     if grad_pass is GradPass.NORM:
         assert max_norm is not None
-        return _norm(plan, grads, params, state, max_norm, group, world_size, fold)
+        return _norm(plan, grads, params, state, max_norm, coll)
     if grad_pass is GradPass.CHECK:
-        result = _check(plan, grads, params, state, group, world_size, fold)
+        result = _check(plan, grads, params, state, coll)
         if not plan.skip_nonfinite:  # a static scale told to step through inf/NaN
             return replace(result, found_inf=state.zero)
         return result
     if grad_pass is GradPass.UNSCALE:
-        found = _all_reduce_(
-            check_and_unscale_(grads, inv_scale=_inv_scale(state.scale)),
-            dist.ReduceOp.MAX,
-            group,
-            world_size,
-            fold,
+        found = coll.reduce_(
+            check_and_unscale_(grads, inv_scale=_inv_scale(state.scale)), dist.ReduceOp.MAX
         )[0]
         if not plan.skip_nonfinite:
             found = state.zero
@@ -185,35 +196,61 @@ def run(
 # ---------------------------------------------------------------------- the one collective
 
 
-def _all_reduce_(
-    buffer: torch.Tensor,
-    op: Any,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    fold: Fold | None = None,
-) -> torch.Tensor:
-    """The step's collective: ``buffer`` all-reduced in place over ``group`` when it has more than
-    one rank, or at every step when its membership changes (`needs_collective()`; every rank of the
-    group must call). A flag summed or maxed over ranks is > 0 on every rank as soon as one rank saw
-    a non-finite value. Returns ``buffer``.
+class _Collective:
+    """The step's one collective for one plan: the pass's own buffer (the flag, the norm
+    statistic) with the plan's contributions appended, reduced as ``plan.collective_op`` says,
+    and each contribution's reading kept in ``readings``. Every rank of ``plan.world`` calls
+    `reduce_()` once per pass (when ``plan.world.collective``)."""
 
-    With the replica check's ``fold`` the slots ride in the same collective: one ``cat``, the
-    all_reduce of the joint buffer, one ``copy_`` back (and where ``op`` was a MAX, which callers
-    use only over 0/1 flags, the SUM's flags are clamped to 1: one ``clamp_``).
-    """
-    if not needs_collective(group, world_size):
+    __slots__ = ("grads", "params", "plan", "readings")
+
+    def __init__(self, plan: StepPlan, grads: GradGroups, params: tuple[torch.Tensor, ...]):
+        self.plan = plan
+        self.grads = grads
+        self.params = params
+        self.readings: dict[str, Any] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether the pass issues the collective (more than one rank, or a changing group)."""
+        return self.plan.world.collective
+
+    def reduce_(self, buffer: torch.Tensor, op: Any) -> torch.Tensor:
+        """``buffer`` reduced in place with ``op`` over the plan's group (the MAX callers ask for
+        is over 0/1 flags, or over a p = inf norm's statistic). With contributions: one ``cat`` of
+        their slots after ``buffer``; a SUM of the joint buffer (a MAX of flags clamped to 1 after
+        it: one ``clamp_``), or, beside a MAX of values, one ``all_gather`` reduced here (amax of
+        ``buffer``'s part, sum of the contributions', in rank order); one ``copy_`` back; then
+        each contribution reads its reduced slots. Returns ``buffer``."""
+        plan = self.plan
+        world = plan.world
+        if not world.collective:
+            return buffer
+        if not plan.contributions:
+            dist.all_reduce(buffer, op=op, group=world.group)
+            return buffer
+        flat = [g for gs in self.grads.values() for g in gs]
+        parts = [c.local(self.params, flat).to(buffer.device, non_blocking=True)
+                 for c in plan.contributions]  # fmt: skip
+        n = buffer.numel()
+        joint = torch.cat([buffer.reshape(-1), *parts])
+        if plan.collective_op == "gather":
+            rows = joint.new_empty(world.size * joint.numel())
+            dist.all_gather_into_tensor(rows, joint, group=world.group)
+            table = rows.view(world.size, -1)
+            buffer.copy_(table[:, :n].amax(0).view_as(buffer))
+            reduced = table[:, n:].sum(0)
+        else:
+            dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
+            buffer.copy_(joint[:n].view_as(buffer))
+            if op == dist.ReduceOp.MAX:
+                buffer.clamp_(max=1.0)
+            reduced = joint[n:]
+        start = 0
+        for c in plan.contributions:
+            self.readings[c.name] = c.read(reduced[start : start + c.numel])
+            start += c.numel
         return buffer
-    if fold is None:
-        dist.all_reduce(buffer, op=op, group=group)
-        return buffer
-    joint = fold_into(buffer, fold)
-    dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=group)
-    n = buffer.numel()
-    buffer.copy_(joint[:n].view_as(buffer))
-    if op == dist.ReduceOp.MAX:
-        buffer.clamp_(max=1.0)
-    fold.reduced = joint[n:]
-    return buffer
 
 
 # ---------------------------------------------------------------------- the read-only check
@@ -224,9 +261,7 @@ def _check(
     grads: GradGroups,
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    fold: Fold | None = None,
+    coll: _Collective,
 ) -> StepResult:
     """The agreed ``found_inf``, leaving the gradients as they are (a fused step).
 
@@ -237,7 +272,7 @@ def _check(
     """
     kernel = not plan.per_tensor_flags or plan.read_found_inf
     if kernel and all(key.device == state.device for key in grads):
-        return _check_kernel(plan, grads, params, state, group, world_size, fold)
+        return _check_kernel(plan, grads, params, state, coll)
     flags = _flags(grads, state.device)
     if flags is None:
         found = state.zero.clone()
@@ -251,7 +286,7 @@ def _check(
         )
         found = neg_min.clamp(0.0, 1.0)
         counters = state.next_counters(next_values)
-    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size, fold)
+    coll.reduce_(found, dist.ReduceOp.MAX)
     return StepResult(
         found,
         grad_scale=state.scale,
@@ -267,9 +302,7 @@ def _check_kernel(
     grads: GradGroups,
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    fold: Fold | None = None,
+    coll: _Collective,
 ) -> StepResult:
     """`_check()` with torch's check kernel (a factor of exactly 1.0: values unchanged).
 
@@ -282,7 +315,7 @@ def _check_kernel(
     found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
     counters = state.next_counters(next_values)
     _check_and_unscale_into_(grads, found, one)
-    _all_reduce_(found, dist.ReduceOp.MAX, group, world_size, fold)
+    coll.reduce_(found, dist.ReduceOp.MAX)
     if not plan.read_found_inf:
         return StepResult(found, grad_scale=state.scale, next_counters=counters,
                           params=params, flags_taken=True)  # fmt: skip
@@ -391,11 +424,9 @@ def _p_norm(stat: torch.Tensor, norm_type: float) -> torch.Tensor:
 def _stacked_two_norm(
     groups: GradGroups,
     device: torch.device,
-    world_size: int,
-    group: dist.ProcessGroup | None,
+    coll: _Collective,
     buffer2: torch.Tensor,
     tail: Sequence[torch.Tensor],
-    fold: Fold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``, the
     per-tensor norms (float32 ``(num_grads,)``, None without gradients), and, with ``tail`` (0-dim
@@ -430,7 +461,7 @@ def _stacked_two_norm(
         total = buffer[num_grads]
     else:
         per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
-    if not needs_collective(group, world_size):
+    if not coll.active:
         if per_tensor is None:
             zero = torch.zeros((), dtype=torch.float32, device=device)
             return (zero if total is None else total.zero_()), None, buffer
@@ -447,7 +478,7 @@ def _stacked_two_norm(
         out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
     else:
         out.zero_()
-    _all_reduce_(buffer2, dist.ReduceOp.SUM, group, world_size, fold)
+    coll.reduce_(buffer2, dist.ReduceOp.SUM)
     if total is None:
         return buffer2[1].sqrt(), per_tensor, None
     torch.sqrt(buffer2[1], out=total)
@@ -500,9 +531,7 @@ def _norm(
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
     max_norm_t: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    fold: Fold | None = None,
+    coll: _Collective,
 ) -> StepResult:
     """The global norm of the unscaled gradients, ``found_inf`` and ``grad_scale``, agreed.
 
@@ -515,12 +544,10 @@ def _norm(
     max_norm, norm_type = plan.max_norm, plan.norm_type
     scale = state.scale
     if norm_type == 2.0 and plan.skip_nonfinite and not plan.read_found_inf:
-        return _norm_on_device(plan, grads, params, state, max_norm_t, group, world_size, fold)
+        return _norm_on_device(plan, grads, params, state, max_norm_t, coll)
     counters: NextCounters | None = None
     if norm_type == 2.0:
-        stacked = _stacked_two_norm(
-            grads, state.device, world_size, group, state.norm_buffer, (), fold
-        )
+        stacked = _stacked_two_norm(grads, state.device, coll, state.norm_buffer, ())
         total, per_tensor = stacked[0], stacked[1]
         a, b, c = state.counter_terms()
         zero = state.zero
@@ -556,8 +583,7 @@ def _norm(
     else:
         local, per_tensor = local_stat(grads, _inv_scale(scale), norm_type)
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        # (no fold for p = inf: its MAX is not of flags; the plan leaves the check out)
-        _all_reduce_(local, op, group, world_size, None if norm_type == math.inf else fold)
+        coll.reduce_(local, op)
         norm = _p_norm(local, norm_type)
         nonfinite_now = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
         found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
@@ -584,9 +610,7 @@ def _norm_on_device(
     params: tuple[torch.Tensor, ...],
     state: DeviceState,
     max_norm_t: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    world_size: int,
-    fold: Fold | None = None,
+    coll: _Collective,
 ) -> StepResult:
     """`_norm()` with the 2-norm where nothing is read on the host (a fused step on a GPU; any step
     that is not fused) and inf/NaN skip the step: everything after the total norm in three device
@@ -609,9 +633,7 @@ def _norm_on_device(
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
     tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
-    total, per_tensor, buffer = _stacked_two_norm(
-        grads, state.device, world_size, group, state.norm_buffer, tail, fold
-    )
+    total, per_tensor, buffer = _stacked_two_norm(grads, state.device, coll, state.norm_buffer, tail)
     assert buffer is not None
     num_grads = 0 if per_tensor is None else per_tensor.numel()
     flagged = flag_tensors(buffer[: num_grads + 1])  # the per-tensor flags, then T's
@@ -644,32 +666,35 @@ def _norm_unscaled(
     grads: GradGroups,
     params: tuple[torch.Tensor, ...],
     state: DeviceState | None,
-    group: dist.ProcessGroup | None,
-    world_size: int,
+    coll: _Collective,
     found_inf: torch.Tensor | None,
 ) -> StepResult:
     """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
 
-    Adds a collective unless every local gradient is replicated over the whole group (then the
-    local norm is already the global one). After ``unscale_`` a non-finite norm skips the step too:
-    ``found_inf`` is the earlier flag or'ed with it.
+    After ``unscale_`` the norm is always agreed: one collective of the weighted statistic over
+    the group, also when every local gradient is replicated (a rank whose copy differs, silent
+    data corruption after the reduce, must not get a norm of its own, nor skip or back off alone),
+    and a non-finite norm skips the step too: ``found_inf`` is the earlier flag or'ed with it. A
+    disabled scaler (no scale to agree on) clips replicated gradients by their local norm, with no
+    collective, as torch's ``clip_grad_norm_`` would.
     """
     assert plan.max_norm is not None
     max_norm, norm_type = plan.max_norm, plan.norm_type
-    replicated = bool(grads) and all(key.weight == 1.0 / world_size for key in grads)
+    world_size = plan.world.size
+    local_only = state is None and bool(grads) and all(
+        key.weight == 1.0 / world_size for key in grads
+    )
     if state is not None:
         device = state.device
     else:
         device = next(iter(grads)).device if grads else torch.device("cpu")
     one = torch.ones((), dtype=torch.float32, device=device)
-    local, per_tensor = local_stat(
-        {key._replace(weight=1.0): g for key, g in grads.items()} if replicated else grads,
-        one,
-        norm_type,
-    )
-    if not replicated:
+    if local_only:
+        grads = {key._replace(weight=1.0): g for key, g in grads.items()}
+    local, per_tensor = local_stat(grads, one, norm_type)
+    if not local_only:
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        _all_reduce_(local, op, group, world_size)
+        coll.reduce_(local, op)
     norm = _p_norm(local, norm_type)
     if max_norm < math.inf:  # inf measures only: the coefficient would be 1
         _div_(grads, torch.fmax(norm / max_norm, one))

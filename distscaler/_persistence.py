@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from . import _validation as V
+from ._state import HostValues
 from .config import FIELD_CHECKS, ScalerConfig, raise_problems, settings_problems
 from .interop import to_native_state
 from .policies import get_policy, policy_names
-from ._state import HostValues
 from .telemetry import SkipTotals
 
 __all__ = ["LoadedState", "export_state", "parse_state"]

@@ -2,10 +2,29 @@
 
 ``GradScaler`` builds a plan at each of its entry points (``unscale_``, ``clip_grad_norm_``,
 ``step``, torch's ``_check_inf_per_device``) from what it knows before touching a gradient: the
-optimizer's step contract (`distscaler._contract`), what already ran in this iteration (an explicit
-``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor flags, and
-whether this scaler may read ``found_inf`` on the host. `distscaler._inf_check.run()` carries the
-plan out and returns one `StepResult`; nothing downstream branches on these conditions again.
+ranks that must agree and whether they need a collective at all (`World`, resolved once), whether a
+graph is being traced, the optimizer's step contract, what already ran in this iteration (an
+explicit ``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor
+flags, whether this scaler may read ``found_inf`` on the host, and what rides in the step's one
+collective besides the non-finite flag and the norm statistic (the plan's `Contribution` objects:
+the replica check's fingerprint when it is due, anything an integration adds).
+``distscaler._inf_check.run()`` carries the plan out and returns one ``StepResult`` with every
+contribution's reading; nothing downstream branches on these conditions again.
+
+**The step's one collective**, as a plan declares it (`StepPlan.collective_op`):
+
+| pass | built in | contributions | reduce |
+|---|---|---|---|
+| ``CHECK``, ``UNSCALE`` | the non-finite flag (0/1) | none | ``all_reduce(MAX)`` |
+| ``CHECK``, ``UNSCALE`` | the flag | some (``"sum"``) | ``all_reduce(SUM)``, flag clamped to 1 |
+| ``NORM`` (p < inf) | flag, ``sum w |g|**p`` | any | ``all_reduce(SUM)`` |
+| ``NORM`` (p = inf) | flag, ``max |g|`` | none | ``all_reduce(MAX)`` |
+| ``NORM`` (p = inf) | flag, ``max |g|`` | some (``"sum"``) | one ``all_gather``, reduced on each rank |
+| ``NORM_UNSCALED`` | as ``NORM`` | none | as ``NORM`` |
+| ``NONE`` | nothing | none | none (the iteration's flag is reused) |
+
+Contributions ride only in the iteration's first collective (``StepPlan.carries_contributions``:
+``CHECK``, ``UNSCALE``, ``NORM``): a later pass reuses what that one agreed.
 
 **Where found_inf may be read on the host** is a property of the device, decided when the scaler is
 built (`host_read_is_free()`): on the CPU a kernel has run when it returns, so reading its result
@@ -19,13 +38,24 @@ record what a GPU runs. Tests run the GPU's path on the CPU by building the scal
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 
 from ._contract import StepContract
+from ._process_group import World
 
-__all__ = ["HOST_READ_FREE", "GradPass", "StepPlan", "host_read_is_free", "is_tracing"]
+__all__ = [
+    "HOST_READ_FREE",
+    "Contribution",
+    "GradPass",
+    "StepPlan",
+    "host_read_is_free",
+    "is_tracing",
+]
 
 #: Device types where reading a value on the host costs no device sync (their kernels already ran
 #: when they returned).
@@ -49,6 +79,41 @@ def is_tracing() -> bool:
 _dispatch_mode = torch._C._get_dispatch_mode
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+class Contribution(Protocol):
+    """A part of the step's one collective besides the flag and the norm statistic.
+
+    Its local part is computed from the gradients the pass reads, its slots are appended to the
+    collective's buffer, and its reading of the reduced slots is returned in
+    ``StepResult.readings[name]``. The replica check's fingerprint
+    ([`distscaler.replica_check`][distscaler.replica_check]) is one; an FP8 amax agreed on the
+    same collective would be another.
+
+    Attributes:
+        name: the key of its reading.
+        numel: float32 slots it adds to the collective.
+        combine: how its slots combine across ranks: ``"sum"`` (exactly: integers below 2**24)
+            or ``"max"``.
+    """
+
+    name: str
+    numel: int
+    combine: Literal["sum", "max"]
+
+    def local(
+        self,
+        params: tuple[torch.Tensor, ...],
+        grads: Sequence[torch.Tensor],
+        moments: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's slots, float32 ``(numel,)``, from the gradients as the pass reads them
+        (in ``params``' order); ``moments``: their fingerprint where the pass computed it."""
+        ...
+
+    def read(self, reduced: torch.Tensor) -> Any:
+        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say."""
+        ...
 
 
 class GradPass(enum.Enum):
@@ -84,6 +149,10 @@ class StepPlan:
         skip_nonfinite: False: a static scale told to step through inf/NaN (``found_inf`` 0.0).
         max_norm: ``clip_grad_norm_``'s ``max_norm`` (``math.inf``: measure only), or None.
         norm_type: ``clip_grad_norm_``'s p.
+        world: the ranks that must agree and whether the pass issues a collective at all.
+        tracing: a graph is being traced (``torch.compile``, ``make_fx``): nothing is read on
+            the host and no contribution rides.
+        contributions: what the collective carries besides the flag and the norm statistic.
     """
 
     grad_pass: GradPass
@@ -93,11 +162,30 @@ class StepPlan:
     skip_nonfinite: bool = True
     max_norm: float | None = None
     norm_type: float = 2.0
+    world: World = World(None, 1, False)
+    tracing: bool = False
+    contributions: tuple[Contribution, ...] = ()
 
     @property
-    def weighted(self) -> bool:
-        """Whether the gradients are gathered with their replication weights (a norm is taken)."""
-        return self.grad_pass in (GradPass.NORM, GradPass.NORM_UNSCALED)
+    def carries_contributions(self) -> bool:
+        """Whether this pass's collective is the iteration's first, which contributions ride in
+        (``CHECK``, ``UNSCALE``, ``NORM`` of any p), and the world issues one."""
+        if self.tracing or not self.world.collective:
+            return False
+        return self.grad_pass in (GradPass.CHECK, GradPass.UNSCALE, GradPass.NORM)
+
+    @property
+    def collective_op(self) -> Literal["none", "max", "sum", "gather"]:
+        """How the collective reduces (the module docstring's table)."""
+        if not self.world.collective or self.grad_pass is GradPass.NONE:
+            return "none"
+        norm = self.grad_pass in (GradPass.NORM, GradPass.NORM_UNSCALED)
+        max_of_values = norm and self.norm_type == math.inf
+        if not self.contributions:
+            return "max" if (max_of_values or not norm) else "sum"
+        if max_of_values:
+            return "gather"
+        return "sum"
 
     @property
     def allow_fp16(self) -> bool:
@@ -108,28 +196,21 @@ class StepPlan:
         return not (self.grad_pass is GradPass.NORM and not self.fused)
 
     @property
-    def folds_replica_check(self) -> bool:
-        """Whether the replica check's slots can ride in this pass's collective
-        (`distscaler.replica_check`): the iteration's first check, whose collective is a MAX of
-        0/1 flags or a SUM (not the MAX of a p = inf norm)."""
-        if self.grad_pass in (GradPass.CHECK, GradPass.UNSCALE):
-            return True
-        return self.grad_pass is GradPass.NORM and self.norm_type != float("inf")
-
-    @property
     def reads_gradients(self) -> bool:
         """Whether the gradients are read at all (a plan that reuses an agreed ``found_inf``
         reads them only for per-tensor flags)."""
         return self.grad_pass is not GradPass.NONE or self.per_tensor_flags
 
 
-def plan_unscale(*, skip_nonfinite: bool) -> StepPlan:
+def plan_unscale(world: World, *, skip_nonfinite: bool) -> StepPlan:
     """``unscale_``: torch's check-and-unscale kernel; no per-tensor flags (a later ``step`` or
     ``clip_grad_norm_`` takes them)."""
-    return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite)
+    return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite, world=world,
+                    tracing=is_tracing())  # fmt: skip
 
 
 def plan_clip(
+    world: World,
     contract: StepContract,
     *,
     unscaled: bool,
@@ -142,6 +223,7 @@ def plan_clip(
     """``clip_grad_norm_``: the global norm with the inf check, or, on gradients already unscaled
     (``unscaled``: after ``unscale_``), the norm alone. A fused step on the CPU reads
     ``found_inf`` (``host_reads``) and takes per-tensor flags only when it is skipped."""
+    tracing = is_tracing()
     if unscaled:
         return StepPlan(
             GradPass.NORM_UNSCALED,
@@ -149,20 +231,25 @@ def plan_clip(
             skip_nonfinite=skip_nonfinite,
             max_norm=max_norm,
             norm_type=norm_type,
+            world=world,
+            tracing=tracing,
         )
     fused = contract is StepContract.FUSED
     return StepPlan(
         GradPass.NORM,
         fused=fused,
-        read_found_inf=fused and skip_nonfinite and host_reads and not is_tracing(),
+        read_found_inf=fused and skip_nonfinite and host_reads and not tracing,
         per_tensor_flags=per_tensor_flags,
         skip_nonfinite=skip_nonfinite,
         max_norm=max_norm,
         norm_type=norm_type,
+        world=world,
+        tracing=tracing,
     )
 
 
 def plan_step(
+    world: World,
     contract: StepContract,
     *,
     checked: bool,
@@ -182,11 +269,12 @@ def plan_step(
         per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
     """
     fused = contract is StepContract.FUSED
+    tracing = is_tracing()
     if fused:
         grad_pass = GradPass.NONE if checked else GradPass.CHECK
         # The CPU's fused check reads the flag and takes flags only on a skip; a fused step after
         # an explicit unscale_ takes them at once (nothing reads the flag after it).
-        read = per_tensor_flags and host_reads and not checked and not is_tracing()
+        read = per_tensor_flags and host_reads and not checked and not tracing
     else:
         grad_pass = GradPass.NONE if checked else GradPass.UNSCALE
         read = True  # the step runs on the host's word
@@ -196,16 +284,23 @@ def plan_step(
         read_found_inf=read,
         per_tensor_flags=per_tensor_flags,
         skip_nonfinite=skip_nonfinite,
+        world=world,
+        tracing=tracing,
     )
 
 
-def plan_check(*, host_reads: bool, per_tensor_flags: bool, skip_nonfinite: bool) -> StepPlan:
+def plan_check(
+    world: World, *, host_reads: bool, per_tensor_flags: bool, skip_nonfinite: bool
+) -> StepPlan:
     """torch's ``_check_inf_per_device`` hook: the read-only check, the gradients unchanged."""
+    tracing = is_tracing()
     return StepPlan(
         GradPass.CHECK,
         fused=True,
-        read_found_inf=per_tensor_flags and host_reads and not is_tracing(),
+        read_found_inf=per_tensor_flags and host_reads and not tracing,
         per_tensor_flags=per_tensor_flags,
         skip_nonfinite=skip_nonfinite,
+        world=world,
+        tracing=tracing,
     )
 

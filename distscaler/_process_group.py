@@ -23,12 +23,12 @@ Nothing here is asked from a host read (``get_scale``, ``state_dict``): those re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ScalerGroup", "has_dynamic_membership", "needs_collective"]
+__all__ = ["ScalerGroup", "World", "has_dynamic_membership", "needs_collective"]
 
 #: Modules whose process groups change membership between steps (checked by name: importing
 #: torchft here would make it a dependency).
@@ -58,6 +58,22 @@ def needs_collective(group: dist.ProcessGroup | None, world_size: int) -> bool:
     """Whether a step's found_inf must be all-reduced over ``group``: it has more than one rank, or
     its membership changes (`has_dynamic_membership()`: issued even at a size of 1)."""
     return world_size > 1 or has_dynamic_membership(group)
+
+
+class World(NamedTuple):
+    """The ranks of one step, resolved once when its plan is built.
+
+    Attributes:
+        group: the process group (None: the default one, or this process alone).
+        size: its number of ranks (torchft's: the replica group's).
+        collective: whether the step issues its collective (`needs_collective()`).
+        dynamic: whether the group's membership changes (`has_dynamic_membership()`).
+    """
+
+    group: dist.ProcessGroup | None
+    size: int
+    collective: bool
+    dynamic: bool = False
 
 
 class ScalerGroup:
@@ -102,3 +118,10 @@ class ScalerGroup:
         if not torch.compiler.is_compiling():  # no attribute written while traced (recompiles)
             self.last_world_size = world_size
         return group, world_size
+
+    def world(self) -> World:
+        """`resolve()` as a `World`, with whether the step needs its collective: asked once per
+        step, when its plan is built."""
+        group, size = self.resolve()
+        dynamic = has_dynamic_membership(group)
+        return World(group, size, size > 1 or dynamic, dynamic)

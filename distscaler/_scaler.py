@@ -31,29 +31,30 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from .attribution import OverflowReport, OverflowTracker
-from .config import ScalerConfig
 from ._contract import StepContract, step_contract
-from .errors import CallOrderError
 from ._fused import fused_step
-from ._inf_check import run
-from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
+from ._inf_check import StepResult, run
 from ._persistence import export_state, parse_state
 from ._plan import (
+    Contribution,
     GradPass,
+    StepPlan,
     host_read_is_free,
-    is_tracing,
     plan_check,
     plan_clip,
     plan_step,
     plan_unscale,
 )
-from .policies import PolicyName, get_policy, policy_names
-from ._process_group import ScalerGroup, has_dynamic_membership
-from .replica_check import Fold, OnMismatch, ReplicaCheck, ReplicaLedger, check_settings
+from ._process_group import ScalerGroup
 from ._state import DeviceState, HostValues, NextCounters, ScalerState
 from ._step_record import StepRecord, torch_states
-from .telemetry import SkipTotals
+from .attribution import OverflowReport, OverflowTracker
+from .config import CollapseAction, Kernels, OnMismatch, ScalerConfig
+from .errors import CallOrderError, TrainingCollapsedError
+from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
+from .policies import PolicyName, get_policy, policy_names
+from .replica_check import ReplicaCheck, ReplicaLedger
+from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -159,6 +160,9 @@ class GradScaler(torch.amp.GradScaler):
         replica_check_interval: int | None = None,
         param_check_interval: int = 1000,
         on_replica_mismatch: OnMismatch = "skip",
+        collapse_window: int = 2000,
+        on_collapse: CollapseAction = "warn",
+        kernels: Kernels = "auto",
     ) -> None:
         if not isinstance(device, str):
             raise TypeError(f"device must be a device type string such as 'cuda', got: {device!r}")
@@ -177,9 +181,13 @@ class GradScaler(torch.amp.GradScaler):
             raise_error_at_min_scale=raise_error_at_min_scale,
             skip_nonfinite=skip_nonfinite,
             skip_log_interval=skip_log_interval,
-        )
-        check_settings(
-            replica_check, replica_check_interval, param_check_interval, on_replica_mismatch
+            replica_check=replica_check,
+            replica_check_interval=replica_check_interval,
+            param_check_interval=param_check_interval,
+            on_replica_mismatch=on_replica_mismatch,
+            collapse_window=collapse_window,
+            on_collapse=on_collapse,
+            kernels=kernels,
         )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got: {process_group!r}")
@@ -203,7 +211,10 @@ class GradScaler(torch.amp.GradScaler):
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
         self._replicas = ReplicaCheck(
-            replica_check, replica_check_interval, param_check_interval, on_replica_mismatch
+            config.replica_check,
+            config.replica_check_interval,
+            config.param_check_interval,
+            config.on_replica_mismatch,
         )
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
@@ -211,6 +222,11 @@ class GradScaler(torch.amp.GradScaler):
         #: This iteration's record per optimizer (``id(optimizer)``), dropped by
         #: [`update()`][distscaler.GradScaler.update].
         self._records: dict[int, StepRecord] = {}
+        self._collapse = CollapseWatch()
+        #: (host update count, cause, report) of the last skip only the host knows the cause of.
+        self._last_host_skip: tuple[int, str, Any] | None = None
+        #: The most recent collapse report (``collapse_window``), or None.
+        self.last_collapse: CollapseReport | None = None
 
     # ------------------------------------------------------------------ the step path
 
@@ -239,14 +255,9 @@ class GradScaler(torch.amp.GradScaler):
             )
         if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
-        plan = plan_unscale(skip_nonfinite=self._config.skip_nonfinite)
-        group, world_size = self._group.resolve()
-        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
-                                          allow_fp16=plan.allow_fp16)  # fmt: skip
-        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
-        result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
+        plan = plan_unscale(self._group.world(), skip_nonfinite=self._config.skip_nonfinite)
+        result = self._check(optimizer, plan, state, weighted=False)
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
-        self._settle_replica_check(fold, record, group, world_size)
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
@@ -300,22 +311,17 @@ class GradScaler(torch.amp.GradScaler):
                     "update()."
                 )
         unscaled = record is None or record.stage is OptState.UNSCALED
-        plan = plan_clip(step_contract(optimizer), unscaled=unscaled, host_reads=self._host_reads,
+        plan = plan_clip(self._group.world(), step_contract(optimizer), unscaled=unscaled,
+                         host_reads=self._host_reads,
                          per_tensor_flags=self._attributing and state is not None,
                          skip_nonfinite=self._config.skip_nonfinite,
                          max_norm=max_norm, norm_type=norm_type)  # fmt: skip
-        group, world_size = self._group.resolve()
-        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=True,
-                                          allow_fp16=plan.allow_fp16)  # fmt: skip
-        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
-        result = run(plan, *grads, state, group=group, world_size=world_size,
-                     found_inf=None if record is None else record.found_inf,
-                     max_norm=None if unscaled else state.max_norm(max_norm),  # type: ignore[union-attr]
-                     fold=fold)  # fmt: skip
+        result = self._check(optimizer, plan, state, weighted=True,
+                             found_inf=None if record is None else record.found_inf,
+                             max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
         if record is not None:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
                         counters=not unscaled, clipped=True)  # fmt: skip
-            self._settle_replica_check(fold, record, group, world_size)
         assert result.total_norm is not None
         return result.total_norm
 
@@ -326,16 +332,12 @@ class GradScaler(torch.amp.GradScaler):
         their step (they drive the scaler); returns torch's ``{device: found_inf}``.
         """
         state = self._device_state("_check_inf_per_device")
-        plan = plan_check(host_reads=self._host_reads, per_tensor_flags=self._attributing,
+        plan = plan_check(self._group.world(), host_reads=self._host_reads,
+                          per_tensor_flags=self._attributing,
                           skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
-        group, world_size = self._group.resolve()
-        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
-                                          allow_fp16=True)  # fmt: skip
-        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
-        result = run(plan, *grads, state, group=group, world_size=world_size, fold=fold)
+        result = self._check(optimizer, plan, state, weighted=False)
         record = self._records.setdefault(id(optimizer), StepRecord())
         record.keep(optimizer, result)
-        self._settle_replica_check(fold, record, group, world_size)
         assert result.found_inf is not None
         found = state.one if record.replica_mismatch else result.found_inf
         return {found.device: found}
@@ -383,25 +385,20 @@ class GradScaler(torch.amp.GradScaler):
             record.stage = OptState.STEPPED
             return retval
         plan = plan_step(
+            self._group.world(),
             contract,
             checked=record.found_inf is not None,
             host_reads=self._host_reads,
             per_tensor_flags=self._attributing and record.flags is None,
             skip_nonfinite=self._config.skip_nonfinite,
         )
-        group, world_size = self._group.resolve()
-        grads = self._layouts.local_grads(optimizer, group, world_size, weighted=False,
-                                          allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
-        fold = self._replica_fold(plan, optimizer, grads, group, world_size, state)
-        result = run(plan, *grads, state, group=group, world_size=world_size,
-                     found_inf=record.found_inf, fold=fold)  # fmt: skip
+        result = self._check(optimizer, plan, state, weighted=False, found_inf=record.found_inf)
         if plan.grad_pass is GradPass.NONE:
             record.keep_flags(optimizer, result)
         elif plan.fused:  # kept before the step, as torch keeps its found_inf
             record.keep(optimizer, result)
         else:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
-        self._settle_replica_check(fold, record, group, world_size)
         if plan.fused:
             assert result.found_inf is not None
             # A replica mismatch skips the step (found_inf 1.0 for the kernel) without being an
@@ -439,8 +436,18 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._device_state("update")
+        mismatch = any(r.replica_mismatch for r in self._records.values())
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
+        elif mismatch:
+            # A replica mismatch is no overflow of the scale: every rank skipped the step, and the
+            # scale, the growth tracker and the policy's counters stay as they are.
+            mismatch_report = self._replicas.ledger.last_mismatch
+            due = self._state.skip("replica_mismatch", self._config)
+            self._last_host_skip = (self._state.num_host_updates, "replica_mismatch",
+                                    mismatch_report)  # fmt: skip
+            if due:
+                self._periodic()
         else:
             records = [r for r in self._records.values() if r.found_inf is not None]
             if not records:
@@ -455,9 +462,21 @@ class GradScaler(torch.amp.GradScaler):
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
         if not torch.compiler.is_compiling():  # (an int a compiled update wrote would recompile it)
-            self._replicas.end_iteration(any(r.replica_mismatch for r in self._records.values()))
+            self._replicas.end_iteration(mismatch)
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
+        self._records.clear()
+
+    def _skip(self, cause: str, report: Any = None) -> None:
+        # An iteration whose step was skipped for ``cause`` without moving the scale (torchft's
+        # uncommitted step): counted in the one skip account, as update() counts a mismatch.
+        self._device_state("update")
+        due = self._state.skip(cause, self._config)
+        self._last_host_skip = (self._state.num_host_updates, cause, report)
+        if due:
+            self._periodic()
+        if not torch.compiler.is_compiling():
+            self._replicas.end_iteration(False)
         self._records.clear()
 
     # ------------------------------------------------------------------ the parts, used
@@ -487,41 +506,72 @@ class GradScaler(torch.amp.GradScaler):
         self, found_inf: torch.Tensor, counters: NextCounters | None, lerps: Sequence = ()
     ) -> None:
         if self._state.update(found_inf, counters, self._config, lerps):
-            self._report(self._read()[2])  # the periodic report, the same update on every rank
+            self._periodic()
 
-    def _replica_fold(
+    def _periodic(self) -> None:
+        # The periodic read (the same update on every rank): the skip log, the overflow report,
+        # the collapse watch.
+        _, values, totals = self._read()
+        self._report(totals, values.scale)
+
+    def _watch_collapse(self, totals: SkipTotals, scale: float) -> None:
+        # Every rank sees the same totals at the same update, so every rank reports (or raises)
+        # together.
+        found = self._collapse.observe(totals, scale, self._config.collapse_window)
+        nonfinite = self._replicas.take_nonfinite_parameters()
+        if found is None and not nonfinite:
+            return
+        since, causes = found if found is not None else (totals.num_updates, {})
+        report = CollapseReport(totals.num_updates, since, causes, tuple(self._collapse.scales),
+                                self._named_at_fault(), nonfinite)  # fmt: skip
+        self.last_collapse = report
+        if self._config.on_collapse == "raise":
+            raise TrainingCollapsedError(report)
+        warnings.warn(report.describe(), RuntimeWarning, stacklevel=3)
+
+    def _named_at_fault(self) -> tuple[str, ...]:
+        # What the scaler last named at fault, for a collapse report.
+        named: list[str] = []
+        overflow = self._overflows.last_overflow
+        if overflow is not None:
+            named += [f"rank {r}" for r in sorted({e.rank for e in overflow.entries})]
+        mismatch = self._replicas.ledger.last_mismatch
+        if mismatch is not None:
+            named += [f"rank {r} (replica mismatch)" for r in mismatch.ranks]
+        return tuple(named)
+
+    def _check(
         self,
-        plan: Any,
         optimizer: torch.optim.Optimizer,
-        grads: tuple[dict, tuple[torch.Tensor, ...]],
-        group: dist.ProcessGroup | None,
-        world_size: int,
+        plan: StepPlan,
         state: DeviceState | None,
-    ) -> Fold | None:
-        # The replica check's slots for this pass's collective, when due (the same on every rank).
-        if state is None or not plan.folds_replica_check or is_tracing():
-            return None
-        check_grads, check_params = self._replicas.due(
-            world_size, has_dynamic_membership(group), self._host_reads
-        )
-        if not (check_grads or check_params):
-            return None
-        return self._replicas.fingerprint(
-            self._layouts, optimizer, *grads, group=group, world_size=world_size,
-            device=state.device, with_grads=check_grads, with_params=check_params,
-        )  # fmt: skip
+        *,
+        weighted: bool,
+        found_inf: torch.Tensor | None = None,
+        max_norm: torch.Tensor | None = None,
+    ) -> StepResult:
+        # The entry points' one path: what rides in the collective (decided here, once, into the
+        # plan), the gradients (the layouts), the pass and its collective (the runner).
+        if state is not None and plan.carries_contributions:
+            contributions = self._contributions(optimizer, plan, state)
+            if contributions:
+                plan = dataclasses.replace(plan, contributions=contributions)
+        world = plan.world
+        grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
+                                          allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
+        return run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)
 
-    def _settle_replica_check(
-        self,
-        fold: Fold | None,
-        record: StepRecord,
-        group: dist.ProcessGroup | None,
-        world_size: int,
-    ) -> None:
-        # The replica check's verdict (one host read) and, on a mismatch, its consequences.
-        if fold is not None and fold.reduced is not None:
-            mismatch = self._replicas.settle(fold, group=group, world_size=world_size)
-            record.replica_mismatch = mismatch is not None
+    def _contributions(
+        self, optimizer: torch.optim.Optimizer, plan: StepPlan, state: DeviceState
+    ) -> tuple[Contribution, ...]:
+        # What rides in this pass's collective besides the flag and the norm statistic: the
+        # replica check's fingerprint when due. A subclass (an integration) adds its own here.
+        world = plan.world
+        replica = self._replicas.contribution(
+            self._layouts, optimizer, group=world.group, world_size=world.size,
+            dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
+        )  # fmt: skip
+        return () if replica is None else (replica,)
 
     def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
         # ``extra`` 0-dim tensors and the state in one host transfer; new skips logged. Between
@@ -530,8 +580,11 @@ class GradScaler(torch.amp.GradScaler):
         fold = not self._records
         return self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
 
-    def _report(self, totals: SkipTotals) -> None:
-        # The periodic report's attribution (every rank at the same update), or report_overflow's.
+    def _report(self, totals: SkipTotals, scale: float | None = None) -> None:
+        # The periodic report's attribution (every rank at the same update), or report_overflow's;
+        # the collapse watch at the periodic read.
+        if scale is not None:
+            self._watch_collapse(totals, scale)
         if totals.last_skipped and self._attributing:
             group, world_size = self._group.resolve()
             report = self._overflows.report(
@@ -694,14 +747,15 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the optimizer step(s) of the last iteration were skipped, the same on every rank.
+        """Whether the optimizer step(s) of the last iteration were skipped, for any cause
+        (`skip_totals` counts each), the same on every rank.
 
         One host read (the explicit sync). False before the first update and when disabled.
         """
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
-        return self._replicas.last_skipped or bool(self._read(flag)[0][0])
+        return bool(self._read(flag)[0][0])
 
     @property
     def skip_totals(self) -> SkipTotals:
@@ -810,6 +864,33 @@ class GradScaler(torch.amp.GradScaler):
         self._report(self._read()[2])
         return self.last_overflow
 
+    def report_skip(self) -> SkipReport | None:
+        """The most recent skipped step's report, whatever its cause: an overflow (with
+        [`report_overflow()`][distscaler.GradScaler.report_overflow]'s report), a replica mismatch
+        (the ranks named) or, under torchft, a step that did not commit. None only before any
+        skipped step and when disabled.
+
+        Every rank of ``process_group`` must call it at the same iteration, after
+        [`update()`][distscaler.GradScaler.update] (an overflow's report may gather, as
+        ``report_overflow()`` does). Cost: one host read, plus ``report_overflow()``'s for an
+        overflow not yet attributed.
+
+        Raises:
+            CallOrderError: called after an inf check and before ``update()``.
+        """
+        if not self._enabled:
+            return None
+        if self._records:
+            raise CallOrderError("report_skip() must be called after update().")
+        totals = self._read()[2]
+        if not totals.last_skipped:
+            return None
+        ago = totals.num_updates - totals.last_skipped  # updates since the last skip
+        host = self._last_host_skip
+        if host is not None and self._state.num_host_updates - host[0] == ago:
+            return SkipReport(host[1], totals.last_skipped, host[2])
+        return SkipReport("overflow", totals.last_skipped, self.report_overflow())
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -845,6 +926,7 @@ class GradScaler(torch.amp.GradScaler):
         for message in loaded.warnings:
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
+        self._configure_checks()
         self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
         self._prepare_counters()
 
@@ -877,6 +959,13 @@ class GradScaler(torch.amp.GradScaler):
 
     def _set_config(self, **changes: Any) -> None:
         self._config = dataclasses.replace(self._config, **changes)  # validated there
+        self._configure_checks()
+
+    def _configure_checks(self) -> None:
+        # The replica check's settings follow the config (one object holds every setting).
+        c = self._config
+        self._replicas.configure(c.replica_check, c.replica_check_interval,
+                                 c.param_check_interval, c.on_replica_mismatch)  # fmt: skip
 
     def get_growth_factor(self) -> float:
         """The scale growth factor."""

@@ -401,6 +401,25 @@ class ScalerState:
             counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
         state.update_(found_inf, counters, config.raise_error_at_min_scale, extra)
         self.last_found_inf = found_inf
+        return self._tick(config)
+
+    def skip(self, cause: str, config: ScalerConfig) -> bool:
+        """A skipped update that leaves the scale, the growth tracker and the policy's counters as
+        they are (a replica mismatch; torchft's uncommitted step): the skip record counts it as
+        skipped (two device ops: its counters and the record's ``_foreach_lerp_``), the host keeps
+        its ``cause``. Returns whether the periodic host read is due, as `update()`."""
+        state = self.device
+        assert state is not None
+        counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
+        state.record_(state.one, counters)
+        self.last_found_inf = state.one
+        self.skips.note_cause(cause)
+        return self._tick(config)
+
+    def _tick(self, config: ScalerConfig) -> bool:
+        # One update seen by the host: whether the periodic read is due.
+        state = self.device
+        assert state is not None
         if torch.compiler.is_compiling():
             # As in a CUDA graph replay, the host's count stays where it was inside compiled code:
             # the device counts, and an int that changed at every call would make dynamo guard on

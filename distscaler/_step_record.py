@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from .attribution import StepFlags, TensorFlags
 from ._state import NextCounters
+from .attribution import StepFlags, TensorFlags
 
 if TYPE_CHECKING:
     from ._inf_check import StepResult
@@ -73,6 +73,8 @@ class StepRecord:
             self.stage = stage
         if clipped:
             self.clipped = True
+        if result.readings.get("replica") is not None:  # the replica check's reading
+            self.replica_mismatch = True
         self.keep_flags(optimizer, result)
 
     def keep_flags(self, optimizer: torch.optim.Optimizer, result: StepResult) -> None:

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from . import _validation as V
 from .policies import PolicyName, ScaleRule, get_policy
 
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
+
+#: ``on_replica_mismatch``: what a replica mismatch does beyond skipping the step.
+OnMismatch = Literal["skip", "raise"] | Callable[[Any], Any]
+#: ``on_collapse``: what a collapse does.
+CollapseAction = Literal["warn", "raise"]
+#: ``kernels``: which kernels read the gradients.
+Kernels = Literal["auto", "triton", "torch"]
 
 #: What a config's problems are reported as: "ScalerConfig", or the arguments it was built from
 #: ([`ScalerConfig.of_arguments()`][distscaler.config.ScalerConfig.of_arguments]).
@@ -45,6 +52,9 @@ FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "growth_interval": (V.check_int, {"minimum": 1, "maximum": V.INT32_MAX}),
     "hysteresis": (V.check_int, {"minimum": 1}),
     "skip_log_interval": (V.check_int, {"minimum": 0}),
+    "replica_check": (V.check_bool, {}),
+    "param_check_interval": (V.check_int, {"minimum": 0}),
+    "collapse_window": (V.check_int, {"minimum": 0}),
     "min_scale": (V.check_scale, {}),  # or None
     "max_scale": (V.check_scale, {}),  # or None
 }
@@ -90,6 +100,28 @@ class ScalerConfig:
     overflows: ``"static"``)."""
     skip_log_interval: int = 100
     """Updates between two reads of the skip record for logging (0: only when read anyway)."""
+    replica_check: bool = True
+    """Ranks holding the same gradients compare them on the step's collective; a mismatch skips
+    the step on every rank ([`distscaler.replica_check`][distscaler.replica_check])."""
+    replica_check_interval: int | None = None
+    """Updates between two gradient comparisons (>= 1); None: every update where a host read is
+    free (the CPU), every 32 on a GPU."""
+    param_check_interval: int = 1000
+    """Updates between two comparisons of the replicated parameters and their optimizer state
+    (>= 0; 0: never)."""
+    on_replica_mismatch: OnMismatch = "skip"
+    """``"skip"``, ``"raise"`` (`ReplicaMismatchError` on every rank before the optimizer steps)
+    or a callable taking the `ReplicaMismatch` (called on every rank; the step is skipped)."""
+    collapse_window: int = 2000
+    """Updates in a row that all skipped (for any cause) after which the run is named collapsed
+    (>= 0; 0: never); a non-finite parameter seen by the parameter check is one at once."""
+    on_collapse: CollapseAction = "warn"
+    """``"warn"`` (a warning with the report, once per collapse) or ``"raise"``
+    (`TrainingCollapsedError` on every rank)."""
+    kernels: Kernels = "auto"
+    """The pass over the gradients: ``"triton"`` (one multi-tensor Triton kernel: CUDA with
+    triton importable), ``"torch"`` (torch's multi-tensor kernels) or ``"auto"`` (Triton where it
+    runs, else torch's); decided when the scaler is built."""
 
     def __post_init__(self) -> None:
         raise_problems(_WHAT.get(), settings_problems(self.scaler_kwargs()))
@@ -99,8 +131,11 @@ class ScalerConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, float(value))
-        for name in ("growth_interval", "hysteresis", "skip_log_interval"):
+        for name in ("growth_interval", "hysteresis", "skip_log_interval",
+                     "param_check_interval", "collapse_window"):  # fmt: skip
             object.__setattr__(self, name, int(getattr(self, name)))
+        if self.replica_check_interval is not None:
+            object.__setattr__(self, "replica_check_interval", int(self.replica_check_interval))
 
     @classmethod
     def of_arguments(cls, what: str, **settings: Any) -> ScalerConfig:
@@ -188,6 +223,19 @@ def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]
             fn(name, s[name], **kwargs)
         except (TypeError, ValueError) as e:
             problems.append((type(e), str(e)))
+    interval = s["replica_check_interval"]
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
+                                 or interval < 1):  # fmt: skip
+        problems.append((ValueError, "replica_check_interval must be an int >= 1 or None "
+                                     f"(every update on the CPU, every 32 on a GPU), got: {interval!r}"))  # fmt: skip
+    on_mismatch = s["on_replica_mismatch"]
+    if not (on_mismatch in ("skip", "raise") or callable(on_mismatch)):
+        problems.append((ValueError, "on_replica_mismatch must be 'skip', 'raise' or a callable "
+                                     f"taking a ReplicaMismatch, got: {on_mismatch!r}"))  # fmt: skip
+    if s["kernels"] not in ("auto", "triton", "torch"):
+        problems.append((ValueError, f"kernels must be 'auto', 'triton' or 'torch', got: {s['kernels']!r}"))
+    if s["on_collapse"] not in ("warn", "raise"):
+        problems.append((ValueError, f"on_collapse must be 'warn' or 'raise', got: {s['on_collapse']!r}"))
     try:
         policy = get_policy(s["policy"])
     except ValueError as e:

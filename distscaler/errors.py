@@ -7,6 +7,7 @@ __all__ = [
     "CallOrderError",
     "LossScaleAtMinimumError",
     "ReplicaMismatchError",
+    "TrainingCollapsedError",
     "UnknownLayoutError",
 ]
 
@@ -59,3 +60,18 @@ class ReplicaMismatchError(RuntimeError):
             "replica mismatch (silent data corruption?) at "
             + (describe() if describe else str(mismatch))
         )
+
+
+class TrainingCollapsedError(RuntimeError):
+    """Every step of the last ``collapse_window`` updates was skipped, or a parameter is
+    non-finite (``on_collapse="raise"``; ``GradScaler``'s collapse watch).
+
+    Raised on every rank of the scaler's group at the same update. ``report`` is the
+    [`CollapseReport`][distscaler.telemetry.CollapseReport]: since which update, the causes of the
+    skips, the scale's path, the replica or rank named.
+    """
+
+    def __init__(self, report: object) -> None:
+        self.report = report
+        describe = getattr(report, "describe", None)
+        super().__init__(describe() if callable(describe) else str(report))

@@ -5,36 +5,43 @@ replicas) every replica holds **bit-identical** gradients. A rank whose gradient
 replicas' after the reduce has had its memory or its compute corrupted (silent data corruption).
 The check compares them where the scaler already reads every gradient and runs one collective:
 
-1. **Fingerprint** (`bit_sums()`): each replicated gradient tensor's elements read as integers
-   (their bit patterns: ``int32`` for float32, ``int16`` for fp16/bf16, ``int64`` for float64)
-   and summed in that width, wrapping: ``C_t``, the exact sum modulo ``2**w`` (the order of the
-   additions does not matter, and the native width runs at the speed of a float sum: a 64-bit
-   accumulation is ~15x slower on a CPU). Flipping bit ``j`` of one element changes ``C_t`` by
-   ``±2**j``, or by ``±2**j ∓ 2**w`` where the sum wraps.
-2. **Folded** into two residues (`local_residues()`): with primes ``P1 > P2`` (`moduli()`) and each
-   replica set's *coefficients* (`coefficient()`: ``+1/-1`` alternating over the set's replicas,
-   ``(1, 1, -2)`` for the first three of an odd number, so that they sum to 0), this rank sends
-   ``x = sum_t coef_t * C_t mod P`` for both primes: two float32 integers in ``[0, P)``, appended
-   to the step's collective (`fold_into()`), which becomes a SUM where it was a MAX of 0/1 flags.
-3. **Verdict** (`verdict()`): the reduced ``S = sum over ranks of x``. When every replica holds
-   the same gradients each set's terms cancel, so ``S mod P == 0`` for both primes, on every
-   rank alike (the verdict is a function of the reduced values only). A single flipped bit on one
-   rank adds ``coef * 2**j`` (or ``coef * 2**j * (1 - 2**(w-j))``), never a multiple of ``P``:
-   ``P`` is an odd prime above 2, and 2's multiplicative order modulo ``P`` exceeds 64, so ``P``
-   divides no ``2**m - 1`` for ``m <= 64`` (`moduli()` picks them so). So **every single-bit flip
-   is caught**: sign, exponent and mantissa bits alike (also a sign flip of 0.0,
-   which changes no value). Several corrupted elements are missed only when their changes cancel
-   modulo both primes: probability about ``1 / (P1 * P2)`` for unrelated changes (2**-46 at 2
-   ranks, 2**-20 at 16,384 ranks).
+1. **Fingerprint** (`word_moments()`): each replicated gradient tensor read as its 16-bit words
+   ``w_k`` (its bytes as signed ``int16``, in memory order: two words per float32 element, one per
+   fp16/bf16 element), and two exact integer sums of them: ``A = sum_k w_k`` and
+   ``B = sum_k k * w_k`` (``k`` the word's position), each modulo two primes ``P1 > P2``
+   (`moduli()`). The sums are computed exactly (``int32`` over rows of 128 words, whose sums are
+   bounded below ``2**31``, then ``int64`` residues), never wrapped.
+2. **Folded** into four float32 slots (`fold_moments()`): the positions are made global over the
+   rank's checked tensors (a tensor's ``B`` plus its word offset times its ``A``), and each replica
+   set gives its members *coefficients* ``c`` (`coefficient()`: they sum to 0, never 0) and
+   *shifts* ``s`` (`shift()`: ``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This
+   rank sends ``G0 = sum_t c_t * A_t`` and ``G1 = sum_t c_t * (B_t + s_t * A_t)``, each ``mod P``
+   for both primes: four integers in ``[0, P)``, appended to the step's collective as a SUM.
+3. **Reading** (`mismatched()`): the reduced slots. When every replica holds the same gradients
+   each set's terms cancel and every slot is a multiple of its prime, on every rank alike (a
+   function of the reduced values only). Otherwise the step is a replica mismatch.
 
-**Exact in float32, no float64.** Each ``x`` is an integer below ``P`` and ``P * world_size <=
-2**24``, so every partial sum of the all-reduce, in any order, is an integer below 2**24, exact
-in float32; ``S mod P`` is then exact too (read on the host as integers).
+**What is caught with certainty** (while ``P2 > 2**17``, i.e. up to 64 ranks, and a rank's
+checked tensors hold fewer than ``P1 * P2`` words, about ``2**46`` at 2 ranks): any change of one
+16-bit word (every bit flip of one fp16/bf16 element, any corruption of one fp16/bf16 element),
+any corruption confined to two words (one float32 element, whatever its bits; two flipped bits
+anywhere: one tensor, two tensors, two ranks), because the two sums are the first two rows of a
+Vandermonde system in the distinct word positions: ``d1 + d2 = 0`` and ``k1 d1 + k2 d2 = 0`` force
+``d1 = d2 = 0`` (across ranks the distinct shifts play the part of the positions). Two flips of the
+same bit in opposite directions, which cancel in a plain sum, do not cancel here. A corruption of
+three or more words is missed only when both sums cancel modulo both primes: about ``1 / (P1 P2)``
+at worst for a chosen pattern, far less for unrelated changes (measured in the tests: 10,000 random
+and every constructed pair caught). Above 64 ranks the primes shrink (``P * world_size <= 2**24``)
+and these bounds hold with ``P1 P2`` in place of certainty.
+
+**Exact in float32, no float64.** Each slot a rank sends is an integer below ``P`` and ``P *
+world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is an integer below
+2**24, exact in float32; ``S mod P`` is then exact too (read on the host as integers).
 
 **On a mismatch only**, one ``all_gather_object`` over the group (every rank calls it, since
-every rank reaches the same verdict) exchanges each rank's per-set fingerprints
-(``sum_t C_t mod P``, without coefficients); within each replica set the ranks that differ from
-the majority are named, and with no majority (two replicas) all of the set's ranks are.
+every rank reads the same slots) exchanges each rank's per-set fingerprints (``(A, B) mod P``
+without coefficients); within each replica set the ranks that differ from the majority are named,
+and with no majority (two replicas) all of the set's ranks are.
 
 **Which gradients** (`LayoutResolver.replica_set()`): the layouts already know the replicas: DDP
 (`GradScaler.register_model()`), FSDP1 ``NO_SHARD``/``HYBRID_SHARD``, DTensor gradients with
@@ -43,14 +50,20 @@ the majority are named, and with no majority (two replicas) all of the set's ran
 take no part (coefficient 0): a rank holding none still sends its zeros.
 
 **Parameters and optimizer state** every ``param_check_interval`` updates: the same fingerprint
-over each replicated parameter and every tensor of its optimizer state, in two more slots of the
-same collective: drift from a corrupted optimizer step, a bad checkpoint load.
+over each replicated parameter and every tensor of its optimizer state, in four more slots of the
+same collective: drift from a corrupted optimizer step, a bad checkpoint load. A non-finite
+parameter seen there is reported too (the read is free).
 
 What is **not** caught: a corruption before the reduce (it is averaged into every replica's
 gradients alike and looks like a real gradient; the overflow check and the loss curve are what
 see it); a corruption after the check (between the scaler's pass and the optimizer's read);
 replicas on different kinds of GPU, whose kernels may not produce bit-equal gradients (detected at
 the first checked step: turn the check off with ``replica_check=False``).
+
+**Cost** on a clean checked step, torch's kernels (the CPU and other devices): one copy of the
+checked gradients' words (a ``cat`` to ``int32`` rows), two row reductions, a dozen small ops on
+per-row and per-tensor sums (1/128 of the words), one host read of the four reduced slots; the
+collective grows by 16 bytes (32 with the parameter check).
 """
 
 from __future__ import annotations
@@ -74,29 +87,26 @@ __all__ = [
     "ReplicaLedger",
     "ReplicaMismatch",
     "ReplicaSet",
-    "bit_sums",
-    "coefficient",
-    "local_residues",
-    "mismatched",
-    "moduli",
 ]
 
 logger = logging.getLogger("distscaler")
 
 #: Largest integer float32 holds exactly with all below it (its significand's 24 bits).
 FLOAT32_EXACT = 1 << 24
-#: The largest group the replica check takes: its primes (below 2**24 / world size) must keep a
-#: 2-order above 64, and 101 and 107 are the last two such below 128.
+#: The largest group the replica check takes (its primes stay above 100).
 MAX_WORLD_SIZE = 1 << 17
+#: Words per row of the exact sums: a row's ``sum w`` is below ``2**22`` and its ``sum j * w``
+#: (``j < 128``) below ``2**28`` in magnitude, exact in ``int32``.
+ROW_WORDS = 128
 #: A rank alone at fault (an overflow only it saw, a replica mismatch it was named in) this many
 #: times within `SUSPECT_WINDOW` updates is named a suspect.
 SUSPECT_EVENTS = 3
 #: The window, in updates, of `SUSPECT_EVENTS`.
 SUSPECT_WINDOW = 1000
+#: Slots of one fingerprint in the collective: (G0, G1) for each of the two primes.
+SLOTS = 4
 
 OnMismatch = Literal["skip", "raise"] | Callable[["ReplicaMismatch"], Any]
-
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ---------------------------------------------------------------------- the arithmetic
@@ -118,16 +128,9 @@ def _is_prime(n: int) -> bool:
 _MODULI: dict[int, tuple[int, int]] = {}
 
 
-def _order_of_two_exceeds(p: int, bound: int) -> bool:
-    """2's multiplicative order modulo ``p`` exceeds ``bound``: ``p`` divides no ``2**m - 1``."""
-    return all(pow(2, m, p) != 1 for m in range(1, bound + 1))
-
-
 def moduli(world_size: int) -> tuple[int, int]:
-    """The two largest primes ``P1 > P2`` with ``P * max(world_size, 2) <= 2**24`` (a sum of
-    ``world_size`` residues below them is exact in float32) whose 2-order exceeds 64 (a wrapped
-    bit flip, ``2**j * (2**m - 1)``, is never a multiple of them). Host arithmetic, cached per
-    size.
+    """The two largest primes ``P1 > P2`` with ``P * max(world_size, 2) <= 2**24``: a sum of
+    ``world_size`` residues below them is exact in float32. Host arithmetic, cached per size.
 
     Raises:
         ValueError: ``world_size`` above `MAX_WORLD_SIZE` (131,072).
@@ -143,7 +146,7 @@ def moduli(world_size: int) -> tuple[int, int]:
     found: list[int] = []
     p = FLOAT32_EXACT // n
     while len(found) < 2 and p > 2:
-        if _is_prime(p) and _order_of_two_exceeds(p, 64):
+        if _is_prime(p):
             found.append(p)
         p -= 1
     _MODULI[n] = (found[0], found[1])
@@ -163,55 +166,194 @@ def coefficient(index: int, replicas: int) -> int:
     return 1 if index % 2 == 0 else -1
 
 
-def _int_view(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``tensor``'s elements as signed integers of the same width (no copy), or None for a tensor
-    that is not floating point."""
-    if not tensor.is_floating_point():
+_SHIFTS: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {}
+
+
+def _shift_steps(replicas: int) -> tuple[int, ...]:
+    """Small distinct integers ``m_r`` with ``sum_r coefficient(r) * m_r == 0`` (``(0, 0)`` for
+    two replicas, whose coefficients ``(1, -1)`` force them equal)."""
+    if replicas < 3:
+        return (0,) * max(replicas, 0)
+    coefs = [coefficient(i, replicas) for i in range(replicas)]
+    base = list(range(replicas - 2))
+    free = replicas - 2
+    while True:  # the second-to-last step free, the last one solving the sum
+        partial = sum(c * m for c, m in zip(coefs, [*base, free]))
+        if partial % coefs[-1] == 0:
+            last = -partial // coefs[-1]
+            steps = (*base, free, last)
+            if len(set(steps)) == replicas:
+                return steps
+        free += 1
+
+
+def shifts(replicas: int, primes: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """Each replica's shift ``(S_r mod P1, S_r mod P2)``, with ``S_r = m_r * D`` for the small
+    distinct integers of `_shift_steps()` (``sum_r c_r S_r == 0``: a clean set still cancels) and
+    the spacing ``D = P1 * P2 // (2 * (max m - min m) + 2)``: any two replicas' shifts differ, modulo
+    ``P1 * P2``, by at least ``D`` either way. A corruption on two replicas then cancels only at
+    word positions ``D`` or more apart, more than a rank's checked words (the certainty bound of
+    the module docstring). Two replicas take ``(0, 0)``: they cancel only when corrupted
+    identically, and then they agree. Host arithmetic, cached."""
+    key = (replicas, *primes)
+    cached = _SHIFTS.get(key)
+    if cached is not None:
+        return cached
+    steps = _shift_steps(replicas)
+    spread = (max(steps) - min(steps)) if steps else 0
+    spacing = (primes[0] * primes[1]) // (2 * spread + 2)
+    out = tuple(((m * spacing) % primes[0], (m * spacing) % primes[1]) for m in steps)
+    _SHIFTS[key] = out
+    return out
+
+
+def shift_spacing(replicas: int, primes: tuple[int, int]) -> int:
+    """The least distance, modulo ``P1 * P2``, between two replicas' shifts (`shifts()`); the
+    certainty of two corrupted words on two replicas holds while a rank checks fewer words."""
+    steps = _shift_steps(replicas)
+    spread = (max(steps) - min(steps)) if steps else 0
+    return (primes[0] * primes[1]) // (2 * spread + 2)
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s bytes as 16-bit signed words, flat (no copy when contiguous); None for a tensor
+    that is not a dense floating-point one."""
+    if not tensor.is_floating_point() or tensor.layout is not torch.strided:
         return None
-    return tensor.view(_INT_VIEW[tensor.element_size()])
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    return tensor.detach().reshape(-1).view(torch.int16)
 
 
-def bit_sums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each tensor's elements read as signed integers of their width (their bit patterns) and
-    summed in that width, wrapping (the exact sum modulo ``2**w``, whatever the order of the
-    additions): int64 ``(len(tensors),)`` on ``device``. One read of every byte: one reduction
-    per tensor, then per (integer width, device) one ``stack`` and one cast to int64 (more than one
-    such group adds a ``cat`` and an ``index_select``). A non-floating tensor sums to 0."""
-    groups: dict[tuple[torch.dtype, torch.device], tuple[list[int], list[torch.Tensor]]] = {}
-    for i, t in enumerate(tensors):
-        ints = _int_view(t)
-        total = (
-            torch.zeros((), dtype=torch.int32, device=t.device)
-            if ints is None
-            else ints.sum(dtype=ints.dtype)
-        )
-        order, sums = groups.setdefault((total.dtype, total.device), ([], []))
-        order.append(i)
-        sums.append(total)
-    if not groups:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    parts = [torch.stack(sums).to(device, torch.int64, non_blocking=True)
-             for _, sums in groups.values()]  # fmt: skip
-    if len(parts) == 1:
-        return parts[0]
-    order = [i for indices, _ in groups.values() for i in indices]
-    inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=device)
-    return torch.cat(parts).index_select(0, inverse)
+class _Rows(NamedTuple):
+    owners: torch.Tensor  # int64 (rows,): the tensor of each row
+    starts: torch.Tensor  # int64 (rows, 2): each row's first word position in its tensor, mod P
+    weights: torch.Tensor  # int32 (128,): 0..127
+    moduli: torch.Tensor  # int64 (4,): P1, P2, P1, P2
 
 
-def local_residues(
-    sums: torch.Tensor, coefficients: torch.Tensor, primes: torch.Tensor
+_ROWS: dict[tuple, _Rows] = {}
+_PRIMES: dict[tuple, torch.Tensor] = {}
+
+
+def primes_tensor(primes: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """``primes`` as int64 ``(2,)`` on ``device``, made once per device."""
+    key = (primes, device)
+    cached = _PRIMES.get(key)
+    if cached is None:
+        cached = _PRIMES[key] = torch.tensor(primes, dtype=torch.int64, device=device)
+    return cached
+
+
+def _rows(sizes: tuple[int, ...], primes_t: tuple[int, int], device: torch.device) -> _Rows:
+    key = (sizes, device, primes_t)
+    cached = _ROWS.get(key)
+    if cached is not None:
+        return cached
+    counts = [-(-n // ROW_WORDS) for n in sizes]
+    primes = primes_tensor(primes_t, device)
+    owners = torch.repeat_interleave(
+        torch.arange(len(sizes), device=device), torch.tensor(counts, device=device)
+    )
+    local = torch.cat([torch.arange(c, dtype=torch.int64, device=device) for c in counts]) \
+        if counts else torch.zeros(0, dtype=torch.int64, device=device)  # fmt: skip
+    starts = (local * ROW_WORDS).unsqueeze(1).remainder(primes)
+    weights = torch.arange(ROW_WORDS, dtype=torch.int32, device=device)
+    if len(_ROWS) > 8:
+        _ROWS.clear()
+    _ROWS[key] = rows = _Rows(owners, starts, weights, primes.repeat(2))
+    return rows
+
+
+def word_moments(
+    tensors: Sequence[torch.Tensor], primes: tuple[int, int], device: torch.device
+) -> torch.Tensor:
+    """Each tensor's fingerprint: int64 ``(len(tensors), 4)`` on ``device``,
+    ``[A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k * w_k``
+    over the tensor's 16-bit words ``w_k`` (positions ``k`` from 0 in each tensor), exact.
+
+    ``primes``: odd primes below ``2**24`` (`moduli()`). Torch's kernels: one ``cat`` of every
+    word into zero-padded rows of `ROW_WORDS` (``int32``), the row sums ``sum w`` and ``sum j * w``
+    (exact in ``int32``), then per row and per tensor ``int64`` residues (``index_add_``). A tensor
+    that is not dense floating point counts as empty."""
+    words = [_words(t) for t in tensors]
+    sizes = tuple(0 if w is None else w.numel() for w in words)
+    out = torch.zeros(len(tensors), 4, dtype=torch.int64, device=device)
+    if not any(sizes):
+        return out
+    rows = _rows(sizes, primes, device)
+    primes_t = primes_tensor(primes, device)
+    pieces: list[torch.Tensor] = []
+    for w, n in zip(words, sizes):
+        if w is None or n == 0:
+            continue
+        pieces.append(w.to(device, non_blocking=True))
+        pad = -n % ROW_WORDS
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.int16, device=device))
+    flat = torch.cat(pieces).view(-1, ROW_WORDS).to(torch.int32)
+    a = flat.sum(1, dtype=torch.int32)
+    b = flat.mul_(rows.weights).sum(1, dtype=torch.int32)
+    a_mod = a.to(torch.int64).unsqueeze(1).remainder(primes_t)  # (rows, 2)
+    # B of a row's words at their positions in the tensor: sum j*w + start * sum w (mod P).
+    b_mod = (b.to(torch.int64).unsqueeze(1) + rows.starts * a_mod).remainder(primes_t)
+    out.index_add_(0, rows.owners, torch.cat([a_mod, b_mod], 1))
+    return out.remainder_(rows.moduli)
+
+
+def fold_moments(
+    moments: torch.Tensor,
+    offsets: torch.Tensor,
+    coefs: torch.Tensor,
+    shift: torch.Tensor,
+    primes: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's two slots of the collective, float32 ``(2,)``: ``sum_t coef_t * C_t mod P`` for
-    both primes, and the per-tensor residues (int64 ``(n, 2)``, ``C_t mod P``, for naming ranks).
-    ``coefficients`` int64 ``(n,)`` and ``primes`` int64 ``(2,)`` on the sums' device. 5 ops."""
-    residues = sums.unsqueeze(1).remainder(primes)  # (n, 2), in [0, P)
-    folded = (residues * coefficients.unsqueeze(1)).sum(0).remainder(primes)
-    return folded.to(torch.float32), residues
+    """This rank's four slots, float32 ``(4,)``: ``[G0 mod P1, G0 mod P2, G1 mod P1, G1 mod P2]``
+    (module docstring), and each tensor's global fingerprint, int64 ``(n, 4)`` (``A``, and ``B``
+    at positions global over the checked tensors; for naming ranks).
+
+    Args:
+        moments: `word_moments()` of the tensors, int64 ``(n, 4)``.
+        offsets: int64 ``(n, 2)``: each tensor's first word position among the checked tensors,
+            mod P1 and mod P2.
+        coefs: int64 ``(n,)``: each tensor's replica coefficient (0: not checked).
+        shift: int64 ``(n, 2)``: each tensor's replica shift, mod P1 and P2.
+        primes: int64 ``(2,)``.
+    """
+    a, b_local = moments[:, :2], moments[:, 2:]
+    b = (b_local + offsets * a).remainder(primes)
+    c = coefs.unsqueeze(1)
+    g0 = (c * a).sum(0).remainder(primes)
+    g1 = (c * (b + shift * a).remainder(primes)).sum(0).remainder(primes)
+    return torch.cat([g0, g1]).to(torch.float32), torch.cat([a, b], 1)
+
+
+def layout_terms(
+    sizes: Sequence[int],
+    sets: Sequence[ReplicaSet | None],
+    primes: tuple[int, int],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(coefficients int64 ``(n,)``, word offsets int64 ``(n, 2)``, shifts int64 ``(n, 2)``) of
+    tensors of ``sizes`` words in their replica ``sets`` (None: not checked, coefficient 0), the
+    inputs of `fold_moments()`. Offsets count the checked tensors' words only. Host arithmetic."""
+    coefs, offsets, shift = [], [], []
+    offset = 0
+    for n, s in zip(sizes, sets):
+        checked = s is not None and n > 0
+        coefs.append(s.coefficient if checked else 0)  # type: ignore[union-attr]
+        offsets.append([offset % primes[0], offset % primes[1]])
+        shift.append(list(s.shift(primes)) if checked else [0, 0])  # type: ignore[union-attr]
+        if checked:
+            offset += n
+    return (
+        torch.tensor(coefs, dtype=torch.int64, device=device),
+        torch.tensor(offsets, dtype=torch.int64, device=device).reshape(-1, 2),
+        torch.tensor(shift, dtype=torch.int64, device=device).reshape(-1, 2),
+    )
 
 
 def mismatched(reduced: Sequence[float], primes: tuple[int, int]) -> bool:
-    """The verdict from reduced slots (host floats, pairs for ``primes``): True when some slot is
+    """The reading of reduced slots (host floats, pairs for ``primes``): True when some slot is
     not a multiple of its prime. Exact: each is an integer below 2**24."""
     return any(int(v) % primes[i % 2] != 0 for i, v in enumerate(reduced))
 
@@ -232,8 +374,12 @@ class ReplicaSet(NamedTuple):
 
     @property
     def coefficient(self) -> int:
-        """This rank's coefficient in the set (`coefficient()`)."""
+        """This rank's coefficient in the set (its replicas' coefficients sum to 0)."""
         return coefficient(self.position, len(self.ranks))
+
+    def shift(self, primes: tuple[int, int]) -> tuple[int, int]:
+        """This rank's shift in the set modulo both primes (`shifts()`)."""
+        return shifts(len(self.ranks), primes)[self.position]
 
 
 # ---------------------------------------------------------------------- what a check found
@@ -249,18 +395,19 @@ class ReplicaMismatch:
         ranks: the global ranks that differ from their replica set's majority (with no majority,
             every rank of the set); sorted.
         sets: each replica set that disagreed: (its ranks, each rank's fingerprint as
-            ``(C mod P1, C mod P2)`` in the same order).
+            ``(A mod P1, A mod P2, B mod P1, B mod P2)`` in the same order).
         action: what was done: ``"skip"``, ``"raise"`` or ``"callback"``.
     """
 
     step: int
     what: Literal["gradients", "parameters"]
     ranks: tuple[int, ...]
-    sets: tuple[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], ...] = ()
+    sets: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
     action: str = "skip"
 
     def describe(self) -> str:
-        """``step 12: gradients of rank 3 differ from their replicas' (replica set ranks 0-3)``."""
+        """``step 12: gradients of rank(s) 3 differ from their replicas' (replica set of ranks
+        [0, 1, 2, 3])``."""
         who = ", ".join(str(r) for r in self.ranks)
         sets = "; ".join(f"replica set of ranks {list(s)}" for s, _ in self.sets[:4])
         return f"step {self.step}: {self.what} of rank(s) {who} differ from their replicas' ({sets})"
@@ -268,12 +415,13 @@ class ReplicaMismatch:
 
 @dataclass
 class ReplicaLedger:
-    """Per-rank counts over the run, the same on every rank of the scaler's group.
+    """Counts over the run, the same on every rank of the scaler's group.
 
     Attributes:
         checks: gradient comparisons across replicas (one per optimizer per checked update).
         param_checks: updates whose parameters and optimizer state were compared.
-        mismatches: per global rank, the replica mismatches it was named in.
+        mismatch_events: replica mismatches found (each counted once, however many ranks it names).
+        mismatches: per global rank, the mismatch events it was named in.
         lone_overflows: per rank of the group, overflow reports where it alone held inf/NaN.
         skipped: steps skipped because of a replica mismatch (not counted as overflows).
         suspects: ranks alone at fault `SUSPECT_EVENTS` times within `SUSPECT_WINDOW` updates.
@@ -282,16 +430,20 @@ class ReplicaLedger:
 
     checks: int = 0
     param_checks: int = 0
+    mismatch_events: int = 0
     mismatches: collections.Counter = field(default_factory=collections.Counter)
     lone_overflows: collections.Counter = field(default_factory=collections.Counter)
     skipped: int = 0
     suspects: tuple[int, ...] = ()
     last_mismatch: ReplicaMismatch | None = None
-    _events: collections.deque = field(default_factory=collections.deque, repr=False)
+    events: collections.deque = field(default_factory=collections.deque, repr=False)
+    """(update, rank) of the faults of the last `SUSPECT_WINDOW` updates (suspects' evidence)."""
 
     def note_mismatch(self, mismatch: ReplicaMismatch) -> None:
-        """Count a mismatch for each rank it names (alone at fault when it names one)."""
+        """Count one mismatch event, and one for each rank it names (alone at fault when it names
+        one)."""
         self.last_mismatch = mismatch
+        self.mismatch_events += 1
         for rank in mismatch.ranks:
             self.mismatches[rank] += 1
         if len(mismatch.ranks) == 1:  # two replicas name both: no one alone at fault
@@ -305,7 +457,7 @@ class ReplicaLedger:
             self._event(step, rank)
 
     def _event(self, step: int, rank: int) -> None:
-        events = self._events
+        events = self.events
         events.append((step, rank))
         while events and events[0][0] <= step - SUSPECT_WINDOW:
             events.popleft()
@@ -320,31 +472,26 @@ class ReplicaLedger:
                 )  # fmt: skip
         self.suspects = tuple(sorted(set(self.suspects) | set(new)))
 
-    def metrics(self, prefix: str = "distscaler/") -> dict[str, int]:
-        """The integrations' log entries (``distscaler/replica_checks``,
-        ``distscaler/replica_mismatches``, ``distscaler/replica_skipped``,
-        ``distscaler/suspects``), empty before the first check (nothing replicated: nothing
-        logged)."""
-        if not self.checks and not self.param_checks:
-            return {}
-        return {
-            f"{prefix}replica_checks": self.checks,
-            f"{prefix}replica_mismatches": sum(self.mismatches.values()),
-            f"{prefix}replica_skipped": self.skipped,
-            f"{prefix}suspects": len(self.suspects),
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain numbers for metrics: ``replica_checks``, ``replica_mismatches`` (total),
+    def as_dict(self) -> dict[str, int]:
+        """Plain numbers: ``replica_checks``, ``replica_param_checks``, ``replica_mismatches``
+        (events), ``replica_mismatched_ranks`` (ranks named, summed over events),
         ``replica_skipped``, ``lone_overflows`` (total), ``suspects`` (count)."""
         return {
             "replica_checks": self.checks,
             "replica_param_checks": self.param_checks,
-            "replica_mismatches": sum(self.mismatches.values()),
+            "replica_mismatches": self.mismatch_events,
+            "replica_mismatched_ranks": sum(self.mismatches.values()),
             "replica_skipped": self.skipped,
             "lone_overflows": sum(self.lone_overflows.values()),
             "suspects": len(self.suspects),
         }
+
+    def metrics(self, prefix: str = "distscaler/") -> dict[str, int]:
+        """`as_dict()` with each key prefixed, empty before the first check (nothing
+        replicated: nothing logged)."""
+        if not self.checks and not self.param_checks:
+            return {}
+        return {f"{prefix}{k}": v for k, v in self.as_dict().items()}
 
 
 def _warn_rank0(msg: str, *args: Any) -> None:
@@ -352,55 +499,135 @@ def _warn_rank0(msg: str, *args: Any) -> None:
         logger.warning(msg, *args)
 
 
-# ---------------------------------------------------------------------- one step's fold
+# ---------------------------------------------------------------------- one step's part
 
 
-@dataclass
-class Fold:
-    """One check's local fingerprints, folded into the step's collective (`fold_into()`).
+class ReplicaSlots:
+    """The replica check's contribution to one step's collective (a `Contribution` of the
+    step's plan): its local part, the fingerprint slots of this rank's replicated gradients (and,
+    when due, parameters and optimizer state), summed over the group; its reading, the mismatch
+    (or None), with its consequences (the ledger, the log line, ``"raise"``, the callback).
 
-    Attributes:
-        local: float32 ``(2,)`` or ``(4,)`` (gradients, then parameters): this rank's slots.
-        primes: the two moduli of this world size.
-        residues: per part (``"gradients"``, ``"parameters"``): (int64 ``(n, 2)`` residues,
-            each tensor's replica set), for naming ranks on a mismatch.
-        reduced: the slots after the collective (set by `fold_into()`).
-    """
+    Made by `ReplicaCheck.contribution()` when the plan is built; the pass computes `local()`
+    from the gradients it reads, and `read()` takes the reduced slots (one host read; on a
+    mismatch one ``all_gather_object`` on every rank together)."""
 
-    local: torch.Tensor
-    primes: tuple[int, int]
-    residues: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]]
-    reduced: torch.Tensor | None = None
+    name: str = "replica"
+    combine: Literal["sum", "max"] = "sum"
 
+    def __init__(
+        self,
+        check: ReplicaCheck,
+        sets: dict[int, ReplicaSet | None],
+        optimizer: torch.optim.Optimizer,
+        *,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        device: torch.device,
+        with_grads: bool,
+        with_params: bool,
+    ) -> None:
+        self.check = check
+        self.sets = sets
+        self.optimizer = optimizer
+        self.group = group
+        self.primes = moduli(world_size)
+        self.device = device
+        self.with_grads = with_grads
+        self.with_params = with_params
+        #: Slots in the collective: the gradients' four, then the parameters' four (zeros when
+        #: not checked this step: the slots' places stay fixed).
+        self.numel = SLOTS * (2 if with_params else 1)
+        self._global: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
+        self.param_nonfinite: torch.Tensor | None = None
 
-def fold_into(buffer: torch.Tensor, fold: Fold) -> torch.Tensor:
-    """``buffer`` (the collective's, flattened) with ``fold.local`` appended: one ``cat``."""
-    return torch.cat([buffer.reshape(-1), fold.local.to(buffer.device, non_blocking=True)])
+    # -- the local part
+
+    def local(
+        self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
+        moments: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """This rank's slots, float32 ``(numel,)`` on the device. ``grads``: the gathered
+        gradients in the order of ``params`` (as the pass reads them); ``moments``: their
+        `word_moments()` when the pass computed them in its read (the Triton kernel), else
+        computed here."""
+        primes = primes_tensor(self.primes, self.device)
+        sets = [self.sets.get(id(p)) for p in params]
+        parts: list[torch.Tensor] = []
+        if self.with_grads:
+            if moments is None:
+                moments = word_moments(grads, self.primes, self.device)
+            parts.append(self._fold("gradients", moments, grads, sets, primes))
+        else:
+            parts.append(torch.zeros(SLOTS, dtype=torch.float32, device=self.device))
+        if self.with_params:
+            tensors: list[torch.Tensor] = []
+            owners: list[ReplicaSet | None] = []
+            weights: list[torch.Tensor] = []
+            for p, s in zip(params, sets):
+                if s is None:
+                    continue
+                weights.append(getattr(p, "_local_tensor", p))
+                for t in (p, *self.optimizer.state.get(p, {}).values()):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        tensors.append(getattr(t, "_local_tensor", t))
+                        owners.append(s)
+            if weights:  # a non-finite parameter, for the collapse report
+                self.param_nonfinite = torch.stack(
+                    [w.detach().isfinite().all() for w in weights]
+                ).all().logical_not()
+            moments = word_moments(tensors, self.primes, self.device)
+            parts.append(self._fold("parameters", moments, tensors, owners, primes))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _fold(
+        self,
+        what: str,
+        moments: torch.Tensor,
+        tensors: Sequence[torch.Tensor],
+        sets: Sequence[ReplicaSet | None],
+        primes: torch.Tensor,
+    ) -> torch.Tensor:
+        coefs, offsets, shift = self.check.layout_terms(what, tensors, sets, self.primes, primes)
+        slots, fingerprints = fold_moments(moments, offsets, coefs, shift, primes)
+        self._global[what] = (fingerprints, list(sets))
+        return slots
+
+    # -- the reading
+
+    def read(self, reduced: torch.Tensor) -> ReplicaMismatch | None:
+        """The mismatch the reduced slots show (one host read), counted in the ledger and acted
+        on (``"raise"``: `ReplicaMismatchError`; a callable is called); None when the replicas
+        agree. Every rank reads the same slots, so every rank returns the same."""
+        check = self.check
+        values = reduced.tolist()
+        step = check.iteration + 1
+        ledger = check.ledger
+        ledger.checks += self.with_grads
+        ledger.param_checks += self.with_params
+        parts = [("gradients", values[0:SLOTS]), ("parameters", values[SLOTS : 2 * SLOTS])]
+        bad = [what for what, slots in parts if slots and mismatched(slots, self.primes)]
+        if self.param_nonfinite is not None and bool(self.param_nonfinite):
+            check.nonfinite_parameters = True  # for the collapse report at the next read
+        if not bad:
+            return None
+        what = bad[0]
+        ranks, sets = _name_ranks(self._global[what], self.primes, self.group)
+        on_mismatch = check.on_mismatch
+        action = on_mismatch if isinstance(on_mismatch, str) else "callback"
+        mismatch = ReplicaMismatch(step, what, ranks, sets, action)  # type: ignore[arg-type]
+        ledger.note_mismatch(mismatch)
+        ledger.skipped += 1
+        _warn_rank0("distscaler: replica mismatch at %s; the step is skipped on every rank",
+                    mismatch.describe())  # fmt: skip
+        if on_mismatch == "raise":
+            raise ReplicaMismatchError(mismatch)
+        if callable(on_mismatch):
+            on_mismatch(mismatch)
+        return mismatch
 
 
 # ---------------------------------------------------------------------- the scaler's part
-
-
-def check_settings(
-    replica_check: object, interval: object, param_interval: object, on_mismatch: object
-) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the argument, the value and the valid range."""
-    if not isinstance(replica_check, bool):
-        raise TypeError(f"replica_check must be a bool, got: {replica_check!r}")
-    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
-                                 or interval < 1):  # fmt: skip
-        raise ValueError(
-            f"replica_check_interval must be an int >= 1 or None (auto), got: {interval!r}"
-        )
-    if isinstance(param_interval, bool) or not isinstance(param_interval, int) or param_interval < 0:
-        raise ValueError(
-            f"param_check_interval must be an int >= 0 (0: never), got: {param_interval!r}"
-        )
-    if not (on_mismatch in ("skip", "raise") or callable(on_mismatch)):
-        raise ValueError(
-            "on_replica_mismatch must be 'skip', 'raise' or a callable taking a ReplicaMismatch, "
-            f"got: {on_mismatch!r}"
-        )
 
 
 #: ``replica_check_interval=None``: every update where a host read is free (the CPU), else every
@@ -409,8 +636,8 @@ GPU_INTERVAL = 32
 
 
 class ReplicaCheck:
-    """The scaler's replica check: when it is due, the fingerprints, the verdict and its
-    consequences. See the module docstring; the settings are `GradScaler`'s."""
+    """The scaler's replica check: when it is due, its contribution to the step's collective, the
+    ledger. See the module docstring; the settings are `ScalerConfig`'s."""
 
     def __init__(
         self,
@@ -429,12 +656,21 @@ class ReplicaCheck:
         self.iteration = 0
         #: Whether the last iteration's steps were skipped for a replica mismatch.
         self.last_skipped = False
-        self._coefs: dict[tuple, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
-        self._primes: dict[tuple, torch.Tensor] = {}
+        #: The parameter check saw a non-finite parameter (the collapse watch takes it).
+        self.nonfinite_parameters = False
+        self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
+
+    def configure(
+        self, enabled: bool, interval: int | None, param_interval: int, on_mismatch: OnMismatch
+    ) -> None:
+        """Take new settings (a config replaced); the ledger and the count stay."""
+        self.enabled, self.interval_setting = enabled, interval
+        self.param_interval, self.on_mismatch = param_interval, on_mismatch
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_coefs"], state["_primes"] = {}, {}
+        state["_terms"], state["_sets"] = {}, {}
         if not isinstance(self.on_mismatch, str):
             state["on_mismatch"] = "skip"  # a callable is not copied
         return state
@@ -457,102 +693,65 @@ class ReplicaCheck:
         params = self.param_interval > 0 and n % self.param_interval == 0
         return n % self.interval(host_reads) == 0, params
 
-    def fingerprint(
+    def contribution(
         self,
         layouts: Any,
         optimizer: torch.optim.Optimizer,
-        grads: dict,
-        params: tuple[torch.Tensor, ...],
         *,
         group: dist.ProcessGroup | None,
         world_size: int,
+        dynamic: bool,
+        host_reads: bool,
         device: torch.device,
-        with_grads: bool,
-        with_params: bool,
-    ) -> Fold | None:
-        """This rank's slots: gradients (as gathered, in ``params``' order) and, with
-        ``with_params``, the parameters and their optimizer state. None when none of ``params``
-        is replicated: the ranks of a group are alike in this (DDP, HSDP, FSDP2 + TP, pipeline
-        stages each replicated or none), which the collective's size relies on."""
-        primes = moduli(world_size)
-        key = (device, primes)
-        primes_t = self._primes.get(key)
-        if primes_t is None:
-            primes_t = self._primes[key] = torch.tensor(primes, dtype=torch.int64, device=device)
-        coefs, sets = self._sets(layouts, params, group, world_size, device)
-        if all(s is None for s in sets):
-            return None  # nothing replicated here (and, ranks being alike, anywhere)
-        parts: list[torch.Tensor] = []
-        residues: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
-        if with_grads:
-            flat = [g for gs in grads.values() for g in gs]
-            local, res = local_residues(bit_sums(flat, device), coefs, primes_t)
-            parts.append(local)
-            residues["gradients"] = (res, sets)
-        else:  # the parameters' slots stay the 3rd and 4th
-            parts.append(torch.zeros(2, dtype=torch.float32, device=device))
-        if with_params:
-            tensors, owners = [], []
-            for i, p in enumerate(params):
-                if sets[i] is None:
-                    continue
-                for t in (p, *optimizer.state.get(p, {}).values()):
-                    if isinstance(t, torch.Tensor):
-                        tensors.append(getattr(t, "_local_tensor", t))
-                        owners.append(i)
-            idx = torch.tensor(owners, dtype=torch.int64, device=device)
-            local, res = local_residues(bit_sums(tensors, device), coefs[idx], primes_t)
-            parts.append(local)
-            residues["parameters"] = (res, [sets[i] for i in owners])
-        return Fold(parts[0] if len(parts) == 1 else torch.cat(parts), primes, residues)
-
-    def _sets(
-        self,
-        layouts: Any,
-        params: tuple[torch.Tensor, ...],
-        group: dist.ProcessGroup | None,
-        world_size: int,
-        device: torch.device,
-    ) -> tuple[torch.Tensor, list[ReplicaSet | None]]:
-        key = (id(params), len(params), layouts.version, world_size, id(group), device)
-        cached = self._coefs.get(key)
-        if cached is not None and len(cached[1]) == len(params):
-            return cached
-        sets = [layouts.replica_set(p, p.grad, group, world_size) for p in params]
-        coefs = torch.tensor(
-            [0 if s is None else s.coefficient for s in sets], dtype=torch.int64, device=device
-        )
-        self._coefs = {key: (coefs, sets)}  # one plan at a time
-        return coefs, sets
-
-    def settle(
-        self, fold: Fold, *, group: dist.ProcessGroup | None, world_size: int
-    ) -> ReplicaMismatch | None:
-        """Read the verdict (one host read); on a mismatch name the ranks (one
-        ``all_gather_object``, every rank together), count it and act: ``"raise"`` raises
-        `ReplicaMismatchError`, a callable is called; the caller skips the step."""
-        assert fold.reduced is not None
-        reduced = fold.reduced.tolist()
-        step = self.iteration + 1
-        self.ledger.checks += "gradients" in fold.residues
-        self.ledger.param_checks += "parameters" in fold.residues
-        parts = [("gradients", reduced[0:2]), ("parameters", reduced[2:4])]
-        bad = [what for what, slots in parts if slots and mismatched(slots, fold.primes)]
-        if not bad:
+    ) -> ReplicaSlots | None:
+        """The check's part of this step's collective, or None when it is not due or nothing of
+        ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
+        TP, pipeline stages each replicated or none, which the collective's size relies on)."""
+        with_grads, with_params = self.due(world_size, dynamic, host_reads)
+        if not (with_grads or with_params):
             return None
-        what = bad[0]
-        ranks, sets = _name_ranks(fold, what, group)
-        action = self.on_mismatch if isinstance(self.on_mismatch, str) else "callback"
-        mismatch = ReplicaMismatch(step, what, ranks, sets, action)  # type: ignore[arg-type]
-        self.ledger.note_mismatch(mismatch)
-        self.ledger.skipped += 1
-        _warn_rank0("distscaler: replica mismatch at %s; the step is skipped on every rank",
-                    mismatch.describe())  # fmt: skip
-        if self.on_mismatch == "raise":
-            raise ReplicaMismatchError(mismatch)
-        if callable(self.on_mismatch):
-            self.on_mismatch(mismatch)
-        return mismatch
+        params = tuple(p for g in optimizer.param_groups for p in g["params"])
+        sets = self._replica_sets(layouts, params, group, world_size)
+        if all(s is None for s in sets.values()):
+            return None
+        return ReplicaSlots(self, sets, optimizer, group=group, world_size=world_size,
+                            device=device, with_grads=with_grads, with_params=with_params)  # fmt: skip
+
+    def _replica_sets(
+        self, layouts: Any, params: tuple[torch.Tensor, ...], group: Any, world_size: int
+    ) -> dict[int, ReplicaSet | None]:
+        # Each parameter's replica set by id(), looked up once per layout.
+        key = (tuple(id(p) for p in params), layouts.version, world_size, id(group))
+        cached = self._sets.get(key)
+        if cached is None:
+            cached = {id(p): layouts.replica_set(p, p.grad, group, world_size) for p in params}
+            if len(self._sets) > 8:
+                self._sets.clear()
+            self._sets[key] = cached
+        return cached
+
+    def layout_terms(
+        self,
+        what: str,
+        tensors: Sequence[torch.Tensor],
+        sets: Sequence[ReplicaSet | None],
+        primes: tuple[int, int],
+        primes_t: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`layout_terms()`, cached per layout (host arithmetic once)."""
+        sizes = tuple(0 if w is None else w.numel() for w in map(_words, tensors))
+        key = (what, sizes, tuple(sets), primes, primes_t.device)
+        cached = self._terms.get(key)
+        if cached is None:
+            if len(self._terms) > 4:
+                self._terms.clear()
+            cached = self._terms[key] = layout_terms(sizes, sets, primes, primes_t.device)
+        return cached
+
+    def take_nonfinite_parameters(self) -> bool:
+        """Whether the parameter check saw a non-finite parameter since the last call."""
+        seen, self.nonfinite_parameters = self.nonfinite_parameters, False
+        return seen
 
     def end_iteration(self, skipped: bool) -> None:
         """``update()``: the iteration ends (``skipped``: for a replica mismatch)."""
@@ -561,26 +760,29 @@ class ReplicaCheck:
 
 
 def _name_ranks(
-    fold: Fold, what: str, group: dist.ProcessGroup | None
+    fingerprints: tuple[torch.Tensor, list[ReplicaSet | None]],
+    primes: tuple[int, int],
+    group: dist.ProcessGroup | None,
 ) -> tuple[tuple[int, ...], tuple]:
     """Exchange per-set fingerprints (one ``all_gather_object``) and name each set's outliers."""
-    residues, sets = fold.residues[what]
-    rows = residues.cpu().tolist()
+    rows_t, sets = fingerprints
+    rows = rows_t.cpu().tolist()
+    mods = (primes[0], primes[1], primes[0], primes[1])
     mine: dict[tuple[int, ...], list[int]] = {}
     for row, rs in zip(rows, sets):
         if rs is None:
             continue
-        acc = mine.setdefault(rs.ranks, [0, 0])
-        acc[0] += row[0]
-        acc[1] += row[1]
+        acc = mine.setdefault(rs.ranks, [0, 0, 0, 0])
+        for i in range(4):
+            acc[i] += row[i]
     me = dist.get_rank() if dist.is_initialized() else 0
-    local = {key: (a % fold.primes[0], b % fold.primes[1]) for key, (a, b) in mine.items()}
+    local = {key: tuple(v % m for v, m in zip(acc, mods)) for key, acc in mine.items()}
     gathered: list[Any] = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(gathered, (me, local), group=group)
     else:
         gathered = [(me, local)]
-    by_set: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
+    by_set: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {}
     for rank, per_set in gathered:
         for key, fp in per_set.items():
             by_set.setdefault(key, {})[rank] = fp
@@ -593,7 +795,7 @@ def _name_ranks(
         value, n = counts.most_common(1)[0]
         majority = value if n * 2 > len(fps) else None
         named |= {r for r, fp in fps.items() if fp != majority}
-        bad_sets.append((members, tuple(fps.get(r, (-1, -1)) for r in members)))
-    if not named:  # the sets agree as wholes: the cancellation lies across sets
+        bad_sets.append((members, tuple(fps.get(r, (-1, -1, -1, -1)) for r in members)))
+    if not named:  # the sets agree as wholes: the difference lies across sets
         named = {r for r, _ in gathered}
     return tuple(sorted(named)), tuple(bad_sets)

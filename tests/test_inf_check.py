@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from distscaler import _inf_check as inf_check
 from distscaler._inf_check import check_and_unscale_, local_stat
+from distscaler._plan import GradPass, StepPlan
 from distscaler.layouts import collect_grads
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -93,8 +94,9 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target = tensors[where % len(tensors)]
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
+    alone = inf_check._Collective(StepPlan(GradPass.NORM), groups, ())  # one rank: no collective
     norm, per_tensor, _ = inf_check._stacked_two_norm(
-        groups, torch.device("cpu"), 1, None, torch.zeros(2), ()
+        groups, torch.device("cpu"), alone, torch.zeros(2), ()
     )
     assert per_tensor.shape == (len(tensors),)
     assert norm.dtype == torch.float32 and norm.shape == ()

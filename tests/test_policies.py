@@ -30,8 +30,8 @@ from torch.overrides import TorchFunctionMode
 import distscaler
 from common.probes import HostReadSpy
 from distscaler import GradScaler, LossScaleAtMinimumError, ScalerConfig, policies
-from distscaler.policies import LossScalePolicy, ScaleRule, get_policy, register_policy
 from distscaler._state import HostValues, ScalerState
+from distscaler.policies import LossScalePolicy, ScaleRule, get_policy, register_policy
 
 DS_PARITY_EXAMPLES = 400  # random overflow sequences of test_deepspeed_policy_matches_...
 _ds_examples_run: list[int] = []

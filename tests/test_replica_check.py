@@ -28,11 +28,15 @@ from distscaler.replica_check import (
     SUSPECT_EVENTS,
     ReplicaLedger,
     ReplicaMismatch,
-    bit_sums,
+    ReplicaSet,
     coefficient,
-    local_residues,
+    fold_moments,
+    layout_terms,
     mismatched,
     moduli,
+    shift_spacing,
+    shifts,
+    word_moments,
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,26 +64,67 @@ def test_moduli_are_primes_whose_sums_stay_exact_in_float32(world_size):
         moduli(MAX_WORLD_SIZE + 1)
 
 
-def _simulate(replica_grads: list[torch.Tensor], world_size: int) -> tuple[bool, list[float]]:
-    """The check's verdict for ``replica_grads`` (one tensor per replica), the all-reduce done in
-    float32 in a random order, as a ring would."""
+@pytest.mark.parametrize("replicas", range(2, 12))
+@pytest.mark.parametrize("world_size", [2, 64, 16384])
+def test_shifts_keep_a_clean_set_cancelling_and_are_spaced(replicas, world_size):
     primes = moduli(world_size)
-    p_t = torch.tensor(primes, dtype=torch.int64)
-    n = len(replica_grads)
-    slots = []
-    for i, g in enumerate(replica_grads):
-        coef = torch.tensor([coefficient(i, n)], dtype=torch.int64)
-        local, _ = local_residues(bit_sums([g], torch.device("cpu")), coef, p_t)
-        slots.append(local)
+    s = shifts(replicas, primes)
+    coefs = [coefficient(i, replicas) for i in range(replicas)]
+    for j, p in enumerate(primes):
+        assert sum(c * v[j] for c, v in zip(coefs, s)) % p == 0
+    if replicas >= 3:  # pairwise at least the spacing apart, modulo P1 * P2 (CRT)
+        m = primes[0] * primes[1]
+        crt = [next(x for x in range(v[0], m, primes[0]) if x % primes[1] == v[1]) for v in s]
+        gap = min(min((a - b) % m, (b - a) % m) for a, b in itertools.combinations(crt, 2))
+        assert gap >= shift_spacing(replicas, primes)
+        if world_size <= 64:  # the docs' certainty bound: more words than a rank checks
+            assert shift_spacing(replicas, primes) > 2**28
+
+
+def _exact(t: torch.Tensor, primes: tuple[int, int]) -> list[int]:
+    # The fingerprint in Python's integers, from the bytes.
+    w = t.contiguous().view(-1).view(torch.int16).tolist()
+    a, b = sum(w), sum(k * x for k, x in enumerate(w))
+    return [a % primes[0], a % primes[1], b % primes[0], b % primes[1]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtypes=st.lists(st.sampled_from(sorted(DTYPES)), min_size=1, max_size=5),
+    sizes=st.lists(st.integers(0, 700), min_size=5, max_size=5),
+    scale=st.sampled_from([1.0, 1e4, 6e4, 1e-6]),
+    world_size=st.sampled_from([2, 7, 1000]),
+)
+def test_word_moments_are_exact_integers(dtypes, sizes, scale, world_size):
+    primes = moduli(world_size)
+    tensors = [(torch.randn(n) * scale).to(DTYPES[d]) for d, n in zip(dtypes, sizes)]
+    got = word_moments(tensors, primes, torch.device("cpu")).tolist()
+    assert got == [_exact(t, primes) for t in tensors]
+
+
+def _slots(tensors: list[torch.Tensor], replica: ReplicaSet, primes: tuple[int, int]) -> torch.Tensor:
+    p_t = torch.tensor(primes)
+    sizes = [t.numel() * t.element_size() // 2 for t in tensors]
+    coefs, offsets, shift = layout_terms(sizes, [replica] * len(tensors), primes, p_t.device)
+    return fold_moments(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
+
+
+def _caught(replica_tensors: list[list[torch.Tensor]]) -> bool:
+    """The check's reading for one list of tensors per replica, the all-reduce done in float32 in a
+    random order, as a ring would."""
+    n = len(replica_tensors)
+    primes = moduli(n)
+    slots = [_slots(ts, ReplicaSet(tuple(range(n)), i), primes)
+             for i, ts in enumerate(replica_tensors)]  # fmt: skip
     order = list(range(n))
     random.Random(n).shuffle(order)
-    total = torch.zeros(2, dtype=torch.float32)
-    exact = [0, 0]
+    total = torch.zeros(4, dtype=torch.float32)
+    exact = [0] * 4
     for i in order:
         total += slots[i]
-        exact = [exact[j] + int(slots[i][j]) for j in range(2)]
+        exact = [exact[j] + int(slots[i][j]) for j in range(4)]
     assert total.tolist() == exact  # every partial sum exact in float32
-    return mismatched(total.tolist(), primes), total.tolist()
+    return mismatched(total.tolist(), primes)
 
 
 @settings(max_examples=300, deadline=None)
@@ -90,50 +135,113 @@ def _simulate(replica_grads: list[torch.Tensor], world_size: int) -> tuple[bool,
     seed=st.integers(0, 2**31 - 1),
     data=st.data(),
 )
-def test_every_single_bit_flip_changes_the_verdict(dtype, replicas, numel, seed, data):
+def test_every_single_bit_flip_is_caught(dtype, replicas, numel, seed, data):
     torch.manual_seed(seed)
     g = torch.randn(numel).to(DTYPES[dtype])
     width = g.element_size() * 8
     bit = data.draw(st.integers(0, width - 1), label="bit")
     index = data.draw(st.integers(0, numel - 1), label="index")
     bad = data.draw(st.integers(0, replicas - 1), label="bad replica")
-    clean = [g.clone() for _ in range(replicas)]
-    assert _simulate(clean, replicas)[0] is False  # replicas that agree: never a mismatch
-    corrupted = [g.clone() for _ in range(replicas)]
-    ints = corrupted[bad].view({2: torch.int16, 4: torch.int32}[g.element_size()])
+    assert _caught([[g.clone()] for _ in range(replicas)]) is False  # agreeing replicas: never
+    corrupted = [[g.clone()] for _ in range(replicas)]
+    _flip(corrupted[bad][0], index, bit)
+    assert _caught(corrupted) is True
+
+
+def _flip(t: torch.Tensor, index: int, bit: int) -> None:
+    ints = t.view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    width = ints.element_size() * 8
     ints[index] ^= -(1 << (width - 1)) if bit == width - 1 else 1 << bit
-    assert not torch.equal(corrupted[bad].view(ints.dtype), g.view(ints.dtype))
-    assert _simulate(corrupted, replicas)[0] is True
 
 
-def test_bit_sums_keep_the_order_of_mixed_widths():
-    tensors = [torch.randn(5), torch.randn(3).half(), torch.randn(4), torch.arange(3)]
-    got = bit_sums(tensors, torch.device("cpu")).tolist()
-    assert got[3] == 0  # not floating point
-    for t, value in zip(tensors[:3], got, strict=False):
-        ints = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-        assert value == int(ints.sum(dtype=ints.dtype))
+def _bit(t: torch.Tensor, index: int, bit: int) -> int:
+    ints = t.view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return (int(ints[index]) >> bit) & 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_bit_sums_change_by_exactly_the_flipped_bit_modulo_the_width(dtype):
-    g = torch.randn(64).to(dtype) * 1e4  # large values: the sums wrap
-    width = g.element_size() * 8
-    ints = g.view({2: torch.int16, 4: torch.int32}[g.element_size()]).long()
-    exact = int(ints.sum())
-    before = int(bit_sums([g], torch.device("cpu"))[0])
-    assert (before - exact) % (1 << width) == 0  # the exact sum, modulo 2**width
+def _constructed_pairs(base: list[torch.Tensor], replicas: int):
+    """Every pair of flips of one bit position that cancels in a plain sum of bit patterns: opposite
+    directions in one tensor, opposite directions across two tensors, and the same direction on
+    two replicas (opposite coefficients), for each bit position and the first few elements."""
+    width = base[0].element_size() * 8
     for bit in range(width):
-        h = g.clone()
-        S.flip_bit_(h, 3, bit)
-        delta = int(bit_sums([h], torch.device("cpu"))[0]) - before
-        assert delta % (1 << width) in ((1 << bit), (1 << width) - (1 << bit))
+        ones = [i for i in range(base[0].numel()) if _bit(base[0], i, bit)][:3]
+        zeros = [i for i in range(base[0].numel()) if not _bit(base[0], i, bit)][:3]
+        zeros1 = [i for i in range(base[1].numel()) if not _bit(base[1], i, bit)][:3]
+        for i, j in itertools.product(ones, zeros):
+            yield ("one tensor", bit, [(0, 0, i), (0, 0, j)])
+        for i, j in itertools.product(ones, zeros1):
+            yield ("two tensors", bit, [(0, 0, i), (0, 1, j)])
+        for i, j in itertools.product(zeros, zeros):
+            if i != j:  # same direction on two replicas of opposite coefficients (0 and 1 of 2)
+                yield ("two replicas", bit, [(0, 0, i), (1, 0, j)])
+        if replicas >= 3:  # ranks 0 and 1 share a coefficient: opposite directions, any distance
+            for i, j in itertools.product(ones, zeros):
+                yield ("two replicas, one coefficient", bit, [(0, 0, i), (1, 0, j)])
+                yield ("two replicas, one coefficient, same place", bit, [(0, 0, i), (1, 0, i)])
+            for i, j in itertools.product(zeros, zeros):  # ranks 0 and 3 of 4: +1 and -1
+                if replicas >= 4 and i != j:
+                    yield ("replicas 0 and 3", bit, [(0, 0, i), (3, 0, j)])
 
 
-@pytest.mark.parametrize("world_size", [2, 64, 16384])
-def test_no_modulus_divides_a_wrapped_flip(world_size):
-    for p in moduli(world_size):
-        assert all(pow(2, m, p) != 1 for m in range(1, 65))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_constructed_cancelling_pairs_are_all_caught(dtype, replicas):
+    torch.manual_seed(replicas)
+    base = [torch.randn(24).to(DTYPES[dtype]) * 3, torch.randn(16).to(DTYPES[dtype])]
+    missed, total = [], 0
+    for kind, bit, flips in _constructed_pairs(base, replicas):
+        copies = [[t.clone() for t in base] for _ in range(replicas)]
+        for rank, tensor, index in flips:
+            _flip(copies[rank][tensor], index, bit)
+        if all(torch.equal(copies[0][k].view(torch.int16), copies[r][k].view(torch.int16))
+               for r in range(replicas) for k in range(2)):  # fmt: skip
+            continue  # replicas corrupted alike agree: nothing to catch
+        total += 1
+        if not _caught(copies):
+            missed.append((kind, bit, flips))
+    assert total > 50
+    assert not missed, f"{len(missed)} of {total} constructed pairs missed: {missed[:5]}"
+
+
+def test_ten_thousand_random_pairs_are_all_caught():
+    """The measured rate behind the docs' claim: any two flipped bits, anywhere (one tensor, two
+    tensors, two ranks; any dtype), are caught; 10,000 random pairs, none missed."""
+    rng = random.Random(2026)
+    bases = {d: [torch.randn(20).to(t), torch.randn(12).to(t)] for d, t in DTYPES.items()}
+    missed, total = 0, 0
+    while total < 10_000:
+        dtype = rng.choice(sorted(DTYPES))
+        base = bases[dtype]
+        width = base[0].element_size() * 8
+        flips = []
+        for _ in range(2):
+            k = rng.randrange(2)
+            flips.append((rng.randrange(2), k, rng.randrange(base[k].numel()), rng.randrange(width)))
+        if flips[0][0] != flips[1][0] and flips[0][1:] == flips[1][1:]:
+            continue  # the same flip on both replicas: they agree
+        if flips[0] == flips[1]:
+            continue  # a bit flipped twice: no change
+        copies = [[t.clone() for t in base] for _ in range(2)]
+        for rank, k, index, bit in flips:
+            _flip(copies[rank][k], index, bit)
+        total += 1
+        missed += not _caught(copies)
+    assert missed == 0, f"{missed} of {total} random pairs missed"
+
+
+def test_a_three_word_pattern_can_cancel_as_the_docs_say():
+    """The certainty ends at two words: +d, -2d, +d on three consecutive words cancels both sums
+    (the docs state k = 2 words, and a chosen pattern of three may cancel)."""
+    g = torch.zeros(8, dtype=torch.float16)
+    bad = g.clone()
+    words = bad.view(torch.int16)
+    words[2] += 1
+    words[3] -= 2
+    words[4] += 1
+    assert _caught([[g], [bad]]) is False
+    words[5] += 1  # a fourth word breaks the pattern
+    assert _caught([[g], [bad]]) is True
 
 
 def test_ledger_names_a_rank_alone_at_fault_as_suspect():
@@ -281,20 +389,23 @@ def test_no_false_positive_over_two_thousand_clean_steps(two):
 
 def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
     ops = two[0]["ops"]
-    tensors = ops["tensors"]
-    # What a checked step adds, whatever the path: one integer sum per gradient tensor (the read
-    # pass), stack, the cast to int64, remainder x2, mul, sum, the cast to float32 (the local
-    # residues), the cat that appends them to the collective, the copy back (and where the
-    # verdict was a MAX of flags, the clamp of its SUM); one host read (the verdict). The
-    # all_reduce stays one.
+    assert ops["tensors"] == 4
+    # What a checked step adds, whatever the path (and where the flag was a MAX, the clamp of its
+    # SUM); one host read (the reduced slots). The all_reduce stays one.
+    # The fingerprint (replica_check.word_moments, fold_moments) over the model's 4 gradients: one
+    # cat of their words into rows (2 zero pads), two row sums, the residues; then the collective's
+    # cat and copy_ back. A fixed number whatever the tensor count (one cat).
     base = {
-        "aten.sum.default": tensors,
-        "aten.stack.default": 1,
-        "aten.remainder.Tensor": 2,
-        "aten.mul.Tensor": 1,
-        "aten.sum.dim_IntList": 1,
-        "aten._to_copy.default": 2,
-        "aten.cat.default": 1,
+        "aten.zeros.default": 3,
+        "aten.cat.default": 5,
+        "aten._to_copy.default": 4,
+        "aten.sum.dim_IntList": 4,
+        "aten.mul_.Tensor": 1,
+        "aten.remainder.Tensor": 6,
+        "aten.mul.Tensor": 5,
+        "aten.add.Tensor": 3,
+        "aten.index_add_.default": 1,
+        "aten.remainder_.Tensor": 1,
         "aten.copy_.default": 1,
     }
     for path, clip in itertools.product(("cpu", "gpu"), ("noclip", "clip")):

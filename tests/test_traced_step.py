@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
-from distscaler import _traced_step as traced_step as T
+from distscaler import _traced_step as T
 
 
 def _traced(*args):

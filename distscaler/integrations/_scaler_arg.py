@@ -6,8 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import ScalerConfig
 from .._scaler import GradScaler
+from ..config import ScalerConfig
 
 __all__ = ["ConfigFileNotFoundError", "scaler_from_argument"]
 

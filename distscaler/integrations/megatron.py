@@ -89,9 +89,9 @@ from megatron.core.optimizer.optimizer import (
 )
 from megatron.core.transformer.module import param_is_not_shared
 
+from .._scaler import GradScaler
 from ..config import ScalerConfig
 from ..policies import get_policy
-from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
 
 __all__ = ["MegatronBinding", "SharedGradScaler", "install", "installed_scaler", "scaler_config"]

@@ -136,8 +136,10 @@ class ReplicaOverflow:
         replica_rank: its participating replica rank in that step's quorum.
         this_group: whether it is the group of this process.
         num_participants: replica groups participating in that step.
-        reported: whether it was reported to torchft (``report_lone_replica=True``): then that group
-            did not commit and heals, and the others stepped.
+        reported: whether it was reported to torchft (``report_lone_replica=True``, or a healing
+            group): then that group did not commit and heals, and the others stepped.
+        healing: it was this group's heal step (its replica rank is then -1: torchft zeroes a
+            healing group's part, and its own gradients held inf/NaN after the average).
     """
 
     step: int
@@ -145,9 +147,16 @@ class ReplicaOverflow:
     this_group: bool
     num_participants: int
     reported: bool
+    healing: bool = False
 
     def describe(self) -> str:
         """One line for a log."""
+        if self.healing:
+            return (
+                f"this replica group held inf/NaN gradients after the cross-replica average in "
+                f"its heal step {self.step}; it does not step or commit and heals again from a "
+                "peer, the others stepped"
+            )
         who = "this replica group" if self.this_group else f"replica group {self.replica_rank}"
         then = (
             "reported to torchft: it heals from a peer, the others stepped"
@@ -324,7 +333,7 @@ class FaultTolerantGradScaler(GradScaler):
         elif step.cross is not None and not self._report_lone:
             self._pending_cross = (step.cross, step.step, step.num_participants, step.replica_rank)
         if step.committed is False and new_scale is None:
-            self._records.clear()
+            self._skip("not_committed", step.lone)  # counted as a skip; the scale stays
             return
         super().update(new_scale)
 
@@ -417,6 +426,16 @@ class FaultTolerantGradScaler(GradScaler):
         cross = torch.cat(parts)  # (4,): [v0, v1, hi, lo]
         manager.allreduce(cross, reduce_op=ReduceOp.MAX).wait()
         step.cross = cross
+        if step.replica_rank is None:
+            # A healing group's part was zeroed in the exchange: its own gradients' verdict is
+            # added back, so that it never steps on its own inf/NaN. It then does not commit and
+            # heals again at the next quorum, while the participants step on theirs.
+            cross[:numel] = torch.maximum(cross[:numel], values[:numel])
+            if bool(bad):  # one host read, on a healing step only
+                step.lone = ReplicaOverflow(step.step, -1, True, step.num_participants,
+                                            reported=True, healing=True)  # fmt: skip
+                logger.warning("distscaler: %s", step.lone.describe())
+                manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
         keep_own = False
         if self._report_lone and step.num_participants > 1:
             lone = _lone(cross.tolist(), step.num_participants)  # the opt-in's host read

@@ -96,10 +96,10 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
         "pip install 'distscaler[torchtitan]'"
     ) from e
 
-from ..config import ScalerConfig
 from .._contract import uses_fused_scaling
-from ..layouts import GradLayout
 from .._scaler import GradScaler
+from ..config import ScalerConfig
+from ..layouts import GradLayout
 from ._scaler_arg import scaler_from_argument
 from ._torchtitan_loss import scale_loss_fn, scaled_for_backward
 

@@ -85,8 +85,8 @@ from typing import Any
 
 import torch
 
-from ..config import ScalerConfig
 from .._scaler import GradScaler
+from ..config import ScalerConfig
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
