@@ -138,7 +138,11 @@ def run(
             by the gathering; nothing here raises on user input.
     """
     coll = _Collective(plan, grads, params)
-    result = _run(plan, grads, params, state, coll, found_inf, max_norm)
+    result = None
+    if plan.kernels == "triton":
+        result = _run_triton(plan, grads, params, state, coll, max_norm)
+    if result is None:
+        result = _run(plan, grads, params, state, coll, found_inf, max_norm)
     if coll.readings:
         return replace(result, readings=coll.readings)
     return result
@@ -202,13 +206,15 @@ class _Collective:
     and each contribution's reading kept in ``readings``. Every rank of ``plan.world`` calls
     `reduce_()` once per pass (when ``plan.world.collective``)."""
 
-    __slots__ = ("grads", "params", "plan", "readings")
+    __slots__ = ("grads", "moments", "params", "plan", "readings")
 
     def __init__(self, plan: StepPlan, grads: GradGroups, params: tuple[torch.Tensor, ...]):
         self.plan = plan
         self.grads = grads
         self.params = params
         self.readings: dict[str, Any] = {}
+        #: The gradients' fingerprint moments where the pass computed them (the Triton kernel).
+        self.moments: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -230,7 +236,7 @@ class _Collective:
             dist.all_reduce(buffer, op=op, group=world.group)
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
-        parts = [c.local(self.params, flat).to(buffer.device, non_blocking=True)
+        parts = [c.local(self.params, flat, self.moments).to(buffer.device, non_blocking=True)
                  for c in plan.contributions]  # fmt: skip
         n = buffer.numel()
         joint = torch.cat([buffer.reshape(-1), *parts])
@@ -251,6 +257,77 @@ class _Collective:
             self.readings[c.name] = c.read(reduced[start : start + c.numel])
             start += c.numel
         return buffer
+
+
+# ---------------------------------------------------------------------- the Triton pass
+
+
+def _run_triton(
+    plan: StepPlan,
+    grads: GradGroups,
+    params: tuple[torch.Tensor, ...],
+    state: DeviceState | None,
+    coll: _Collective,
+    max_norm_t: torch.Tensor | None,
+) -> StepResult | None:
+    """The pass as one multi-tensor Triton read of every gradient (``distscaler._triton_pass``):
+    the flag, the per-tensor flags, the norm statistic and the contributions' fingerprint moments
+    in 2 launches, the collective, then 1 launch for ``found_inf``, ``grad_scale`` and the norm,
+    and 1 write pass where gradients are unscaled or clipped in place: at most 4 launches and the
+    collective, at any number of tensors (plus the per-tensor flags' ``nan_to_num`` when an
+    overflow report reads them). None where it does not cover the plan (torch's pass runs)."""
+    from . import _triton_pass as kernels
+
+    grad_pass = plan.grad_pass
+    if state is None or grad_pass not in (GradPass.CHECK, GradPass.UNSCALE, GradPass.NORM):
+        return None
+    norm_type = plan.norm_type if grad_pass is GradPass.NORM else None
+    if norm_type not in (None, 1.0, 2.0, math.inf):
+        return None
+    if any(key.device != state.device or key.dtype == torch.float64 for key in grads):
+        return None
+    flat = [g for gs in grads.values() for g in gs]
+    weights = [key.weight for key, gs in grads.items() for _ in gs] if norm_type else None
+    primes = next((getattr(c, "primes", None) for c in plan.contributions), None)
+    taken = kernels.grad_pass(flat, weights=weights, norm_type=norm_type,
+                              flags=plan.per_tensor_flags, primes=primes, device=state.device)  # fmt: skip
+    coll.moments = taken.moments
+    stat = taken.stat
+    max_of = norm_type is None or norm_type == math.inf
+    coll.reduce_(stat, dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM)
+    if grad_pass is GradPass.UNSCALE:
+        kernels.scale_(flat, _inv_scale(state.scale))
+    done = kernels.finish(stat, state.scale, max_norm=max_norm_t if norm_type else None,
+                          norm_type=norm_type)  # fmt: skip
+    found = done.found_inf if plan.skip_nonfinite else state.zero
+    per_tensor = taken.per_tensor
+    grad_scale = done.grad_scale if norm_type else state.scale
+    if grad_pass is GradPass.NORM and not plan.fused:
+        kernels.div_(flat, grad_scale)
+    total = done.total_norm if norm_type else None
+    if grad_pass is GradPass.UNSCALE and not plan.read_found_inf:
+        return StepResult(found)  # unscale_: no flags (a later step takes them)
+    if not plan.read_found_inf:
+        flags = flag_tensors(per_tensor) if plan.per_tensor_flags and per_tensor is not None else None
+        return StepResult(found, grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
+                          total_norm=total, per_tensor_flags=flags, params=params,
+                          flags_taken=True, max_norm=plan.max_norm)  # fmt: skip
+    skipped = bool(found.item())  # the plan reads it (the host's word, or a free read)
+    taking = plan.per_tensor_flags and skipped and per_tensor is not None
+    if taking and grad_pass is GradPass.UNSCALE:
+        per_tensor = per_tensor * _inv_scale(state.scale)  # the flags of unscaled gradients
+    return StepResult(
+        found,
+        grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
+        total_norm=total,
+        per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+        params=params,
+        flags_taken=True,
+        clean_read=grad_pass is not GradPass.UNSCALE,
+        flags_after_read=True,
+        skipped=skipped,
+        max_norm=plan.max_norm,
+    )
 
 
 # ---------------------------------------------------------------------- the read-only check

@@ -153,6 +153,9 @@ class StepPlan:
         tracing: a graph is being traced (``torch.compile``, ``make_fx``): nothing is read on
             the host and no contribution rides.
         contributions: what the collective carries besides the flag and the norm statistic.
+        kernels: ``"triton"``: the pass is one multi-tensor Triton read of every gradient
+            (``distscaler._triton_pass``) where it covers the pass (``CHECK``, ``UNSCALE``,
+            ``NORM`` with p in 1, 2, inf, the gradients on the scale's device); else torch's.
     """
 
     grad_pass: GradPass
@@ -165,6 +168,7 @@ class StepPlan:
     world: World = World(None, 1, False)
     tracing: bool = False
     contributions: tuple[Contribution, ...] = ()
+    kernels: Literal["torch", "triton"] = "torch"
 
     @property
     def carries_contributions(self) -> bool:

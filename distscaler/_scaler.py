@@ -59,6 +59,28 @@ from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 __all__ = ["GradScaler", "OptState"]
 
 
+def _choose_kernels(setting: str, device: str) -> str:
+    """``kernels``: ``"triton"`` where the Triton pass runs (`_triton_pass.available()`: CUDA with
+    triton importable) and asked for or ``"auto"``, else ``"torch"``.
+
+    Raises:
+        ValueError: ``kernels="triton"`` where it cannot run.
+    """
+    if setting == "torch":
+        return "torch"
+    from . import _triton_pass
+
+    runs = _triton_pass.available(device)
+    if setting == "triton":
+        if not runs:
+            raise ValueError(
+                f"kernels='triton' needs a CUDA device with triton importable (or the CPU under "
+                f"TRITON_INTERPRET=1), got: device={device!r}; use kernels='auto' or 'torch'"
+            )
+        return "triton"
+    return "triton" if runs and device.startswith("cuda") else "torch"
+
+
 def _check_grad_layout(grad_layout: object) -> None:
     if grad_layout is not None and grad_layout not in GRAD_LAYOUTS:
         raise ValueError(f"grad_layout must be one of {GRAD_LAYOUTS} or None, got: {grad_layout!r}")
@@ -210,6 +232,8 @@ class GradScaler(torch.amp.GradScaler):
         #: device, decided here (`distscaler._plan.host_read_is_free()`). Tests set it to False
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
+        #: Which kernels read the gradients (``kernels``), decided here: "triton" or "torch".
+        self._kernels = _choose_kernels(config.kernels, device) if self._enabled else "torch"
         self._replicas = ReplicaCheck(
             config.replica_check,
             config.replica_check_interval,
@@ -556,6 +580,8 @@ class GradScaler(torch.amp.GradScaler):
             contributions = self._contributions(optimizer, plan, state)
             if contributions:
                 plan = dataclasses.replace(plan, contributions=contributions)
+        if self._kernels == "triton":
+            plan = dataclasses.replace(plan, kernels="triton")
         world = plan.world
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
@@ -637,7 +663,8 @@ class GradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(device or self._device)
 
     def __repr__(self) -> str:
-        settings = ", ".join(f"{k}={v!r}" for k, v in self._config.scaler_kwargs().items())
+        kwargs = {**self._config.scaler_kwargs(), "kernels": self._kernels}  # the choice made
+        settings = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         return f"{type(self).__name__}(device={self._device!r}, {settings})"
 
     @classmethod
@@ -948,6 +975,7 @@ class GradScaler(torch.amp.GradScaler):
         state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
         state.setdefault("_records", {})
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
+        state.setdefault("_kernels", "torch")
         self.__dict__.update(state)
 
     # ------------------------------------------------------------------ settings
