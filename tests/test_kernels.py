@@ -1,0 +1,171 @@
+"""The ``kernels`` setting: the scaler's pass as one multi-tensor Triton read (distscaler's
+``_triton_pass``) beside torch's kernels.
+
+On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): the same scaler, the
+same steps, torch's path and the kernel's side by side (scales and skips equal, norms within
+float32 rounding, parameters after the optimizer's step equal), the launches of the phase counted,
+and on 2 gloo ranks the replica check folding the kernel's fingerprint. On a GPU (``cuda``): the
+kernels the phase launches, counted by torch's profiler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import _kernel_scenarios as S
+import pytest
+import torch
+from _common import gpu_path
+from _harness import spawn
+
+from distscaler import GradScaler, ScalerConfig
+
+triton = pytest.importorskip("triton")
+
+
+def test_kernels_is_validated_and_named():
+    with pytest.raises(ValueError, match="kernels must be 'auto', 'triton' or 'torch', got: 'cuda'"):
+        ScalerConfig(kernels="cuda")  # type: ignore[arg-type]
+
+
+def test_triton_where_it_cannot_run_is_refused_before_anything(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"kernels='triton' needs a CUDA device"):
+        GradScaler("cpu", kernels="triton")
+
+
+def test_auto_is_torch_on_the_cpu_and_repr_shows_the_choice(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # even where the interpreter could run it
+    assert "kernels='torch'" in repr(GradScaler("cpu"))
+    assert "kernels='triton'" in repr(GradScaler("cpu", kernels="triton"))
+
+
+def _train(kernels, *, fused, clip, norm_type=2.0, inf_step=None, layers=2, flags=100):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    scaler = gpu_path(GradScaler("cpu", init_scale=2.0**8, kernels=kernels,
+                                 skip_log_interval=flags))  # fmt: skip
+    out = []
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+        if step == inf_step:
+            model[0].weight.grad[0, 0] = math.inf
+        norm = scaler.clip_grad_norm_(opt, 0.5, norm_type) if clip else None
+        scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), scaler.step_was_skipped,
+                    None if norm is None else float(norm)))  # fmt: skip
+    return out, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("clip", [None, 2.0, math.inf, 1.0], ids=["noclip", "p2", "pinf", "p1"])
+@pytest.mark.parametrize("inf_step", [None, 1], ids=["clean", "inf"])
+def test_the_kernel_steps_as_torch_kernels_do(monkeypatch, fused, clip, inf_step):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(fused=fused, clip=clip is not None, norm_type=clip or 2.0, inf_step=inf_step)
+    ours, ours_params = _train("triton", **kw)
+    ref, ref_params = _train("torch", **kw)
+    assert [o[:2] for o in ours] == [r[:2] for r in ref]  # scales and skips: exactly
+    for (_, _, a), (_, _, b) in zip(ours, ref):
+        if b is None or not math.isfinite(b):
+            assert a == b or (a is not None and not math.isfinite(a) and not math.isfinite(b))
+        else:  # float32 sums in another order (the kernel's docstring bounds it)
+            assert a == pytest.approx(b, rel=1e-5)
+    for p, q in zip(ours_params, ref_params):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=1e-7)
+    if inf_step is not None:
+        assert ours[inf_step][1] and ours[inf_step][0] < ours[inf_step - 1][0]  # seen, backed off
+
+
+def _count_launches(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched: list[str] = []
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    return launched
+
+
+@pytest.mark.parametrize("layers", [2, 60])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
+def test_the_phase_is_at_most_four_launches_at_any_tensor_count(monkeypatch, layers, fused, clip):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched = _count_launches(monkeypatch)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    scaler = gpu_path(GradScaler("cpu", kernels="triton"))
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+        launched.clear()
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    # read + reduce, finish (found_inf, grad_scale, the norm), and where the optimizer is not
+    # fused, one write pass (unscale or clip): whatever the number of tensors (2 * layers).
+    expected = ["_read_kernel", "_reduce_kernel", "_finish_kernel"]
+    assert sorted(launched) == sorted(expected + ([] if fused else ["_scale_kernel"]))
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return spawn(S.triton_beside_torch, 2, tmp_path_factory.mktemp("kernels2"))
+
+
+@pytest.mark.parametrize("case", ["noclip-fused", "clip-fused", "clip-foreach", "noclip-foreach"])
+def test_two_ranks_agree_and_the_kernels_fingerprint_catches_a_flip(two, case):
+    runs = [r[case] for r in two]
+    for run in runs:
+        ours, ref = run["triton"], run["torch"]
+        assert "kernels='triton'" in ours["repr"]
+        # The flip after the reduce is caught at its step by the kernel's moments, as by torch's
+        # path; the inf before the reduce is an overflow on every rank.
+        assert ours["mismatch_steps"] == ref["mismatch_steps"] == [S.FLIP_STEP + 1]
+        assert ours["skipped"] == ref["skipped"]
+        assert ours["skipped"][S.FLIP_STEP] and ours["skipped"][S.INF_STEP]
+        assert ours["scales"] == ref["scales"]
+        assert ours["scales"][S.FLIP_STEP] == ours["scales"][S.FLIP_STEP - 1]  # a mismatch: kept
+        assert ours["scales"][S.INF_STEP] < ours["scales"][S.INF_STEP - 1]  # an overflow: backoff
+    assert runs[0]["triton"]["scales"] == runs[1]["triton"]["scales"]
+    assert runs[0]["triton"]["norms"] == runs[1]["triton"]["norms"]
+    assert runs[0]["triton"]["params"] == runs[1]["triton"]["params"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_the_phase_kernels_on_a_gpu(fused):
+    """The kernels ``clip_grad_norm_`` launches on a GPU, counted by torch's profiler: read +
+    reduce + finish, and the clip's write pass where the optimizer is not fused; at 4 and at 400
+    tensors alike (torch's path launches per dtype group and per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for layers in (2, 200):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)]).cuda()
+        opt = torch.optim.AdamW(model.parameters(), fused=fused, foreach=not fused)
+        scaler = GradScaler("cuda", kernels="triton", skip_log_interval=0)
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)  # the same addresses: the tables are cached
+            scaler.scale(model(torch.randn(8, 64, device="cuda")).sum()).backward()
+            torch.cuda.synchronize()
+            if step < 2:
+                scaler.clip_grad_norm_(opt, 1.0)
+            else:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                    torch.cuda.synchronize()
+            scaler.step(opt)
+            scaler.update()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[layers] = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
+    assert len(counts[2]) == len(counts[200]) == (3 if fused else 4), counts
