@@ -41,16 +41,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ._plan import GradPass, StepPlan
-from ._state import DeviceState, NextCounters
+from ._plan import GradPass
 from ._torch_compat import amp_check_and_unscale_
 from .attribution import flag_tensors
-from .layouts import GradGroups
+
+if TYPE_CHECKING:
+    from ._plan import StepPlan
+    from ._state import DeviceState, NextCounters
+    from .layouts import GradGroups
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
 
@@ -315,7 +318,7 @@ def _run_triton(
     skipped = bool(found.item())  # the plan reads it (the host's word, or a free read)
     taking = plan.per_tensor_flags and skipped and per_tensor is not None
     if taking and grad_pass is GradPass.UNSCALE:
-        per_tensor = per_tensor * _inv_scale(state.scale)  # the flags of unscaled gradients
+        per_tensor = per_tensor * _inv_scale(state.scale)  # type: ignore[operator]  # the flags of unscaled gradients
     return StepResult(
         found,
         grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
@@ -428,7 +431,7 @@ def _check_and_unscale_into_(
 ) -> None:
     """torch's check-and-unscale kernel over every group (one launch each), its flag into the 0-dim
     ``found`` (set to 1.0 on inf/NaN, else left as it is). Groups on another device than ``found``
-    get their own flag and factor there, folded into ``found`` after."""
+    get their own flag and factor there, merged into ``found`` after (a max)."""
     device = found.device
     others: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, grads in groups.items():

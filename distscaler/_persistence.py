@@ -18,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _validation as V
 from ._state import HostValues
-from .config import FIELD_CHECKS, ScalerConfig, raise_problems, settings_problems
+from .config import FIELD_CHECKS, raise_problems, settings_problems
 from .interop import to_native_state
 from .policies import get_policy, policy_names
-from .telemetry import SkipTotals
+
+if TYPE_CHECKING:
+    from .config import ScalerConfig
+    from .telemetry import SkipTotals
 
 __all__ = ["LoadedState", "export_state", "parse_state"]
 

@@ -11,7 +11,7 @@ it holds, each an object with its own module:
 | ``_overflows`` | the per-tensor flags of the last skipped step and the overflow report ([`distscaler.attribution`][distscaler.attribution]) |
 | ``_group`` | the ranks that must agree (`distscaler._process_group`) |
 | ``_records`` | this iteration's `StepRecord` per optimizer |
-| ``_replicas`` | the replica check: fingerprints folded into the step's collective, the verdict, the ledger ([`distscaler.replica_check`][distscaler.replica_check]) |
+| ``_replicas`` | the replica check: its contribution to the step's collective (fingerprints, their reading), the ledger ([`distscaler.replica_check`][distscaler.replica_check]) |
 
 A step for one optimizer is one straight path: the scaler checks torch's call order and decides what
 the step does (a `StepPlan`), the layouts gather the gradients, `distscaler._inf_check.run()` carries
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,28 +33,29 @@ from torch.amp.grad_scaler import OptState
 from . import _validation as V
 from ._contract import StepContract, step_contract
 from ._fused import fused_step
-from ._inf_check import StepResult, run
+from ._inf_check import run
 from ._persistence import export_state, parse_state
-from ._plan import (
-    Contribution,
-    GradPass,
-    StepPlan,
-    host_read_is_free,
-    plan_check,
-    plan_clip,
-    plan_step,
-    plan_unscale,
-)
+from ._plan import GradPass, host_read_is_free, plan_check, plan_clip, plan_step, plan_unscale
 from ._process_group import ScalerGroup
-from ._state import DeviceState, HostValues, NextCounters, ScalerState
+from ._state import HostValues, ScalerState
 from ._step_record import StepRecord, torch_states
-from .attribution import OverflowReport, OverflowTracker
-from .config import CollapseAction, Kernels, OnMismatch, ScalerConfig
+from .attribution import OverflowTracker
+from .config import ScalerConfig
 from .errors import CallOrderError, TrainingCollapsedError
-from .layouts import GRAD_LAYOUTS, GradLayout, LayoutResolver
-from .policies import PolicyName, get_policy, policy_names
-from .replica_check import ReplicaCheck, ReplicaLedger
+from .layouts import GRAD_LAYOUTS, LayoutResolver
+from .policies import get_policy, policy_names
+from .replica_check import ReplicaCheck
 from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
+
+if TYPE_CHECKING:
+    from ._inf_check import StepResult
+    from ._plan import Contribution, StepPlan
+    from ._state import DeviceState, NextCounters
+    from .attribution import OverflowReport
+    from .config import CollapseAction, Kernels, OnMismatch
+    from .layouts import GradLayout
+    from .policies import PolicyName
+    from .replica_check import ReplicaLedger
 
 __all__ = ["GradScaler", "OptState"]
 

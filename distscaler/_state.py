@@ -26,10 +26,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._packed import EXACT_GROWTH_INTERVAL, Lerp, PackedCounters, packed_update_
+from ._packed import EXACT_GROWTH_INTERVAL, packed_update_
 from ._validation import check_scale
-from .policies import LossScalePolicy, ScaleRule, get_policy
-from .telemetry import SkipLog, SkipTotals
+from .policies import get_policy
+from .telemetry import SkipLog
+
+if TYPE_CHECKING:
+    from ._packed import Lerp, PackedCounters
+    from .policies import LossScalePolicy, ScaleRule
+    from .telemetry import SkipTotals
 
 if TYPE_CHECKING:
     from .config import ScalerConfig

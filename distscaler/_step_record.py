@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from ._state import NextCounters
 from .attribution import StepFlags, TensorFlags
+
+if TYPE_CHECKING:
+    from ._state import NextCounters
 
 if TYPE_CHECKING:
     from ._inf_check import StepResult

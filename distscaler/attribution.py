@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layouts import _ParamTable
+from ._param_table import ParamTable
 
 __all__ = [
     "INF_CODE",
@@ -200,7 +200,7 @@ class OverflowTracker:
     """The records of one scaler's optimizers, the parameter names, and the last report."""
 
     def __init__(self) -> None:
-        self._names = _ParamTable()
+        self._names = ParamTable()
         self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = (
             weakref.WeakKeyDictionary()
         )

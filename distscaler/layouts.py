@@ -40,19 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._param_table import ParamTable
 from .errors import UnknownLayoutError
 from .replica_check import ReplicaSet
 
 __all__ = [
     "GRAD_LAYOUTS",
-    "GradGroups",
     "GradLayout",
-    "GradPlan",
-    "GroupKey",
-    "LayoutResolver",
     "UnknownLayoutError",
-    "collect_grads",
-    "plan_grads",
     "replication_weight",
 ]
 
@@ -74,7 +69,7 @@ class GroupKey(NamedTuple):
     weight: float
 
 
-#: Local gradients of one optimizer grouped by [`GroupKey`][distscaler.layouts.GroupKey], in
+#: Local gradients of one optimizer grouped by `GroupKey`, in
 #: parameter order.
 GradGroups = dict[GroupKey, list[torch.Tensor]]
 
@@ -104,34 +99,6 @@ def _fsdp1_replicas(fsdp_module: nn.Module) -> int | None:
     return 1  # FULL_SHARD, SHARD_GRAD_OP: each rank holds its own shard
 
 
-class _ParamTable:
-    """A map from live tensors to values that holds the tensors weakly.
-
-    Looked up once per gradient per step, so it avoids ``WeakIdKeyDictionary``'s per-lookup
-    object creation: a plain dict by ``id`` whose entries check that the id still names the same
-    tensor, and drop themselves when it dies.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def get(self, tensor: torch.Tensor) -> Any:
-        entry = self._entries.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return None
-        return entry[1]
-
-    def set(self, tensor: torch.Tensor, value: Any) -> None:
-        key = id(tensor)
-        entries = self._entries
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if key in entries and entries[key][0] is ref:
-                del entries[key]
-
-        entries[key] = (weakref.ref(tensor, forget), value)
-
-
 class LayoutResolver:
     """Per-parameter replication weights for the global norm (see the module docstring).
 
@@ -140,16 +107,16 @@ class LayoutResolver:
 
     def __init__(self, default: GradLayout | None) -> None:
         self.default = default
-        self._registered = _ParamTable()  # param -> (layout or weight, source)
+        self._registered = ParamTable()  # param -> (layout or weight, source)
         #: param -> the process group of the wrapper that replicates it (DDP, FSDP1 NO_SHARD or
         #: HYBRID_SHARD's replicate group), for the replica check.
-        self._replica_groups = _ParamTable()
-        self._dtensor = _ParamTable()  # param -> (mesh, placements, weight, mesh size)
+        self._replica_groups = ParamTable()
+        self._dtensor = ParamTable()  # param -> (mesh, placements, weight, mesh size)
         self._checked_meshes: set[tuple[int, int]] = set()
         #: Bumped by every registration, so that cached gradient plans are rebuilt.
         self.version = 0
         #: Gradient groupings planned once per optimizer
-        #: ([`plan_grads()`][distscaler.layouts.plan_grads]), held weakly.
+        #: (`group_grads()`), held weakly.
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -172,7 +139,7 @@ class LayoutResolver:
         needed: bool = True,
     ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
         """This step's local gradients of ``optimizer`` and their parameters
-        ([`local_grads()`][distscaler.layouts.LayoutResolver.local_grads]), with their replication
+        (`local_grads()`), with their replication
         weights in a group of ``world_size`` ranks when ``weighted`` (a norm is taken: sparse
         gradients are coalesced); nothing when not ``needed``. No collective, no host read.
 
@@ -361,7 +328,7 @@ class LayoutResolver:
         if not mesh_ranks <= group_ranks:
             raise UnknownLayoutError(
                 f"a DTensor gradient lives on a device mesh over ranks {sorted(mesh_ranks)}, but the "
-                f"verdict process_group has ranks {sorted(group_ranks)}: the norm would miss the "
+                f"scaler's process_group has ranks {sorted(group_ranks)}: the norm would miss the "
                 "shards held outside it; pass a process_group that contains the whole mesh"
             )
         self._checked_meshes.add(key)
@@ -408,7 +375,7 @@ def _fsdp1_replicate_group(fsdp_module: nn.Module) -> Any:
 def _sub_mesh_error(grad: Any, mesh_size: int, world_size: int) -> UnknownLayoutError:
     return UnknownLayoutError(
         f"a DTensor gradient of shape {tuple(grad.shape)} lies on a device mesh of {mesh_size} of "
-        f"the verdict group's {world_size} ranks (mesh {grad.device_mesh}), and nothing says "
+        f"the scaler's process group ({world_size} ranks) (mesh {grad.device_mesh}), and nothing says "
         "whether the other ranks hold copies of it (a layer left out of a tensor-parallel plan) or "
         "other parameters (pipeline stages): put the parameter on the full mesh (Replicate on the "
         "other dimensions, as torchtitan does), or call scaler.register_model(module, "
@@ -433,7 +400,7 @@ def _unknown_layout_error(unknown: list[torch.Tensor], world_size: int) -> Unkno
         )
     return UnknownLayoutError(
         f"cannot tell how the gradients of {len(unknown)} parameter(s) (shapes {shapes}{more}) are "
-        f"laid out across the {world_size} ranks of the verdict group, so a global norm would be "
+        f"laid out across the {world_size} ranks of the scaler's process group, so a global norm would be "
         f"a guess: {hint}"
     )
 
@@ -514,10 +481,10 @@ def collect_grads(
 _NoneType = type(None)
 
 
-class GradPlan:
+class GradGrouping:
     """An optimizer's parameters grouped once by (device, dtype, weight), for every later step.
 
-    [`collect_grads()`][distscaler.layouts.collect_grads] does the grouping (and the layout lookups)
+    `collect_grads()` does the grouping (and the layout lookups)
     for every gradient at every step; a plan does it once per optimizer and parameter set. Gradients
     are new tensors at every step after ``zero_grad(set_to_none=True)``, so the plan keys on the
     parameters and fetches their ``.grad`` at each step: two list passes per group, no per-gradient
@@ -533,15 +500,15 @@ class GradPlan:
         owners: dict[GroupKey, list[torch.Tensor]] = {}
         for group_key, params, _ in groups:
             owners.setdefault(group_key, []).extend(params)
-        #: The group keys in the order [`grads()`][distscaler.layouts.GradPlan.grads] returns them.
+        #: The group keys in the order `grads()` returns them.
         self.keys = list(owners)
-        #: Every planned parameter, in the order [`grads()`][distscaler.layouts.GradPlan.grads]
+        #: Every planned parameter, in the order `grads()`
         #: returns their gradients.
         self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
     def grads(self) -> tuple[GradGroups, tuple[torch.Tensor, ...]] | None:
         """This step's local gradients, grouped, and their parameters in the same order
-        ([`params`][distscaler.layouts.GradPlan.params] itself when every parameter has a gradient);
+        (`params` itself when every parameter has a gradient);
         parameters without a gradient are left out.
 
         None when the gradients no longer match the plan (a model moved or cast since: one
@@ -578,7 +545,7 @@ def _plan_key(optimizer: torch.optim.Optimizer, *extra: Any) -> tuple:
     return (*((id(g["params"]), len(g["params"])) for g in optimizer.param_groups), *extra)
 
 
-def plan_grads(
+def group_grads(
     optimizer: torch.optim.Optimizer,
     cache: weakref.WeakKeyDictionary,
     *,
@@ -586,20 +553,20 @@ def plan_grads(
     world_size: int = 1,
     group: dist.ProcessGroup | None = None,
     rebuild: bool = False,
-) -> GradPlan | None:
-    """The optimizer's cached [`GradPlan`][distscaler.layouts.GradPlan], rebuilt when its parameter
+) -> GradGrouping | None:
+    """The optimizer's cached `GradGrouping`, rebuilt when its parameter
     set, the registered layouts or the group change; None when this step's gradients cannot be
-    planned (sparse ones: use [`collect_grads()`][distscaler.layouts.collect_grads]).
+    planned (sparse ones: use `collect_grads()`).
 
     Args:
         cache: where plans are kept, per optimizer (held weakly).
         resolver: when given (a norm is to be taken) and ``world_size > 1``, groups carry the
             replication weight of their gradients (see
-            [`collect_grads()`][distscaler.layouts.collect_grads]).
+            `collect_grads()`).
         rebuild: build a new plan even if the cached one matches (its gradients did not).
 
     Raises:
-        UnknownLayoutError: as [`collect_grads()`][distscaler.layouts.collect_grads], when a plan is
+        UnknownLayoutError: as `collect_grads()`, when a plan is
             built.
     """
     weigh = resolver is not None and world_size > 1
@@ -634,7 +601,7 @@ def plan_grads(
             groups.setdefault((local.device, local.dtype, weight, is_dtensor), []).append(param)
     if unknown:
         raise _unknown_layout_error(unknown, world_size)
-    plan = GradPlan(
+    plan = GradGrouping(
         key, [(GroupKey(d, t, w), params, dt) for (d, t, w, dt), params in groups.items()]
     )
     plans[weigh] = plan
@@ -653,8 +620,8 @@ def local_grads(
 ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
     """This step's local gradients of ``optimizer``, grouped (with replication weights if a
     ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is planned
-    once per optimizer and parameter set ([`plan_grads()`][distscaler.layouts.plan_grads], cached in
-    ``plans``); sparse gradients take [`collect_grads()`][distscaler.layouts.collect_grads] at every
+    once per optimizer and parameter set (`group_grads()`, cached in
+    ``plans``); sparse gradients take `collect_grads()` at every
     step.
 
     Raises:
@@ -663,7 +630,7 @@ def local_grads(
     """
     plan = planned = None
     for rebuild in (False, True):
-        plan = plan_grads(
+        plan = group_grads(
             optimizer, plans, resolver=resolver, world_size=world_size, group=group, rebuild=rebuild
         )
         if plan is None:

@@ -11,7 +11,7 @@ The check compares them where the scaler already reads every gradient and runs o
    ``B = sum_k k * w_k`` (``k`` the word's position), each modulo two primes ``P1 > P2``
    (`moduli()`). The sums are computed exactly (``int32`` over rows of 128 words, whose sums are
    bounded below ``2**31``, then ``int64`` residues), never wrapped.
-2. **Folded** into four float32 slots (`fold_moments()`): the positions are made global over the
+2. **Combined** into four float32 slots (`fingerprint_slots()`): the positions are made global over the
    rank's checked tensors (a tensor's ``B`` plus its word offset times its ``A``), and each replica
    set gives its members *coefficients* ``c`` (`coefficient()`: they sum to 0, never 0) and
    *shifts* ``s`` (`shift()`: ``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This
@@ -300,7 +300,7 @@ def word_moments(
     return out.remainder_(rows.moduli)
 
 
-def fold_moments(
+def fingerprint_slots(
     moments: torch.Tensor,
     offsets: torch.Tensor,
     coefs: torch.Tensor,
@@ -335,7 +335,7 @@ def layout_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(coefficients int64 ``(n,)``, word offsets int64 ``(n, 2)``, shifts int64 ``(n, 2)``) of
     tensors of ``sizes`` words in their replica ``sets`` (None: not checked, coefficient 0), the
-    inputs of `fold_moments()`. Offsets count the checked tensors' words only. Host arithmetic."""
+    inputs of `fingerprint_slots()`. Offsets count the checked tensors' words only. Host arithmetic."""
     coefs, offsets, shift = [], [], []
     offset = 0
     for n, s in zip(sizes, sets):
@@ -557,7 +557,7 @@ class ReplicaSlots:
         if self.with_grads:
             if moments is None:
                 moments = word_moments(grads, self.primes, self.device)
-            parts.append(self._fold("gradients", moments, grads, sets, primes))
+            parts.append(self._slots("gradients", moments, grads, sets, primes))
         else:
             parts.append(torch.zeros(SLOTS, dtype=torch.float32, device=self.device))
         if self.with_params:
@@ -577,10 +577,10 @@ class ReplicaSlots:
                     [w.detach().isfinite().all() for w in weights]
                 ).all().logical_not()
             moments = word_moments(tensors, self.primes, self.device)
-            parts.append(self._fold("parameters", moments, tensors, owners, primes))
+            parts.append(self._slots("parameters", moments, tensors, owners, primes))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _fold(
+    def _slots(
         self,
         what: str,
         moments: torch.Tensor,
@@ -589,7 +589,7 @@ class ReplicaSlots:
         primes: torch.Tensor,
     ) -> torch.Tensor:
         coefs, offsets, shift = self.check.layout_terms(what, tensors, sets, self.primes, primes)
-        slots, fingerprints = fold_moments(moments, offsets, coefs, shift, primes)
+        slots, fingerprints = fingerprint_slots(moments, offsets, coefs, shift, primes)
         self._global[what] = (fingerprints, list(sets))
         return slots
 

@@ -333,7 +333,7 @@ def test_a_rebuilt_plan_of_the_same_parameters_is_recorded_without_a_scatter():
     params = tuple(torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
     record = _Record(params, torch.device("cpu"))
     codes = torch.tensor([1.0, -2.0, 3.0])
-    rebuilt = tuple(list(params))  # a new tuple, as a rebuilt GradPlan gives
+    rebuilt = tuple(list(params))  # a new tuple, as a rebuilt GradGrouping gives
     assert rebuilt is not params
     assert record.dense(TensorFlags(rebuilt, codes)) is codes and record.params is rebuilt
     # A subset (a parameter without a gradient this step) is scattered, the rest clean.

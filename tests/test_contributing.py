@@ -27,7 +27,15 @@ def _imports(path: Path) -> set[str]:
     rel = path.relative_to(PACKAGE)
     here = list(rel.parts[:-1])
     found: set[str] = set()
+    typing_only = {  # imports under `if TYPE_CHECKING:` are for type hints, not layers
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names: list[str] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:

@@ -30,7 +30,7 @@ from distscaler.replica_check import (
     ReplicaMismatch,
     ReplicaSet,
     coefficient,
-    fold_moments,
+    fingerprint_slots,
     layout_terms,
     mismatched,
     moduli,
@@ -106,7 +106,7 @@ def _slots(tensors: list[torch.Tensor], replica: ReplicaSet, primes: tuple[int, 
     p_t = torch.tensor(primes)
     sizes = [t.numel() * t.element_size() // 2 for t in tensors]
     coefs, offsets, shift = layout_terms(sizes, [replica] * len(tensors), primes, p_t.device)
-    return fold_moments(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
+    return fingerprint_slots(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
 
 
 def _caught(replica_tensors: list[list[torch.Tensor]]) -> bool:
@@ -392,7 +392,7 @@ def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
     assert ops["tensors"] == 4
     # What a checked step adds, whatever the path (and where the flag was a MAX, the clamp of its
     # SUM); one host read (the reduced slots). The all_reduce stays one.
-    # The fingerprint (replica_check.word_moments, fold_moments) over the model's 4 gradients: one
+    # The fingerprint (replica_check.word_moments, fingerprint_slots) over the model's 4 gradients: one
     # cat of their words into rows (2 zero pads), two row sums, the residues; then the collective's
     # cat and copy_ back. A fixed number whatever the tensor count (one cat).
     base = {
