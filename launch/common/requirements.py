@@ -30,6 +30,7 @@ EXTRAS["transformers"] = {**EXTRAS["accelerate"], "transformers": "transformers"
 EXTRAS["torchtitan"] = {**EXTRAS["train"], "torchtitan": "torchtitan"}
 EXTRAS["megatron"] = {**EXTRAS["train"], "megatron.core": "megatron-core"}
 EXTRAS["verl"] = {**EXTRAS["train"], "verl": "verl", "transformers": "transformers"}
+EXTRAS["areal"] = {**EXTRAS["train"], "areal": "areal", "transformers": "transformers"}
 
 
 def missing(extra: str) -> list[str]:
