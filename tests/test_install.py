@@ -114,6 +114,7 @@ def test_every_integration_has_its_extra() -> None:
         "verl",
         "torchft",
         "nemo_rl",
+        "areal",
     }
     assert integrations <= EXTRAS
 
