@@ -198,7 +198,9 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         out[f"{name}_class"] = f"{type(worker).__module__}.{type(worker).__qualname__}"
         first = run(worker, range(3), ours=ours, inf_steps=(1,))
         weights, optim = (os.path.join(root[0], name, part) for part in ("weights", "optimizer"))
-        worker.save_checkpoint(weights, optimizer_path=optim, checkpointing_cfg=checkpointing(model))
+        worker.save_checkpoint(
+            weights, optimizer_path=optim, checkpointing_cfg=checkpointing(model)
+        )
         out[f"{name}_listing"] = sorted(os.listdir(optim))
         if ours:
             report = worker._distscaler_scaler.last_overflow

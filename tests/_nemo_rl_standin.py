@@ -264,7 +264,10 @@ TINY = 1e-9
 
 def batch(step: int, rank: int, samples: int = 4) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return {"x": torch.randn(samples, WIDTH, generator=g), "y": torch.randn(samples, 1, generator=g)}
+    return {
+        "x": torch.randn(samples, WIDTH, generator=g),
+        "y": torch.randn(samples, 1, generator=g),
+    }
 
 
 def mse(factor: float = FACTOR) -> Any:

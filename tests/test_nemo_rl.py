@@ -26,6 +26,7 @@ one step (refused).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -71,8 +72,9 @@ def real(tmp_path_factory):
 @needs_nemo_rl
 @TWO_RANKS
 def test_the_worker_is_nemo_rls_class_with_ours_on_top(real):
-    import distscaler.integrations.nemo_rl as ds
     from nemo_rl.models.policy.workers.dtensor_policy_worker_v2 import DTensorPolicyWorkerV2Impl
+
+    import distscaler.integrations.nemo_rl as ds
 
     for r in real:
         assert r["stock_class"] == (
@@ -192,6 +194,29 @@ def test_a_second_unscale_or_step_is_refused(real):
         )
 
 
+@needs_nemo_rl
+@pytest.mark.slow
+@pytest.mark.xdist_group("nemo-rl-job")
+def test_train_nemo_rl_grpo_job_with_an_inf_on_one_rank(tmp_path):
+    from _common import torchrun_summary
+
+    args = ("--steps", "8", "--inject-inf", "3", "--lr", "1e-2")
+    ours = torchrun_summary("train_nemo_rl.py", *args, out=tmp_path / "ours")
+    stock = torchrun_summary("train_nemo_rl.py", *args, "--stock", out=tmp_path / "stock")
+    assert ours["worker"] == "distscaler.integrations.nemo_rl.DTensorPolicyWorkerV2Impl"
+    assert stock["worker"].startswith("nemo_rl.models.policy.workers.dtensor_policy_worker_v2.")
+    assert ours["ranks_agree"] and ours["skipped_steps"] == [3] and ours["sampling_failed"] is None
+    assert ours["scales"] == [65536.0] * 2 + [32768.0] * 6 and all(ours["weights_finite"])
+    assert all(math.isfinite(n) for i, n in enumerate(ours["grad_norms"]) if i != 2)
+    # Stock: the step on the inf is taken; the weights are NaN from it on, and sampling stops.
+    assert math.isinf(stock["grad_norms"][2]) and stock["weights_finite"][2:] == [False] * (
+        len(stock["weights_finite"]) - 2
+    )
+    assert stock["sampling_failed"] is not None
+    # Up to the skip the two runs are the same run (the same samples, hence rewards).
+    assert ours["mean_reward"][:3] == stock["mean_reward"][:3]
+
+
 # ----------------------------------------------------------------------------- the stand-in
 
 
@@ -292,7 +317,10 @@ def test_rebinding_leaves_the_module_and_the_decorator_as_they_are():
         S.StandInWorkerImpl.train, {"scale_grads_and_clip_grad_norm": lambda *a, **k: calls}
     )
     assert core is S.StandInWorkerImpl.train.__closure__[0].cell_contents  # the undecorated one
-    assert train is not S.StandInWorkerImpl.train and train.__code__ is S.StandInWorkerImpl.train.__code__
+    assert (
+        train is not S.StandInWorkerImpl.train
+        and train.__code__ is S.StandInWorkerImpl.train.__code__
+    )
     inner = train.__closure__[0].cell_contents
     assert inner.__globals__["scale_grads_and_clip_grad_norm"]() is calls
     assert S.scale_grads_and_clip_grad_norm.__module__ == S.__name__  # the module's own
@@ -324,7 +352,11 @@ def test_uncovered_paths_are_refused_when_the_worker_is_built():
     with pytest.raises(NotImplementedError, match="cpu_offload"):
         _bare(cls, moe_mesh=None, cpu_offload=True, **common)._distscaler_setup(options)
     # bf16, fp32, or no optimizer: NeMo-RL's worker unchanged.
-    for dtype, optimizer in ((torch.bfloat16, object()), (torch.float32, object()), (torch.float16, None)):
+    for dtype, optimizer in (
+        (torch.bfloat16, object()),
+        (torch.float32, object()),
+        (torch.float16, None),
+    ):
         worker = _bare(cls, dtype=dtype, optimizer=optimizer, moe_mesh=object())
         worker._distscaler_setup(options)
         assert worker._distscaler_scaler is None
@@ -334,9 +366,9 @@ def test_uncovered_paths_are_refused_when_the_worker_is_built():
             return {}
 
     with pytest.raises(NotImplementedError, match=r"NoClip.train does not call scale_grads"):
-        _bare(ds.worker_class(NoClip), moe_mesh=None, cpu_offload=False, **common)._distscaler_setup(
-            options
-        )
+        _bare(
+            ds.worker_class(NoClip), moe_mesh=None, cpu_offload=False, **common
+        )._distscaler_setup(options)
     with pytest.raises(TypeError, match="base must be a NeMo-RL worker class"):
         ds.worker_class(object)
 
@@ -388,11 +420,12 @@ def fake_policy(monkeypatch):
         registry = R.ACTOR_ENVIRONMENT_REGISTRY
 
         class Policy(lm_policy.Policy):  # records instead of starting Ray workers
-            def __init__(self, *args, **kwargs):
-                import inspect
+            __signature__ = inspect.signature(lm_policy.Policy)
 
-                bound = inspect.signature(lm_policy.Policy).bind(*args, **kwargs)
-                built.append((bound.arguments["config"], bound.arguments.get("worker_extension_cls_fqn")))
+            def __init__(self, *args, **kwargs):
+                bound = self.__signature__.bind(*args, **kwargs)
+                arguments = bound.arguments
+                built.append((arguments["config"], arguments.get("worker_extension_cls_fqn")))
 
         monkeypatch.setattr(lm_policy, "Policy", Policy)
     return built, registry

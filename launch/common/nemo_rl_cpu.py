@@ -87,7 +87,9 @@ def save_tiny_model(path: str) -> str:
 
 def shared_model_dir() -> str:
     """Rank 0 saves the tiny model in a fresh directory; every rank gets its path."""
-    box = [save_tiny_model(tempfile.mkdtemp(prefix="nemo-rl-model-")) if dist.get_rank() == 0 else ""]
+    box = [
+        save_tiny_model(tempfile.mkdtemp(prefix="nemo-rl-model-")) if dist.get_rank() == 0 else ""
+    ]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
