@@ -487,10 +487,14 @@ class GradScaler(torch.amp.GradScaler):
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
         if not torch.compiler.is_compiling():  # (an int a compiled update wrote would recompile it)
-            self._replicas.end_iteration(mismatch)
+            self._replicas.end_iteration(mismatch, self._optimizers())
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        # The optimizers of this iteration (their records keep them), for the parameter check.
+        return [r.optimizer for r in self._records.values() if r.optimizer is not None]
 
     def _skip(self, cause: str, report: Any = None) -> None:
         # An iteration whose step was skipped for ``cause`` without moving the scale (torchft's
@@ -501,7 +505,7 @@ class GradScaler(torch.amp.GradScaler):
         if due:
             self._periodic()
         if not torch.compiler.is_compiling():
-            self._replicas.end_iteration(False)
+            self._replicas.end_iteration(False, self._optimizers())
         self._records.clear()
 
     # ------------------------------------------------------------------ the parts, used

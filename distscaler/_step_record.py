@@ -51,6 +51,8 @@ class StepRecord:
     flags: StepFlags | None = None
     #: The replica check found replicas that differ: the step is skipped (not an overflow).
     replica_mismatch: bool = False
+    #: The optimizer of the record (its parameters, for the parameter check).
+    optimizer: torch.optim.Optimizer | None = None
 
     def keep(
         self,
@@ -67,6 +69,7 @@ class StepRecord:
         it made (unless ``counters`` is False); its per-tensor flags for the overflow report where
         it took them; and the new ``stage``."""
         assert result.found_inf is not None
+        self.optimizer = optimizer
         self.found_inf = result.found_inf
         self.grad_scale = result.grad_scale if grad_scale else None
         if counters:

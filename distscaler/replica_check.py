@@ -438,6 +438,8 @@ class ReplicaLedger:
     last_mismatch: ReplicaMismatch | None = None
     events: collections.deque = field(default_factory=collections.deque, repr=False)
     """(update, rank) of the faults of the last `SUSPECT_WINDOW` updates (suspects' evidence)."""
+    param_checks_at: int = 0
+    """The update of the last parameter check across replicas (0: none yet)."""
 
     def note_mismatch(self, mismatch: ReplicaMismatch) -> None:
         """Count one mismatch event, and one for each rank it names (alone at fault when it names
@@ -605,6 +607,8 @@ class ReplicaSlots:
         ledger = check.ledger
         ledger.checks += self.with_grads
         ledger.param_checks += self.with_params
+        if self.with_params:
+            ledger.param_checks_at = step
         parts = [("gradients", values[0:SLOTS]), ("parameters", values[SLOTS : 2 * SLOTS])]
         bad = [what for what, slots in parts if slots and mismatched(slots, self.primes)]
         if self.param_nonfinite is not None and bool(self.param_nonfinite):
@@ -753,9 +757,19 @@ class ReplicaCheck:
         seen, self.nonfinite_parameters = self.nonfinite_parameters, False
         return seen
 
-    def end_iteration(self, skipped: bool) -> None:
-        """``update()``: the iteration ends (``skipped``: for a replica mismatch)."""
-        self.iteration += 1
+    def end_iteration(self, skipped: bool, optimizers: Sequence[Any] = ()) -> None:
+        """``update()``: the iteration ends (``skipped``: for a replica mismatch). Where the
+        parameter check was due but could not compare replicas (one rank; a group whose
+        membership changes, torchft's), the parameters of ``optimizers`` are still checked for
+        non-finite values, locally (one read of them, one host read), for the collapse report."""
+        n = self.iteration + 1
+        due = self.param_interval > 0 and n % self.param_interval == 0
+        if due and optimizers and self.ledger.param_checks_at != n:
+            params = [getattr(p, "_local_tensor", p).detach()
+                      for opt in optimizers for g in opt.param_groups for p in g["params"]]  # fmt: skip
+            if params and not bool(torch.stack([p.isfinite().all() for p in params]).all()):
+                self.nonfinite_parameters = True
+        self.iteration = n
         self.last_skipped = skipped
 
 

@@ -322,10 +322,14 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
             scaler=GradScaler(
                 "cpu", init_scale=INIT_SCALE, growth_interval=1000,
                 grad_layout="sharded" if group_size > 1 else None, skip_log_interval=1,
+                collapse_window=spec.get("collapse_window", 2000),
+                param_check_interval=spec.get("param_check_interval", 1000),
             ),
             model=model,
             report_lone_replica=spec.get("report_lone", False),
         )  # fmt: skip
+        if spec.get("heal_unfixed"):  # the contrast: a healer's own inf/NaN not counted
+            scaler._heal_counts_own = False
     else:  # what a new torchft user writes
         scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1000)
 
@@ -462,6 +466,8 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
             record["lone"] = None if lone is None else [lone.step, lone.replica_rank, lone.this_group]
             record["ledger"] = scaler.replica_ledger.as_dict()
             record["found_inf"] = float(scaler.found_inf) if scaler.found_inf is not None else None
+            record["skip_causes"] = scaler.skip_totals.causes
+            record["collapsed"] = scaler.last_collapse is not None
         out.write(json.dumps(record) + "\n")
         time.sleep(spec.get("sleep", 0.05))
     out.write(json.dumps({"event": "done", "step": manager.current_step()}) + "\n")

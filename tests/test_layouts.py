@@ -184,7 +184,7 @@ def test_unknown_layout_raises_on_every_rank_before_changing_anything(spawned, c
     for record in results:
         assert record["error_type"] == "UnknownLayoutError"
         if case == "fsdp2-sub-mesh":
-            assert "lies on a device mesh of 1 of the verdict group's 2 ranks" in record["error"]
+            assert "lies on a device mesh of 1 of the scaler's process group (2 ranks)" in record["error"]
         else:
             assert "cannot tell how the gradients" in record["error"]
         assert "register_model" in record["error"] and "grad_layout" in record["error"]

@@ -1,0 +1,133 @@
+"""One skip account: every skipped optimizer step counted once with its cause (an overflow, a
+replica mismatch, torchft's uncommitted step), ``step_was_skipped`` and the account agreeing on
+every rank, and ``report_skip()`` returning the last skip's report whatever its cause; and the
+collapse watch, which names a run whose every step skips (the torchft heal that stepped on its own
+inf, reproduced with the healer's own flag left out) and stays quiet when the healer is handled.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import _skip_scenarios as S
+import pytest
+from _harness import spawn
+
+from distscaler import CollapseReport, GradScaler, SkipTotals, TrainingCollapsedError
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return spawn(S.overflow_and_flip, 2, tmp_path_factory.mktemp("skips2"))
+
+
+def test_an_overflow_and_a_flip_are_two_skips_of_two_causes_on_every_rank(two):
+    for run in two:
+        steps = run["steps"]
+        assert [s["skipped"] for s in steps] == [
+            i in (S.OVERFLOW_STEP, S.FLIP_STEP) for i in range(S.STEPS)
+        ]
+        over, flip = steps[S.OVERFLOW_STEP], steps[S.FLIP_STEP]
+        assert over["cause"] == "overflow" and over["update"] == S.OVERFLOW_STEP + 1
+        assert flip["cause"] == "replica_mismatch" and flip["update"] == S.FLIP_STEP + 1
+        assert "rank(s) 0, 1 differ" in flip["describe"]  # the mismatch's report, named
+        assert "overflow" in over["describe"]
+        # The overflow backed the scale off; the mismatch left it where it was.
+        assert over["scale"] < steps[S.OVERFLOW_STEP - 1]["scale"]
+        assert flip["scale"] == steps[S.FLIP_STEP - 1]["scale"]
+        last = steps[-1]
+        assert last["causes"] == {"overflow": 1, "replica_mismatch": 1, "not_committed": 0}
+        assert last["num_skipped"] == 2 and last["num_updates"] == S.STEPS
+        assert last["totals"] == "skipped steps: 2 of 5 (overflow 1, replica_mismatch 1)"
+        assert run["ledger"]["replica_mismatches"] == 1  # one event ...
+        assert run["ledger"]["replica_mismatched_ranks"] == 2  # ... naming both replicas
+    assert two[0]["steps"] == two[1]["steps"]  # the same account on every rank
+
+
+def test_report_skip_is_none_only_before_any_skip():
+    scaler = GradScaler("cpu")
+    assert scaler.report_skip() is None
+    assert SkipTotals().causes == {"overflow": 0, "replica_mismatch": 0, "not_committed": 0}
+
+
+def test_collapse_report_and_error_describe_the_run():
+    report = CollapseReport(40, 31, {"overflow": 10}, ((35, 64.0), (40, 2.0)), ("rank 3",))
+    text = report.describe()
+    assert "10 updates in a row, since update 31" in text and "64 -> 2" in text
+    assert "rank 3" in text
+    assert str(TrainingCollapsedError(report)) == text
+
+
+def test_collapse_window_and_on_collapse_are_validated():
+    with pytest.raises(ValueError, match="collapse_window"):
+        GradScaler("cpu", collapse_window=-1)
+    with pytest.raises(ValueError, match="on_collapse must be 'warn' or 'raise'"):
+        GradScaler("cpu", on_collapse="log")  # type: ignore[arg-type]
+
+
+def test_a_run_that_skips_every_step_is_named_collapsed():
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**4, collapse_window=5, skip_log_interval=1,
+                        on_collapse="raise")  # fmt: skip
+    with pytest.raises(TrainingCollapsedError, match="skipped for 5 updates in a row") as err:
+        for _ in range(20):
+            opt.zero_grad()
+            scaler.scale(model(torch.full((2, 4), float("nan"))).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert err.value.report.causes == {"overflow": 5, "replica_mismatch": 0, "not_committed": 0}
+    assert [s for _, s in err.value.report.scales][-1] < 2.0**4
+
+
+# ---------------------------------------------------------------------- torchft
+
+
+@pytest.fixture(scope="module")
+def heals(tmp_path_factory):
+    """The heal with an inf in the healer's own gradients (tests/test_faults.py's), once as the
+    integration runs it and once with the healer's own flag left out (how it ran before), each
+    with collapse_window=4."""
+    pytest.importorskip("torchft")
+    import _torchft_scenarios as T
+
+    root = tmp_path_factory.mktemp("collapse")
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def go(name: str, unfixed: bool) -> None:
+        try:
+            spec = dict(T.SCENARIOS["heal_step_inf"], wiring="ours", collapse_window=4,
+                        heal_unfixed=unfixed, param_check_interval=1)  # fmt: skip
+            results[name] = T.run(spec, str(root / name), timeout=240)
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=a) for a in (("fixed", False), ("unfixed", True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_the_collapse_watch_fires_on_the_bad_heal_and_not_on_the_handled_one(heals):
+    import _torchft_scenarios as T
+
+    def collapsed(result: dict[str, Any]) -> dict[tuple, bool]:
+        assert not result["timed_out"], result["exits"]
+        return {key: any(d.get("collapsed") for d in T.steps_of(records))
+                for key, records in result["records_by_rank"].items()}  # fmt: skip
+
+    # Before the fix the healer steps on its own inf and trains on with non-finite parameters
+    # (its group's own flag was replaced by the others'): the parameter check names it.
+    assert collapsed(heals["unfixed"])[(1, 0)], "the collapse went unnamed"
+    assert not any(collapsed(heals["fixed"]).values()), "a handled heal was named a collapse"
+    healer = T.steps_of(heals["fixed"]["records_by_rank"][(1, 0)])
+    # The healer's own inf/NaN made its heal step an uncommitted one, counted with its cause.
+    assert max(d["skip_causes"]["not_committed"] for d in healer) >= 1
