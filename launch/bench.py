@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--contenders",
         nargs="+",
-        choices=CONTENDERS,
+        choices=CONTENDERS + tuple(VARIANTS),
         default=None,
         help="default: all but distscaler-compiled (distscaler-graph on --device cuda only); the launch sweep adds "
         "distscaler's variants (its DeepSpeed and Megatron rules, no overflow report) when "

@@ -77,6 +77,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "distscaler-noreport": {"skip_log_interval": 0},
     # The replica check off (it is on by default, and runs where gradients are replicated: DDP).
     "distscaler-nocheck": {"replica_check": False},
+    # torch's multi-tensor kernels for the pass where kernels="auto" takes the Triton kernel (CUDA).
+    "distscaler-torch-kernels": {"kernels": "torch"},
 }
 
 INIT_SCALE = 2.0**16
