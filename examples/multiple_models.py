@@ -1,12 +1,13 @@
 """Several models, losses and optimizers: one scaler, one all_reduce per optimizer step.
 
+    pip install numpy    # torch's CommDebugMode (torch.distributed.tensor.debug) imports it
     torchrun --standalone --nproc-per-node=2 examples/multiple_models.py
 
 torch's recipe: one scaler serves every model and optimizer; ``scale`` each loss, ``unscale_``
-(or ``clip_grad_norm_``) and ``step`` each optimizer, then one ``update``. Each optimizer gets its
-own verdict: one ``all_reduce`` of at most two float32 per ``step`` (or ``clip_grad_norm_``), so
-two optimizers cost two per iteration and ``update`` none. The script counts them with
-torch's ``CommDebugMode`` and checks the count. If one optimizer's gradients overflow, that
+(or ``clip_grad_norm_``) and ``step`` each optimizer, then one ``update``. Each optimizer's skip
+is agreed on its own: one ``all_reduce`` per ``step`` (or ``clip_grad_norm_``), so two optimizers
+cost two per iteration and ``update`` none. The script counts them with torch's
+``CommDebugMode`` and checks the count. If one optimizer's gradients overflow, that
 optimizer skips on every rank; the scale backs off once, at ``update``.
 """
 
