@@ -462,11 +462,16 @@ class GradScaler(torch.amp.GradScaler):
             return
         state = self._device_state("update")
         mismatch = any(r.replica_mismatch for r in self._records.values())
+        if mismatch and new_scale is None:
+            # A replica mismatch whose values are all finite is no overflow: every rank skipped
+            # the step, and the scale, the growth tracker and the policy's counters stay as they
+            # are. One that brought inf/NaN (agreed: found_inf is 1.0 on every rank) is an
+            # overflow too, and every rank backs off alike. (A mismatch already read the host.)
+            mismatch = not any(bool(r.found_inf.item()) for r in self._records.values()
+                               if r.found_inf is not None)  # fmt: skip
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
         elif mismatch:
-            # A replica mismatch is no overflow of the scale: every rank skipped the step, and the
-            # scale, the growth tracker and the policy's counters stay as they are.
             mismatch_report = self._replicas.ledger.last_mismatch
             due = self._state.skip("replica_mismatch", self._config)
             self._last_host_skip = (self._state.num_host_updates, "replica_mismatch",

@@ -93,13 +93,10 @@ def agreement(rank: int, world_size: int, device: str = "cpu") -> dict[str, Any]
         key = f"{opt_kind}-{fault}-{target}-{'clip' if clip else 'noclip'}"
         mk = dict(init_scale=2.0**8, growth_interval=2)
         results[key] = {
-            # The overflow's property: an inf written on some ranks of gradients declared
-            # replicated is also a replica mismatch, which skips without moving the scale
-            # (tests/test_faults.py); without the check it is agreed on as an overflow.
             "ours": train_steps(
                 rank,
                 world_size,
-                GradScaler(device, **mk, grad_layout="replicated", replica_check=False),
+                GradScaler(device, **mk, grad_layout="replicated"),
                 opt_kind,
                 fault,
                 target,
