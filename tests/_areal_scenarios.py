@@ -151,6 +151,7 @@ def train(
                 optimizer.step = own_step
         extra.update(collectives=len(log.calls), host_reads=len(spy.reads))
         extra["kinds"] = sorted({name for name, _ in log.calls})
+        extra["all_reduce_bytes"] = [n for name, n in log.calls if name == "c10d.allreduce_"]
         extra["stats"] = {k: float(v) for k, v in stats.items()}
         return stats
 

@@ -49,11 +49,18 @@ def test_the_areal_stage_has_the_tested_areal():
     assert FOUND == TESTED, f"CI's AReaL stage installs AReaL {TESTED}, found {FOUND}"
 
 
+#: The spawn's results, once per process: xdist tears a module's fixtures down whenever a worker's
+#: queue runs empty between two tests of the group, and the spawn takes minutes.
+_SPAWNED: list[list[dict]] = []
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     import _areal_scenarios as S
 
-    return spawn(S.everything, 2, tmp_path_factory.mktemp("areal"))
+    if not _SPAWNED:
+        _SPAWNED.append(spawn(S.everything, 2, tmp_path_factory.mktemp("areal")))
+    return _SPAWNED[0]
 
 
 def _scenarios():
@@ -126,6 +133,10 @@ def test_b_an_inf_on_one_rank_skips_on_every_rank_lr_held_scale_backed_off(resul
         assert {s["collectives"] for s in ours if s["step"] != k} == {1}
         assert {kind for s in ours if s["step"] != k for kind in s["kinds"]} == {"c10d.allreduce_"}
         assert ours[k]["kinds"] == ["c10d._allgather_base_", "c10d.allreduce_"]
+        # Ours: 2 float32 (the flag and the norm; FSDP2's shards: nothing replicated, so no
+        # replica check); stock: one float32 per all_reduce (the norm).
+        assert {tuple(s["all_reduce_bytes"]) for s in ours} == {(8,)}
+        assert {tuple(s["all_reduce_bytes"]) for s in stock} == {(4, 4)}
         # Host reads in optimizer_step (the optimizer's own aside), clean steps after the first:
         # stock 6; ours 3 (the norm AReaL returns, the scaler's metrics, the flag: read on the
         # host only on a CPU, where it costs no sync).

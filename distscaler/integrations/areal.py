@@ -80,7 +80,7 @@ from ..config import ScalerConfig
 from ..errors import CallOrderError
 from ._scaler_arg import scaler_from_argument
 
-__all__ = ["AREAL_SCALER", "TESTED_VERSION", "DistScalerFSDPEngine", "install", "scaler_of"]
+__all__ = ["AREAL_SCALER", "TESTED_VERSION", "install", "scaler_of"]
 
 #: The AReaL release this module is tested with (CI: ``tests/test_areal.py``).
 TESTED_VERSION = "1.0.4"
@@ -101,12 +101,13 @@ def _checkpoint_file(path: str) -> str:
     return os.path.join(path, f"distscaler_world_size_{world}_rank_{rank}.pt")
 
 
-class DistScalerFSDPEngine(ABC):  # noqa: B024 - a mixin; ABC: AReaL's engines' object layout
+class _DistScalerEngine(ABC):  # noqa: B024 - a mixin; ABC: AReaL's engines' object layout
     """What distscaler adds to AReaL's FSDP engine (a mixin placed before AReaL's class by
-    [`install()`][distscaler.integrations.areal.install]; see the module docstring)."""
+    ``install()``; see the module docstring). Derived from ``ABC`` as AReaL's engines are: a
+    mixin that is not gives the subclass another object layout, and ``__class__`` cannot be
+    assigned."""
 
-    distscaler: GradScaler
-    """The engine's scaler."""
+    distscaler: GradScaler  # the engine's scaler
 
     # AReaL's attributes this mixin reads.
     config: Any
@@ -227,7 +228,7 @@ def _subclass(stock: type) -> type:
     if ours is None:
         ours = type(
             stock.__name__,
-            (DistScalerFSDPEngine, stock),
+            (_DistScalerEngine, stock),
             {
                 "__module__": __name__,
                 "__qualname__": stock.__name__,
@@ -328,7 +329,7 @@ def install(engine: Any, scaler: Any = None) -> GradScaler:
         ImportError: AReaL is not installed.
     """
     _check_engine(engine)
-    if isinstance(engine, DistScalerFSDPEngine):
+    if isinstance(engine, _DistScalerEngine):
         if scaler is not None:
             raise ValueError(
                 "engine already has distscaler's scaler (install() was called on it): pass "
@@ -356,4 +357,4 @@ def install(engine: Any, scaler: Any = None) -> GradScaler:
 def scaler_of(engine: Any) -> GradScaler | None:
     """The scaler [`install()`][distscaler.integrations.areal.install] gave ``engine``, or None
     (a stock engine). No collective, no host read."""
-    return engine.distscaler if isinstance(engine, DistScalerFSDPEngine) else None
+    return engine.distscaler if isinstance(engine, _DistScalerEngine) else None
