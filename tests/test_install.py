@@ -115,6 +115,7 @@ def test_every_integration_has_its_extra() -> None:
         "torchft",
         "nemo_rl",
         "areal",
+        "slime",
     }
     assert integrations <= EXTRAS
 
