@@ -29,6 +29,9 @@ from types import SimpleNamespace
 import pytest
 from _harness import spawn
 
+from common.megatron_cpu import stub_gpu_only_imports
+
+stub_gpu_only_imports()  # triton, imported unguarded by one module of megatron-core
 pytest.importorskip("megatron.core", reason="megatron-core (the megatron extra; CI installs it)")
 
 TWO_RANKS = pytest.mark.xdist_group("slime2")
