@@ -458,6 +458,17 @@ class DistScalerWorker:
     # -- NeMo-RL's methods
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo-RL's ``train`` (its arguments), run as NeMo-RL writes it, scaled in fp16.
+
+        In fp16 and not ``eval_mode``: the loss's backward scaled, the clip and the inf check
+        distscaler's (one collective), the optimizer step skipped on every rank or none, the LR
+        scheduler held when every step of the call was skipped (module doc). Returns NeMo-RL's
+        metrics plus ``distscaler/scale``, ``distscaler/skipped`` and, after a skip,
+        ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``. Otherwise NeMo-RL's.
+
+        Raises:
+            CallOrderError: a second ``optimizer.step()`` or ``unscale_`` in one global batch.
+        """
         scaler = self._distscaler_scaler
         if scaler is None:
             return super().train(*args, **kwargs)  # type: ignore[misc]
@@ -495,6 +506,9 @@ class DistScalerWorker:
         return metrics
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo-RL's ``save_checkpoint``; in fp16 with an ``optimizer_path``, also the scaler's
+        state in ``distscaler_world_size_{W}_rank_{R}.pt`` there, every rank's file written when it
+        returns (one ``barrier``)."""
         out = super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
         scaler = self._distscaler_scaler
         bound = inspect.signature(super().save_checkpoint).bind(*args, **kwargs)  # type: ignore[misc]
@@ -509,6 +523,8 @@ class DistScalerWorker:
         return out
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """NeMo-RL's ``load_checkpoint``; in fp16 with an ``optimizer_path``, also the scaler's
+        state (a warning, and the scaler left as it is, when the checkpoint has none)."""
         out = super().load_checkpoint(*args, **kwargs)  # type: ignore[misc]
         bound = inspect.signature(super().load_checkpoint).bind(*args, **kwargs)  # type: ignore[misc]
         optimizer_path = bound.arguments.get("optimizer_path")
