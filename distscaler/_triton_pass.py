@@ -393,8 +393,8 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
     lane = tl.arange(0, BLOCK)
     for DT in tl.static_range(3):
         if dt == DT:
-            for start in range(e0, end, BLOCK):
-                offs = start + lane
+            for start in range(0, end - e0, BLOCK):  # relative: int64 offsets from e0 on
+                offs = e0 + start + lane
                 mask = offs < end
                 if DT == 0:
                     ptr = addr.to(tl.pointer_type(tl.float32)) + offs

@@ -1,0 +1,238 @@
+"""GPU microbenchmark of the fused Triton pass (``distscaler/_triton_pass.py``) beside torch's ops.
+
+On the same gradients, interleaved per case, CUDA events, the median of ``--iters`` timed
+iterations after ``--warmup``:
+
+* ``torch-recipe``: what ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_`` launch:
+  ``_amp_foreach_non_finite_check_and_unscale_`` (read + write), ``_foreach_norm`` + ``stack`` +
+  ``vector_norm`` (read), the clip coefficient, ``_foreach_mul_`` (read + write), per dtype group.
+* ``torch-norm``: distscaler's torch path for a fused optimizer: ``_foreach_norm(p=2)`` per dtype
+  group + ``stack`` + ``vector_norm`` (read only).
+* ``triton``: ``grad_pass(norm_type=2, flags=True)`` + ``finish`` (read only: found_inf,
+  grad_scale, total norm, per-tensor norms); ``triton+moments`` with the replica fingerprint;
+  ``triton+div``: the same + ``div_`` (read, then read + write: the non-fused step).
+* ``read-ref``: one read of the same bytes, ``torch.sum`` over a flat float32 buffer;
+  ``copy-ref``: one read + one write of them (``copy_``).
+
+Cases: one bf16 and one fp32 tensor of 1 MB to 2 GB, 500 mixed-dtype matrices of 225M elements in
+all (bf16/fp32/fp16), one 1.536e9-element bf16 tensor. Also the kernel launches of one iteration
+of each recipe (torch.profiler) and a sweep of the kernel's tile size and warps.
+
+    python launch/kernel_bench.py --out runs/kernel_bench          # about 2 minutes on an H100
+    python launch/kernel_bench.py --quick                           # smaller sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from distscaler import _triton_pass as tp  # noqa: E402
+
+MB = 1 << 20
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs (CUDA events around each)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels_per_call(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len([n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()])
+
+
+def groups(grads):
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        out.setdefault(g.dtype, []).append(g)
+    return list(out.values())
+
+
+def make_recipes(grads):
+    dev = grads[0].device
+    found = torch.zeros(1, device=dev)
+    inv = torch.ones((), device=dev)  # 1.0: values unchanged from iteration to iteration
+    scale = torch.tensor(1.0, device=dev)
+    max_norm = torch.tensor(1e30, device=dev)  # clip coefficient 1.0
+    gs = groups(grads)
+    total_bytes = sum(g.numel() * g.element_size() for g in grads)
+    flat = torch.randn(total_bytes // 4, device=dev)
+    flat2 = torch.empty_like(flat)
+
+    def torch_recipe():
+        for g in gs:
+            torch._amp_foreach_non_finite_check_and_unscale_(g, found, inv)
+        norms = [n for g in gs for n in torch._foreach_norm(g, 2.0)]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        clip = torch.clamp(1e30 / (total + 1e-6), max=1.0)
+        for g in gs:
+            torch._foreach_mul_(g, clip)  # as clip_grad_norm_: a float32 0-dim tensor
+
+    def torch_norm():
+        norms = [n for g in gs for n in torch._foreach_norm(g, 2.0, dtype=torch.float32)]
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def triton():
+        r = tp.grad_pass(grads, norm_type=2.0)
+        return tp.finish(r.stat, scale, max_norm=max_norm)
+
+    def triton_moments():
+        r = tp.grad_pass(grads, norm_type=2.0, primes=(16777213, 16777199))
+        return tp.finish(r.stat, scale, max_norm=max_norm)
+
+    def triton_div():
+        out = triton()
+        tp.div_(grads, out.grad_scale)
+
+    return {
+        "torch-recipe": torch_recipe,
+        "torch-norm": torch_norm,
+        "triton": triton,
+        "triton+moments": triton_moments,
+        "triton+div": triton_div,
+        "read-ref": lambda: torch.sum(flat),
+        "copy-ref": lambda: flat2.copy_(flat),
+    }, total_bytes
+
+
+def run_case(name: str, grads, args, sweep: bool = False) -> dict[str, Any]:
+    recipes, nbytes = make_recipes(grads)
+    record: dict[str, Any] = {
+        "case": name,
+        "tensors": len(grads),
+        "elements": sum(g.numel() for g in grads),
+        "bytes": nbytes,
+        "ms": {},
+    }
+    for key, fn in recipes.items():
+        record["ms"][key] = timed(fn, args.warmup, args.iters)
+    # a second round, interleaved the other way, against drift
+    for key, fn in reversed(list(recipes.items())):
+        record["ms"][key] = min(record["ms"][key], timed(fn, args.warmup, args.iters))
+    ms = record["ms"]
+    record["GBps"] = {k: nbytes / (v * 1e-3) / 1e9 for k, v in ms.items()}
+    record["vs_read"] = {k: v / ms["read-ref"] for k, v in ms.items()}
+    record["vs_torch_recipe"] = {k: v / ms["torch-recipe"] for k, v in ms.items()}
+    # agreement of the norms
+    ours = tp.grad_pass(grads, norm_type=2.0)
+    theirs = recipes["torch-norm"]()
+    record["norm_rel_diff"] = abs(math.sqrt(ours.stat[1].item()) - theirs.item()) / max(
+        theirs.item(), 1e-30
+    )
+    record["norm_bound"] = tp.norm_bound([g.numel() for g in grads])
+    if args.launches:
+        record["launches"] = {
+            k: kernels_per_call(fn) for k, fn in recipes.items() if not k.endswith("-ref")
+        }
+    if sweep:
+        record["sweep"] = {}
+        saved = dict(tp._CONFIG)
+        for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
+            tp._CONFIG.update(BLOCK=block, num_warps=warps)
+            record["sweep"][f"BLOCK={block},warps={warps}"] = {
+                "triton": timed(recipes["triton"], args.warmup, args.iters),
+                "triton+moments": timed(recipes["triton+moments"], args.warmup, args.iters),
+            }
+        tp._CONFIG.update(saved)
+    print(json.dumps({k: record[k] for k in ("case", "ms", "vs_read", "vs_torch_recipe")},
+                     default=lambda x: round(x, 4)), flush=True)  # fmt: skip
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="runs/kernel_bench")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MB, no 1.5e9 case")
+    parser.add_argument("--no-launches", dest="launches", action="store_false")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench needs a CUDA GPU")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "config": dict(tp._CONFIG),
+    }
+    print(json.dumps(meta), flush=True)
+    records = []
+    sizes = [1, 16, 64] if args.quick else [1, 16, 64, 256, 1024, 2048]
+    for dtype in (torch.bfloat16, torch.float32):
+        for mb in sizes:
+            n = mb * MB // torch.tensor([], dtype=dtype).element_size()
+            grads = [torch.randn(n, device=dev, dtype=dtype)]
+            records.append(run_case(f"1 x {mb} MB {str(dtype)[6:]}", grads, args))
+            del grads
+            torch.cuda.empty_cache()
+    # 500 mixed-dtype matrices, 225M elements in all
+    gen = torch.Generator().manual_seed(1)
+    total = 225_000_000 if not args.quick else 22_500_000
+    weights = torch.rand(500, generator=gen) + 0.2
+    numels = (weights / weights.sum() * total).long().tolist()
+    numels[-1] += total - sum(numels)
+    dtypes = (torch.bfloat16, torch.float32, torch.float16)
+    grads = []
+    for i, n in enumerate(numels):
+        cols = 1024 if n >= 1024 else 1
+        grads.append(torch.randn(n // cols, cols, device=dev, dtype=dtypes[i % 3]))
+    records.append(run_case(f"500 mixed matrices, {total} elements", grads, args, sweep=True))
+    del grads
+    torch.cuda.empty_cache()
+    if not args.quick:
+        grads = [torch.randn(1_536_000_000, device=dev, dtype=torch.bfloat16)]
+        records.append(run_case("1 x 1.536e9 bf16", grads, args, sweep=True))
+        del grads
+    (out / "kernel_bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    lines = [f"# kernel_bench: {meta['gpu']}, {meta['date']}, torch {meta['torch']}, "
+             f"triton {meta['triton']}", "",
+             "| case | " + " | ".join(records[0]["ms"]) + " |",
+             "|---" * (len(records[0]["ms"]) + 1) + "|"]  # fmt: skip
+    for r in records:
+        cells = [f"{r['ms'][k]:.3f} ms ({r['GBps'][k]:.0f} GB/s)" for k in r["ms"]]
+        lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    (out / "kernel_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

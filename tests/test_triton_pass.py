@@ -1,0 +1,545 @@
+"""The fused Triton pass (``distscaler/_triton_pass.py``) against independent references.
+
+On the CPU the kernels run in Triton's interpreter (the module picks it for CPU tensors, whatever
+``TRITON_INTERPRET`` says; nothing here sets that variable, which would decide Triton's own
+functions for every other test of the worker). References: Python integers for the fingerprint's
+moments, torch's ``_foreach_norm`` / ``linalg.vector_norm`` and a float64 sum for the norms, torch's
+``_foreach_mul_`` / ``_foreach_div_`` / ``_amp_foreach_non_finite_check_and_unscale_`` for the
+write pass, bit for bit. The ``cuda`` variants run the same asserts on compiled kernels (``pytest
+-m cuda tests/test_triton_pass.py`` on a GPU). The interpreter costs milliseconds per program:
+inputs stay small, and a small block configuration (`small_config`) exercises the multi-block,
+multi-flush and multi-tile paths with few elements.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton pass needs triton (the test extra)")
+
+from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler.replica_check import moduli  # noqa: E402
+
+PRIMES = moduli(2)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
+U = 2.0**-24
+
+
+@pytest.fixture
+def small_config(monkeypatch):
+    """Tiles of 64 elements, 4 tiles per flush, chunks of 256 to 1024 elements (aiming at 40
+    blocks), reduction tiles of 16 partials: every loop of the kernels runs several times on
+    tensors of a few thousand elements."""
+    monkeypatch.setitem(tp._CONFIG, "BLOCK", 64)
+    monkeypatch.setitem(tp._CONFIG, "INNER", 4)
+    monkeypatch.setitem(tp._CONFIG, "RT", 16)
+    monkeypatch.setattr(tp, "_TARGET_BLOCKS", 40)
+    monkeypatch.setattr(tp, "_MAX_CHUNK", 1024)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------- references
+
+
+def ref_moments(t: torch.Tensor, primes: tuple[int, int]) -> list[int]:
+    """[A mod P1, A mod P2, B mod P1, B mod P2] with Python integers (no wrap, no float)."""
+    words = t.detach().cpu().contiguous().view(-1).view(torch.int16).tolist()
+    a = sum(words)
+    b = sum(k * w for k, w in enumerate(words))
+    return [a % primes[0], a % primes[1], b % primes[0], b % primes[1]]
+
+
+def exact_sumsq(t: torch.Tensor) -> float:
+    return float(t.detach().cpu().double().pow(2).sum())
+
+
+def grads_mixed(seed: int, sizes=(0, 1, 3, 700, 2049, 5000)) -> list[torch.Tensor]:
+    """Tensors of every dtype and the given sizes, normal values of a few magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        dtype = DTYPES[i % 3]
+        scale = (1e-3, 1.0, 30.0)[i % 3]
+        out.append((torch.randn(n, generator=gen) * scale).to(dtype))
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def assert_same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Every element bit-identical, except that a NaN only has to be a NaN (payloads differ
+    between torch's paths themselves: the CPU's vectorized bfloat16 rounding gives 0xFFFF where
+    its scalar one gives 0x7FC0)."""
+    ours, theirs = ours.cpu(), theirs.cpu()
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(bits(ours)[~nan], bits(theirs)[~nan])
+
+
+# ---------------------------------------------------------------------- the fingerprint
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moments_exact_against_python_integers(device, small_config):
+    grads = grads_mixed(1, sizes=(0, 1, 2, 63, 64, 65, 257, 1023, 1024, 3001, 6000))
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 1e-45, -3e38])
+    grads.append(specials.clone())  # float32 words of every sign and exponent
+    grads.append(torch.full((1500,), -1.0).bfloat16())  # every word negative: no cancelling
+    grads.append(torch.full((1500,), 65504.0).half())
+    grads = [g.to(device) for g in grads]
+    result = tp.grad_pass(grads, primes=PRIMES, flags=False)
+    _sync(device)
+    assert result.moments is not None and result.per_tensor is None
+    assert result.moments.dtype == torch.int64 and result.moments.shape == (len(grads), 4)
+    assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
+    # the case is not vacuous: several flushes per block, blocks per tensor, reduction tiles
+    tables = tp._tables([g.contiguous() for g in grads], None)
+    assert tables.chunk == 2 * 64 * 4 and tables.num_blocks > 2 * tp._CONFIG["RT"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moments_at_the_default_configuration(device):
+    grads = [g.to(device) for g in grads_mixed(2, sizes=(5, 40000, 70000))]
+    result = tp.grad_pass(grads, primes=(101, 16777213), norm_type=2.0)
+    assert result.moments.cpu().tolist() == [ref_moments(g, (101, 16777213)) for g in grads]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moments_see_a_flipped_bit(device):
+    grads = [g.to(device) for g in grads_mixed(3, sizes=(300, 300, 300))]
+    before = tp.grad_pass(grads, primes=PRIMES).moments.clone()
+    for t, (index, bit) in zip(grads, [(0, 31), (299, 0), (150, 14)]):
+        b = bits(t)
+        b[index] ^= (1 << bit) if bit < 15 else -(1 << bit)  # the sign bit
+    after = tp.grad_pass(grads, primes=PRIMES).moments
+    assert after.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
+    assert (before != after).any(dim=1).all()
+
+
+# ---------------------------------------------------------------------- flags and found
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("where", ["first-first", "first-last", "last-first", "last-last"])
+def test_nonfinite_at_the_edges_is_flagged_exactly(device, value, where):
+    grads = grads_mixed(4, sizes=(130, 7, 260, 65))
+    tensor, element = where.split("-")
+    t = 0 if tensor == "first" else len(grads) - 1
+    grads[t][0 if element == "first" else -1] = value
+    grads = [g.to(device) for g in grads]
+    for norm_type in (None, 2.0):
+        result = tp.grad_pass(grads, norm_type=norm_type)
+        ord_ = 2.0 if norm_type == 2.0 else math.inf
+        expected = torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float32)).cpu()
+        per_tensor = result.per_tensor.cpu()
+        assert result.found.item() == 1.0
+        # the poisoned tensor exactly as torch has it (NaN, or inf), the others finite
+        assert torch.equal(per_tensor.isnan(), expected.isnan())
+        assert torch.equal(per_tensor.isinf(), expected.isinf())
+        assert (
+            not per_tensor[[i for i in range(len(grads)) if i != t]].isfinite().logical_not().any()
+        )
+        assert not per_tensor[t].isfinite()
+        if norm_type is None:  # the max is exact
+            assert torch.equal(per_tensor[expected.isfinite()], expected[expected.isfinite()])
+        else:
+            assert math.isnan(result.norm_stat.item()) == math.isnan(value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_clean_gradients_found_zero_and_max_exact(device):
+    grads = [g.to(device) for g in grads_mixed(5, sizes=(1, 3, 700, 2049, 5000))]
+    grads.append(torch.full((9,), 65504.0, dtype=torch.float16, device=device))  # fp16's max
+    result = tp.grad_pass(grads)
+    expected = torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32))
+    assert result.found.item() == 0.0 and result.norm_stat is None
+    assert result.stat.dtype == torch.float32 and result.stat.shape == (2,)
+    assert torch.equal(result.per_tensor.cpu(), expected.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_zero_and_denormals(device):
+    grads = [torch.tensor([-0.0, 0.0, -0.0], dtype=dtype, device=device) for dtype in DTYPES] + [
+        torch.tensor(
+            [torch.finfo(dtype).smallest_normal / 4, -torch.finfo(dtype).tiny / 8],
+            dtype=dtype,
+            device=device,
+        )  # fmt: skip
+        for dtype in DTYPES
+    ]
+    # denormals: nonzero, finite
+    assert all((g != 0).all() for g in grads[3:])
+    result = tp.grad_pass(grads, norm_type=1.0, primes=PRIMES)
+    assert result.found.item() == 0.0
+    max_norms = torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32))
+    flags = tp.grad_pass(grads).per_tensor
+    assert torch.equal(flags.cpu(), max_norms.cpu())
+    assert (flags[:3] == 0).all() and (flags[3:] > 0).all()  # the denormals' max is exact
+    l1 = sum(float(g.double().abs().sum()) for g in grads)
+    assert result.norm_stat.item() == pytest.approx(l1, rel=1e-6)
+    # -0.0's sign bit is in the fingerprint
+    assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
+    assert result.moments[0].tolist() != [0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------- the norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_norm_within_the_stated_bound(device):
+    grads = [g.to(device) for g in grads_mixed(6, sizes=(1, 5000, 33000, 70000, 3))]
+    numels = [g.numel() for g in grads]
+    weights = [1.0, 0.5, 0.25, 1.0, 2.0]
+    result = tp.grad_pass(grads, norm_type=2.0, weights=weights)
+    bound = tp.norm_bound(numels)
+    assert 0 < bound < 1e-5
+    exact = [exact_sumsq(g) for g in grads]
+    total = sum(w * e for w, e in zip(weights, exact))
+    assert abs(result.norm_stat.item() - total) <= bound * total
+    ours = result.per_tensor.cpu().double()
+    for i, e in enumerate(exact):
+        assert abs(float(ours[i]) - math.sqrt(e)) <= (bound / 2 + 2 * U) * math.sqrt(e)
+    # torch's recipe (clip_grad_norm_): _foreach_norm, stack, vector_norm; its bound is the
+    # same form with a sequential sum's depth (the tensor's size) at worst
+    per_tensor = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    torch_bound = tp.norm_bound([1]) + max(numels) * U
+    assert torch.allclose(ours, per_tensor.cpu().double(), rtol=bound + torch_bound, atol=0)
+    unweighted = tp.grad_pass(grads, norm_type=2.0).norm_stat.item()
+    torch_total = torch.linalg.vector_norm(per_tensor).item() ** 2
+    assert abs(unweighted - torch_total) <= (bound + torch_bound) * torch_total
+    assert unweighted != result.norm_stat.item()  # the weights were applied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_and_inf_norms(device):
+    grads = [g.to(device) for g in grads_mixed(7, sizes=(10, 3000, 5000))]
+    l1 = tp.grad_pass(grads, norm_type=1.0, weights=[1.0, 0.5, 1.0]).norm_stat.item()
+    exact = sum(w * float(g.double().abs().sum()) for g, w in zip(grads, [1.0, 0.5, 1.0]))
+    assert abs(l1 - exact) <= tp.norm_bound([10, 3000, 5000], 1.0) * exact
+    linf = tp.grad_pass(grads, norm_type=math.inf, weights=[0.0, 0.0, 0.0]).norm_stat
+    assert linf.item() == max(float(g.abs().max()) for g in grads)  # exact, weights ignored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_bits_on_every_run(device):
+    grads = [g.to(device) for g in grads_mixed(8, sizes=(100, 70000, 40000, 3))]
+    runs = [tp.grad_pass(grads, norm_type=2.0, primes=PRIMES) for _ in range(3)]
+    for r in runs[1:]:
+        assert torch.equal(bits(r.stat), bits(runs[0].stat))
+        assert torch.equal(bits(r.per_tensor), bits(runs[0].per_tensor))
+        assert torch.equal(r.moments, runs[0].moments)
+
+
+# ---------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_tensors_empty_and_one_element(device):
+    result = tp.grad_pass([], norm_type=2.0, primes=PRIMES, device=device)
+    assert result.stat.tolist() == [0.0, 0.0] and result.stat.device.type == device
+    assert result.per_tensor.shape == (0,) and result.moments.shape == (0, 4)
+    grads = [torch.empty(0, device=device), torch.tensor([-2.5], device=device).half()]
+    result = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+    assert result.stat.tolist() == [0.0, 6.25]
+    assert result.per_tensor.tolist() == [0.0, 2.5]
+    assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
+    only_empty = tp.grad_pass([torch.empty(0, 3, device=device)], norm_type=math.inf)
+    assert only_empty.stat.tolist() == [0.0, 0.0]
+
+
+def test_many_tiny_tensors_in_two_launches(small_config):
+    """2,000 tensors of 1 to 3 elements (10,000 take ~3 minutes in the interpreter: ~16 ms per
+    tensor on a 2-core runner for the read and the reduction's per-tensor program), more partials
+    than the reduction's tiles (16 here): the tables, every program and the fixed-order totals."""
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(1 + i % 3, generator=gen).to(DTYPES[i % 3]) for i in range(2000)]
+    grads[1234][0] = float("inf")
+    start = time.perf_counter()
+    result = tp.grad_pass(grads, norm_type=2.0)
+    elapsed = time.perf_counter() - start
+    assert result.found.item() == 1.0
+    per_tensor = result.per_tensor
+    expected = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    assert per_tensor.isinf().nonzero().flatten().tolist() == [1234]
+    finite = expected.isfinite()
+    assert torch.allclose(per_tensor[finite], expected[finite], rtol=4 * U, atol=0)
+    assert elapsed < 120, f"the interpreter took {elapsed:.0f} s for 2,000 tensors"
+
+
+# ---------------------------------------------------------------------- int64 addressing
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [2**31 + 5, 2**32 - 3, 2**33 + 1])
+def test_offsets_past_two_to_the_31(device, offset):
+    """A fake table entry whose tensor starts ``offset`` elements before a real buffer and whose
+    blocks start at and past ``offset``: the kernels address the real buffer only through int64
+    offsets above 2**31 (and word indices above 2**32), as for a tensor of 2**31+ elements."""
+    for dtype in (torch.float32, torch.bfloat16):
+        real = (torch.randn(700, generator=torch.Generator().manual_seed(offset)) * 3).to(dtype)
+        real = real.to(device)
+        size = real.element_size()
+        chunk = 256
+        starts = [offset + k * chunk for k in range(3)]  # the last block is partial (700)
+        tables = tp._build_tables(
+            [real.data_ptr() - offset * size], [offset + 700], [tp._DTYPE_CODE[dtype]], None,
+            chunk, real.device, block_starts=[starts],
+        )  # fmt: skip
+        stat = torch.empty(2, dtype=torch.float32, device=device)
+        per_tensor = torch.empty(1, dtype=torch.float32, device=device)
+        moments = torch.empty((1, 4), dtype=torch.int64, device=device)
+        tp._launch_pass(tables, stat, per_tensor, moments, 2, True, PRIMES)
+        _sync(device)
+        words = real.cpu().view(-1).view(torch.int16).tolist()
+        k0 = offset * size // 2  # the first real word's index in the fake tensor
+        a = sum(words)
+        b = sum((k0 + k) * w for k, w in enumerate(words))
+        assert abs(b) > 2**40  # the indices really are past 2**32
+        assert moments.cpu().tolist() == [
+            [a % PRIMES[0], a % PRIMES[1], b % PRIMES[0], b % PRIMES[1]]
+        ]
+        exact = exact_sumsq(real)
+        assert abs(stat[1].item() - exact) <= tp.norm_bound([700]) * exact
+        assert stat[0].item() == 0.0
+        # the write pass through the same fake table
+        before = real.clone()
+        factor = torch.tensor(0.75, device=device)
+        tp._launch_scale(tables, factor, divide=False)
+        expected = before.clone()
+        torch._foreach_mul_([expected], factor)
+        assert_same_bits(real, expected)
+
+
+# ---------------------------------------------------------------------- the write pass
+
+
+def _specials(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    info = torch.finfo(dtype)
+    t = (torch.randn(n, generator=gen) * 100).to(dtype)
+    t[:8] = torch.tensor(
+        [
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            -0.0,
+            info.max,
+            -info.max,
+            info.smallest_normal / 2,
+            -info.tiny / 4,
+        ]  # fmt: skip
+    ).to(dtype)
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("factor", [1 / 3, 0.7, 2.0**-14, 65504.0 * 4, 1e-30, 1.0])
+def test_scale_and_div_bit_identical_to_torch(device, factor):
+    grads = [_specials(dtype, 3000 + i, i) for i, dtype in enumerate(DTYPES * 2)]
+    grads = [g.to(device) for g in grads]
+    f = torch.tensor(factor, dtype=torch.float32, device=device)
+    ours, theirs, amp = (
+        [g.clone() for g in grads],
+        [g.clone() for g in grads],
+        [g.clone() for g in grads],
+    )
+    tp.scale_(ours, f)
+    torch._foreach_mul_(theirs, f)
+    for o, t in zip(ours, theirs):
+        assert_same_bits(o, t)
+    for dtype in DTYPES:  # torch's unscale kernel: one dtype per call
+        group = [a for a in amp if a.dtype == dtype]
+        torch._amp_foreach_non_finite_check_and_unscale_(group, torch.zeros(1, device=device), f)
+    for o, a in zip(ours, amp):
+        assert_same_bits(o, a)
+    ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
+    tp.div_(ours, f)
+    torch._foreach_div_(theirs, f)
+    for o, t in zip(ours, theirs):
+        assert_same_bits(o, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_leaves_what_it_does_not_own_to_torch(device):
+    grads = [torch.randn(6, 5, device=device).t(), torch.randn(40, device=device).double()]
+    expected = [g.clone() for g in grads]
+    f = torch.tensor(0.3, device=device)
+    tp.div_(grads, f)
+    torch._foreach_div_(expected, f)
+    for g, e in zip(grads, expected):
+        assert torch.equal(g, e)
+
+
+# ---------------------------------------------------------------------- finish
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_finish_matches_torch_ops(device):
+    scale = torch.tensor(1024.0, device=device)
+    max_norm = torch.tensor(1.0, device=device)
+    cases = [[0.0, 2.5e7], [0.0, 1.0], [2.0, 9.0], [0.0, float("inf")], [0.0, float("nan")]]
+    for flag, s in cases:
+        stat = torch.tensor([flag, s], device=device)
+        out = tp.finish(stat, scale, max_norm=max_norm)
+        t = torch.sqrt(stat[1])
+        bad = flag > 0 or not math.isfinite(t.item())
+        assert out.found_inf.item() == (1.0 if bad else 0.0)
+        expected_scale = scale if bad else torch.fmax(t / max_norm, scale)
+        assert torch.equal(bits(out.grad_scale), bits(expected_scale))
+        if not bad:
+            assert torch.equal(bits(out.total_norm), bits(t / scale))
+    out = tp.finish(torch.tensor([0.0, 0.0], device=device), scale, norm_type=None)
+    assert out.out.tolist() == [0.0, 1024.0, 0.0]
+    small = torch.tensor(1e-3, device=device)
+    stat = torch.tensor([0.0, 3.0], device=device)
+    out = tp.finish(stat, scale, norm_type=math.inf, max_norm=small)
+    assert torch.equal(out.grad_scale, torch.fmax(stat[1] / small, scale))  # 2999.9998
+    assert out.found_inf.item() == 0.0 and torch.equal(out.total_norm, stat[1] / scale)
+
+
+# ---------------------------------------------------------------------- launches
+
+
+def test_launches_per_call_on_the_cpu(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched: list[str] = []
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        ops.paused = True  # the interpreter's own copies of the arguments
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            ops.paused = False
+
+    ops = _TorchOps()
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    grads = grads_mixed(10, sizes=(50, 3000, 7))
+    tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)  # the tables: built, then cached
+    launched.clear()
+    with ops:
+        result = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+    assert launched == ["_read_kernel", "_reduce_kernel"] and tp.LAUNCHES["grad_pass"] == 2
+    assert set(ops.names) <= {"aten.empty.memory_format"}, ops.names  # outputs, partials
+    launched.clear()
+    out = tp.finish(result.stat, torch.tensor(8.0), max_norm=torch.tensor(1.0))
+    tp.div_(grads, out.grad_scale)
+    assert launched == ["_finish_kernel", "_scale_kernel"]
+
+
+class _TorchOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.cuda
+def test_launches_per_call_on_the_gpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    grads = [g.cuda() for g in grads_mixed(11, sizes=(50, 300000, 7, 2_000_000))]
+    tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+        out = tp.finish(result.stat, torch.tensor(8.0, device="cuda"),
+                        max_norm=torch.tensor(1.0, device="cuda"))  # fmt: skip
+        tp.div_(grads, out.grad_scale)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [k for k in kernels if "memcpy" not in k.lower() and "memset" not in k.lower()]
+    assert len(kernels) == 4, kernels
+
+
+# ---------------------------------------------------------------------- float64, errors, ops
+
+
+def test_float64_goes_to_torch():
+    grads = [torch.randn(100).double(), torch.randn(30), torch.tensor([1.0, float("nan")]).double()]
+    result = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+    assert result.found.item() == 1.0
+    assert result.moments.tolist() == [ref_moments(g, PRIMES) for g in grads]
+    assert math.isnan(result.per_tensor[2].item())
+    assert result.per_tensor[:2].tolist() == pytest.approx(
+        [float(g.norm()) for g in grads[:2]], rel=1e-6
+    )
+
+
+def test_bad_arguments_are_named():
+    g = [torch.randn(3)]
+    with pytest.raises(ValueError, match=r"norm_type must be 1.0, 2.0, inf or None .* got: 3.0"):
+        tp.grad_pass(g, norm_type=3.0)
+    with pytest.raises(
+        ValueError, match=r"primes must be odd and in \(2, 2\*\*24\), got: \(4, 7\)"
+    ):
+        tp.grad_pass(g, primes=(4, 7))
+    with pytest.raises(ValueError, match=r"weights must have one float per tensor \(1\), got: 2"):
+        tp.grad_pass(g, weights=[1.0, 2.0])
+    with pytest.raises(
+        TypeError, match=r"tensors\[1\] must be float32, float16, bfloat16 or float64"
+    ):
+        tp.grad_pass([torch.randn(3), torch.arange(3)])
+    with pytest.raises(TypeError, match="tensors must be a list of tensors, got: Tensor"):
+        tp.grad_pass(torch.randn(3))
+    with pytest.raises(ValueError, match=r"factor must be a 0-dim float32 tensor"):
+        tp.scale_(g, torch.ones(2))
+    with pytest.raises(ValueError, match=r"divisor must be float32, got: torch.float64"):
+        tp.div_(g, torch.tensor(2.0, dtype=torch.float64))
+
+
+def test_available(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not tp.available("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tp.available("cpu")
+    assert not tp.available("meta")
+    assert tp.available("cuda") == torch.cuda.is_available()
+
+
+def test_custom_ops_trace_with_fullgraph():
+    """A phase that reads, finishes and divides compiles with ``fullgraph=True`` (the ops are
+    opaque to the compiler: their fake implementations give the shapes) and gives eager's bits."""
+    assert tp._OPS is not None
+    grads = grads_mixed(12, sizes=(40, 300, 9))
+    scale, max_norm = torch.tensor(64.0), torch.tensor(0.5)
+
+    def phase(grads):
+        result = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+        out = tp.finish(result.stat, scale, max_norm=max_norm)
+        tp.div_(grads, out.grad_scale)
+        return result.stat, result.per_tensor, result.moments, out.out
+
+    eager_grads = [g.clone() for g in grads]
+    expected = phase(eager_grads)
+    compiled = torch.compile(phase, fullgraph=True, backend="aot_eager")
+    got = compiled(grads)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+    for e, g in zip(eager_grads, grads):
+        assert torch.equal(e, g)
+    grad_pass = torch.ops.distscaler.grad_pass.default
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        outs = grad_pass([torch.empty(5), torch.empty(3)], torch.device("cpu"), None, 2.0, True,
+                         list(PRIMES))  # fmt: skip
+    assert [tuple(o.shape) for o in outs] == [(2,), (2,), (2, 4)]
