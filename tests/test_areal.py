@@ -240,20 +240,16 @@ def test_e_a_second_optimizer_step_or_unscale_in_one_iteration_is_refused(result
 @pytest.mark.slow
 @pytest.mark.xdist_group("areal-job")
 def test_train_areal_grpo_job_with_an_inf_on_one_rank(tmp_path):
-    args = ("--steps", "6", "--inject-inf", "3")
-    ours = torchrun_summary("train_areal.py", *args, out=tmp_path / "ours", timeout=600)
-    stock = torchrun_summary(
-        "train_areal.py", *args, "--stock", out=tmp_path / "stock", timeout=600
+    # Ours only: stock's side of every figure is in the spawn above (a stock job costs another
+    # minute of AReaL's start-up; docs/integrations/areal.md measures both).
+    summary = torchrun_summary(
+        "train_areal.py", "--steps", "6", "--inject-inf", "3", out=tmp_path, timeout=600
     )
-    assert ours["engine"] == "distscaler.integrations.areal.FSDPPPOActor"
-    assert stock["engine"] == "areal.engine.fsdp_engine.FSDPPPOActor"
-    for summary in (ours, stock):
-        assert summary["ranks_agree"] and summary["skipped_steps"] == [3]
-        assert all(math.isfinite(n) for i, n in enumerate(summary["grad_norms"]) if i != 2)
-    assert ours["scales"] == [65536.0] * 2 + [32768.0] * 4
-    assert stock["scales"] == [None] * 6
-    # Up to the skip the two runs sample the same responses (the same policy).
-    assert ours["mean_reward"][:3] == stock["mean_reward"][:3]
+    assert summary["engine"] == "distscaler.integrations.areal.FSDPPPOActor"
+    assert summary["ranks_agree"] and summary["skipped_steps"] == [3]
+    assert all(math.isfinite(n) for i, n in enumerate(summary["grad_norms"]) if i != 2)
+    assert math.isinf(summary["grad_norms"][2])
+    assert summary["scales"] == [65536.0] * 2 + [32768.0] * 4
 
 
 # ----------------------------------------------------------------------------- in this process
