@@ -379,9 +379,10 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
 
 
 def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``,
-    in float32, rounded once to the tensor's dtype."""
+                  ROUND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``
+    (first rounded to the tensor's dtype where ``ROUND``), in float32, rounded once to the
+    tensor's dtype."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)
@@ -393,6 +394,16 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
     lane = tl.arange(0, BLOCK)
     for DT in tl.static_range(3):
         if dt == DT:
+            if ROUND:
+                if DT == 1:
+                    f = f.to(tl.float16).to(tl.float32)
+                elif DT == 2:  # to bfloat16, nearest even, as below
+                    fb = f.to(tl.int32, bitcast=True)
+                    fm = fb & 0x7FFFFFFF
+                    fnan = fm > 0x7F800000
+                    fm = tl.where(fnan, 0x7FC00000, fm)
+                    fm = tl.where(fnan, fm, fm + 0x7FFF + ((fm >> 16) & 1))
+                    f = (((fm >> 16) << 16) | ((fb >> 31) << 31)).to(tl.float32, bitcast=True)
             for start in range(0, end - e0, BLOCK):  # relative: int64 offsets from e0 on
                 offs = e0 + start + lane
                 mask = offs < end
@@ -818,22 +829,41 @@ def _torch_moments(t: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
 # ---------------------------------------------------------------------- the write pass
 
 
-def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every tensor in place by the 0-dim float32 ``factor`` (on their device): in
-    float32, rounded once to the tensor's dtype, as ``torch._foreach_mul_`` and torch's unscale
-    kernel do (bit for bit). One launch over all tensors (float64 or non-contiguous tensors: torch's
-    ``_foreach_mul_`` for those)."""
-    _scale_or_div(tensors, factor, divide=False, name="factor")
+def scale_(
+    tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, factor_in_dtype: bool = False
+) -> None:
+    """Multiply every tensor in place by the 0-dim float32 ``factor`` (on their device), in
+    float32, rounded once to the tensor's dtype. One launch over all tensors (float64 or
+    non-contiguous tensors: torch's ``_foreach_mul_`` for those).
+
+    Args:
+        factor_in_dtype: False (default): the float32 factor itself, as torch's unscale kernel
+            (``_amp_foreach_non_finite_check_and_unscale_``) and torch's CPU ``_foreach_mul_``
+            do, bit for bit. True: the factor first rounded to each tensor's dtype, as torch's CUDA
+            ``_foreach_mul_`` does for float16/bfloat16 tensors and a float32 0-dim factor (it
+            takes its per-tensor ``mul_`` path there, which casts the factor to the tensor's
+            dtype), bit for bit: what ``torch.nn.utils.clip_grad_norm_`` gives on a GPU. The two
+            differ only for 16-bit tensors and a factor that 16-bit type does not hold exactly.
+    """
+    _scale_or_div(tensors, factor, divide=False, name="factor", in_dtype=factor_in_dtype)
 
 
-def div_(tensors: Sequence[torch.Tensor], divisor: torch.Tensor) -> None:
+def div_(
+    tensors: Sequence[torch.Tensor], divisor: torch.Tensor, *, factor_in_dtype: bool = False
+) -> None:
     """Divide every tensor in place by the 0-dim float32 ``divisor``: IEEE float32 division,
-    rounded once, as ``torch._foreach_div_`` (bit for bit). One launch, as `scale_()`."""
-    _scale_or_div(tensors, divisor, divide=True, name="divisor")
+    rounded once; ``factor_in_dtype`` as in `scale_()` (True: torch's CUDA ``_foreach_div_``, bit
+    for bit; False: its CPU one). One launch, as `scale_()`."""
+    _scale_or_div(tensors, divisor, divide=True, name="divisor", in_dtype=factor_in_dtype)
 
 
 def _scale_or_div(
-    tensors: Sequence[torch.Tensor], factor: torch.Tensor, *, divide: bool, name: str
+    tensors: Sequence[torch.Tensor],
+    factor: torch.Tensor,
+    *,
+    divide: bool,
+    name: str,
+    in_dtype: bool,
 ) -> None:
     dev = _check_tensors(tensors)
     if not isinstance(factor, torch.Tensor) or factor.numel() != 1 or factor.dim() != 0:
@@ -845,28 +875,36 @@ def _scale_or_div(
     if factor.device != dev:
         raise ValueError(f"{name} must be on the tensors' device {dev}, got: {factor.device}")
     if torch.compiler.is_compiling() and _OPS is not None:
-        _OPS.scale_(list(tensors), factor, divide)
+        _OPS.scale_(list(tensors), factor, divide, in_dtype)
     else:
-        _scale_impl(list(tensors), factor, divide)
+        _scale_impl(list(tensors), factor, divide, in_dtype)
 
 
-def _scale_impl(tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool) -> None:
+def _scale_impl(
+    tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool, in_dtype: bool = False
+) -> None:
     ours = [t for t in tensors if t.dtype in _DTYPE_CODE and t.is_contiguous()]
     others = [t for t in tensors if not (t.dtype in _DTYPE_CODE and t.is_contiguous())]
-    if others:
-        (torch._foreach_div_ if divide else torch._foreach_mul_)(others, factor)
+    for t in others:  # float64 ones, non-contiguous ones: torch's ops, the same arithmetic
+        if in_dtype or t.dtype == torch.float64:
+            f = factor.to(t.dtype)
+            t.div_(f) if divide else t.mul_(f)
+        else:  # in float32 with the float32 factor, rounded once (copy_ rounds to nearest even)
+            t.copy_(t.float().div_(factor) if divide else t.float().mul_(factor))
     if not ours:
         return
     tables = _tables(ours, None)
-    _launch_scale(tables, factor, divide)
+    _launch_scale(tables, factor, divide, in_dtype)
 
 
-def _launch_scale(tables: _Tables, factor: torch.Tensor, divide: bool) -> None:
+def _launch_scale(
+    tables: _Tables, factor: torch.Tensor, divide: bool, in_dtype: bool = False
+) -> None:
     k = _kernels(factor.device.type != "cuda")
     if tables.num_blocks:
         k._scale_kernel[(tables.num_blocks,)](
             tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
-            DIVIDE=divide, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
+            DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
 
 
@@ -974,13 +1012,13 @@ def _register_ops() -> Any:
         @torch.library.custom_op(
             f"{lib}::scale_",
             mutates_args=("tensors",),
-            schema="(Tensor(a!)[] tensors, Tensor factor, bool divide) -> ()",
+            schema="(Tensor(a!)[] tensors, Tensor factor, bool divide, bool in_dtype) -> ()",
         )
-        def _scale_op(tensors, factor, divide):  # type: ignore[no-untyped-def]
-            _scale_impl(list(tensors), factor, divide)
+        def _scale_op(tensors, factor, divide, in_dtype):  # type: ignore[no-untyped-def]
+            _scale_impl(list(tensors), factor, divide, in_dtype)
 
         @_scale_op.register_fake
-        def _(tensors, factor, divide):  # type: ignore[no-untyped-def]
+        def _(tensors, factor, divide, in_dtype):  # type: ignore[no-untyped-def]
             return None
 
         @torch.library.custom_op(

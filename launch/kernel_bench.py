@@ -4,8 +4,9 @@ On the same gradients, interleaved per case, CUDA events, the median of ``--iter
 iterations after ``--warmup``:
 
 * ``torch-recipe``: what ``torch.amp.GradScaler.unscale_`` + ``clip_grad_norm_`` launch:
-  ``_amp_foreach_non_finite_check_and_unscale_`` (read + write), ``_foreach_norm`` + ``stack`` +
-  ``vector_norm`` (read), the clip coefficient, ``_foreach_mul_`` (read + write), per dtype group.
+  ``_amp_foreach_non_finite_check_and_unscale_`` (read + write; for bfloat16, which that CUDA
+  kernel refuses, ``_foreach_mul_``), ``_foreach_norm`` + ``stack`` + ``vector_norm`` (read), the
+  clip coefficient, ``_foreach_mul_`` (read + write), per dtype group.
 * ``torch-norm``: distscaler's torch path for a fused optimizer: ``_foreach_norm(p=2)`` per dtype
   group + ``stack`` + ``vector_norm`` (read only).
 * ``triton``: ``grad_pass(norm_type=2, flags=True)`` + ``finish`` (read only: found_inf,
@@ -90,8 +91,11 @@ def make_recipes(grads):
     flat2 = torch.empty_like(flat)
 
     def torch_recipe():
-        for g in gs:
-            torch._amp_foreach_non_finite_check_and_unscale_(g, found, inv)
+        for g in gs:  # torch's CUDA unscale kernel has no bfloat16: a multiply pass there
+            if g[0].dtype == torch.bfloat16:
+                torch._foreach_mul_(g, inv)
+            else:
+                torch._amp_foreach_non_finite_check_and_unscale_(g, found, inv)
         norms = [n for g in gs for n in torch._foreach_norm(g, 2.0)]
         total = torch.linalg.vector_norm(torch.stack(norms))
         clip = torch.clamp(1e30 / (total + 1e-6), max=1.0)

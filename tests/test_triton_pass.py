@@ -348,37 +348,51 @@ def _specials(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("factor", [1 / 3, 0.7, 2.0**-14, 65504.0 * 4, 1e-30, 1.0])
 def test_scale_and_div_bit_identical_to_torch(device, factor):
-    grads = [_specials(dtype, 3000 + i, i) for i, dtype in enumerate(DTYPES * 2)]
-    grads = [g.to(device) for g in grads]
+    """``factor_in_dtype=False``: torch's unscale kernel (float32 and float16 on a GPU, which has
+    no bfloat16 one; every dtype on the CPU), torch's CPU ``_foreach_mul_``/``_foreach_div_``, and
+    on a GPU torch's own cast of the float32 product. ``factor_in_dtype=True``: torch's foreach ops
+    with the factor in the tensors' dtype, and on a GPU its ``_foreach_mul_``/``_foreach_div_``
+    with the float32 factor (its per-tensor path casts it)."""
+    grads = [_specials(dtype, 3000 + i, i).to(device) for i, dtype in enumerate(DTYPES * 2)]
     f = torch.tensor(factor, dtype=torch.float32, device=device)
-    ours, theirs, amp = (
-        [g.clone() for g in grads],
-        [g.clone() for g in grads],
-        [g.clone() for g in grads],
-    )
-    tp.scale_(ours, f)
-    torch._foreach_mul_(theirs, f)
-    for o, t in zip(ours, theirs):
-        assert_same_bits(o, t)
-    for dtype in DTYPES:  # torch's unscale kernel: one dtype per call
-        group = [a for a in amp if a.dtype == dtype]
-        torch._amp_foreach_non_finite_check_and_unscale_(group, torch.zeros(1, device=device), f)
-    for o, a in zip(ours, amp):
-        assert_same_bits(o, a)
-    ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
-    tp.div_(ours, f)
-    torch._foreach_div_(theirs, f)
-    for o, t in zip(ours, theirs):
-        assert_same_bits(o, t)
+    for divide in (False, True):
+        ours = [g.clone() for g in grads]
+        (tp.div_ if divide else tp.scale_)(ours, f)
+        in_dtype = [g.clone() for g in grads]
+        (tp.div_ if divide else tp.scale_)(in_dtype, f, factor_in_dtype=True)
+        for dtype in DTYPES:
+            pick = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            group = [grads[i].clone() for i in pick]
+            (torch._foreach_div_ if divide else torch._foreach_mul_)(group, f.to(dtype))
+            for i, t in zip(pick, group):
+                assert_same_bits(in_dtype[i], t)
+            group = [grads[i].clone() for i in pick]
+            (torch._foreach_div_ if divide else torch._foreach_mul_)(group, f)
+            for i, t in zip(pick, group):  # torch's own, with the float32 factor
+                assert_same_bits(in_dtype[i] if device == "cuda" else ours[i], t)
+            if device == "cuda" and dtype != torch.float32:  # torch's cast of the fp32 result
+                for i in pick:
+                    x = grads[i].float()
+                    assert_same_bits(ours[i], (x / f if divide else x * f).to(dtype))
+            if divide or (device == "cuda" and dtype == torch.bfloat16):
+                continue
+            group = [grads[i].clone() for i in pick]
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, torch.zeros(1, device=device), f
+            )
+            for i, t in zip(pick, group):
+                assert_same_bits(ours[i], t)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_scale_leaves_what_it_does_not_own_to_torch(device):
-    grads = [torch.randn(6, 5, device=device).t(), torch.randn(40, device=device).double()]
+    grads = [torch.randn(6, 5, device=device).t(), torch.randn(40, device=device).double(),
+             torch.randn(6, 5, device=device).bfloat16().t()]  # fmt: skip
     expected = [g.clone() for g in grads]
     f = torch.tensor(0.3, device=device)
     tp.div_(grads, f)
-    torch._foreach_div_(expected, f)
+    torch._foreach_div_(expected[:2], f)
+    expected[2] = (expected[2].float() / f).bfloat16()
     for g, e in zip(grads, expected):
         assert torch.equal(g, e)
 
