@@ -20,7 +20,8 @@ buffer ``stat = [found, norm_stat]``, the per-tensor statistics and the fingerpr
 **Launches per phase** (`LAUNCHES`): 2 for `grad_pass()` (read + reduce; plus one host-to-device
 copy of the address table when the tensors' addresses, sizes or dtypes changed since the last
 call), 1 for `finish()` after the collective (``found_inf``, ``grad_scale``, the total norm), 1
-for `scale_()`/`div_()` where gradients are unscaled or clipped in place. So a clipped step
+for `scale_()`/`div_()` where gradients are unscaled or clipped in place (``factor_in_dtype``
+picks which of torch's roundings of a 16-bit gradient it reproduces, bit for bit). So a clipped step
 without a fused optimizer is 4 launches + the all_reduce at any number of tensors; with a fused
 optimizer (it divides by ``grad_scale``) 3.
 
@@ -65,8 +66,19 @@ own ``d``; the tests hold both to their bound against the float64 sum and to the
 bounds against each other. At 1.5e9 elements in one tensor (chunk 2**18): ``d`` = 128 + 11 + 6 +
 10 + 2, a relative error below 1e-5.
 
-**Cost.** One read of the bytes (no write), a few integer ops per element (fingerprint), and the
-partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read once by the reduction.
+**Cost.** One read of the bytes (no write), about ten integer ops per element for the
+fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
+once by the reduction. On the host: per call, a Python pass over the tensors (their addresses,
+sizes and dtypes: the tables' cache key) and three Triton launches, about 0.2 ms in all, which
+bounds small cases in eager mode (a captured CUDA graph replays without it).
+
+Measured (``python launch/kernel_bench.py``, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton
+3.6.0, 2026-11-26; median of 20 after 5 warm-ups, CUDA events): one 1.536e9-element bfloat16
+gradient, ``grad_pass`` + ``finish`` 1.28 ms (2.4 TB/s; one ``torch.sum`` read of the same bytes
+1.04 ms, torch's unscale + clip recipe 10.2 ms), 2.19 ms with the fingerprint; 500 mixed-dtype
+matrices of 225M elements 0.97 ms (1.14 ms with the fingerprint; torch's recipe 10.8 ms in 868
+launches, the pass 3); 2 GB of float32 0.78 ms (1.10x the read). Below 64 MB the host's 0.2 ms
+dominates.
 
 Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU under
 ``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's
