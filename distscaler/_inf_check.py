@@ -306,7 +306,8 @@ def _run_triton(
     per_tensor = taken.per_tensor
     grad_scale = done.grad_scale if norm_type else state.scale
     if grad_pass is GradPass.NORM and not plan.fused:
-        kernels.div_(flat, grad_scale)
+        # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first
+        kernels.div_(flat, grad_scale, factor_in_dtype=state.device.type == "cuda")
     total = done.total_norm if norm_type else None
     if grad_pass is GradPass.UNSCALE and not plan.read_found_inf:
         return StepResult(found)  # unscale_: no flags (a later step takes them)
