@@ -74,11 +74,14 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-try:
+from . import _common
+from ._common import INSTALLED, LROnSkip, check_lr_on_skip, requires
+
+with requires("accelerate", "HuggingFace Accelerate", "accelerate"):
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
@@ -88,10 +91,6 @@ try:
         get_mixed_precision_context_manager,
     )
     from accelerate.utils.constants import SCALER_NAME
-except ImportError as e:  # pragma: no cover - exercised only without accelerate
-    raise ImportError(
-        "distscaler.integrations.accelerate needs HuggingFace Accelerate: pip install accelerate"
-    ) from e
 
 from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
@@ -103,9 +102,6 @@ _UNSUPPORTED = {
     DistributedType.MEGATRON_LM: "Megatron-LM scales the loss itself",
     DistributedType.XLA: "XLA is not supported",
 }
-
-_ATTR = "_distscaler_installation"
-_LR_ON_SKIP = ("hold", "step")
 
 
 class ScaledAcceleratedOptimizer(AcceleratedOptimizer):
@@ -225,7 +221,7 @@ def install(
     accelerator: Accelerator,
     scaler: Any = None,
     *,
-    lr_on_skip: Literal["hold", "step"] = "hold",
+    lr_on_skip: LROnSkip = "hold",
 ) -> GradScaler:
     """Make ``accelerator`` scale, skip, clip and checkpoint with a ``distscaler.GradScaler``.
 
@@ -277,13 +273,12 @@ def install(
         raise TypeError(
             f"accelerator must be an accelerate.Accelerator, got: {type(accelerator).__name__}"
         )
-    if getattr(accelerator, _ATTR, None) is not None:
+    if getattr(accelerator, INSTALLED, None) is not None:
         raise RuntimeError(
             "distscaler is already installed on this accelerator; call uninstall(accelerator) "
             "before installing another scaler."
         )
-    if lr_on_skip not in _LR_ON_SKIP:
-        raise ValueError(f"lr_on_skip must be one of {_LR_ON_SKIP}, got: {lr_on_skip!r}")
+    check_lr_on_skip(lr_on_skip)
     reason = _UNSUPPORTED.get(accelerator.distributed_type)
     if reason is not None:
         raise ValueError(
@@ -324,15 +319,14 @@ def install(
     accelerator.prepare_optimizer = functools.partial(_prepare_optimizer, accelerator)  # type: ignore[method-assign]
     accelerator.prepare_scheduler = functools.partial(_prepare_scheduler, accelerator)  # type: ignore[method-assign]
     accelerator.clip_grad_norm_ = functools.partial(_clip_grad_norm, accelerator)  # type: ignore[method-assign]
-    setattr(accelerator, _ATTR, inst)
+    setattr(accelerator, INSTALLED, inst)
     return new_scaler
 
 
 def installed_scaler(accelerator: Accelerator) -> GradScaler | None:
     """The scaler [`install()`][distscaler.integrations.accelerate.install] put into
     ``accelerator``, or None."""
-    inst = getattr(accelerator, _ATTR, None)
-    return None if inst is None else inst.scaler
+    return _common.installed_scaler(accelerator)
 
 
 def uninstall(accelerator: Accelerator) -> GradScaler:
@@ -346,7 +340,7 @@ def uninstall(accelerator: Accelerator) -> GradScaler:
     Raises:
         RuntimeError: distscaler is not installed on ``accelerator``.
     """
-    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    inst: _Installation | None = getattr(accelerator, INSTALLED, None)
     if inst is None:
         raise RuntimeError("distscaler is not installed on this accelerator")
     for optimizer, cls, old_scaler in inst.optimizers:
@@ -366,7 +360,7 @@ def uninstall(accelerator: Accelerator) -> GradScaler:
         accelerator.__dict__.pop(name, None)
     accelerator.scaler = inst.old_scaler
     accelerator.native_amp = inst.old_native_amp
-    delattr(accelerator, _ATTR)
+    delattr(accelerator, INSTALLED)
     return inst.scaler
 
 
@@ -427,7 +421,7 @@ def _prepare_optimizer(
     prepared = type(accelerator).prepare_optimizer(
         accelerator, optimizer, device_placement=device_placement
     )
-    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    inst: _Installation | None = getattr(accelerator, INSTALLED, None)
     if inst is not None:
         _adopt(prepared, inst.scaler, inst)
     return prepared
@@ -437,7 +431,7 @@ def _prepare_scheduler(accelerator: Accelerator, scheduler: Any) -> AcceleratedS
     """``accelerator.prepare_scheduler`` after
     [`install()`][distscaler.integrations.accelerate.install]: Accelerate's, then adopted."""
     prepared = type(accelerator).prepare_scheduler(accelerator, scheduler)
-    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    inst: _Installation | None = getattr(accelerator, INSTALLED, None)
     if inst is not None:
         _adopt_scheduler(prepared, inst)
     return prepared
@@ -481,7 +475,7 @@ def _clip_grad_norm(
 ) -> torch.Tensor:
     """``Accelerator.clip_grad_norm_`` through distscaler: the global norm of the unscaled
     gradients, folded into the step's one collective (see ``GradScaler.clip_grad_norm_``)."""
-    inst: _Installation = getattr(accelerator, _ATTR)
+    inst: _Installation = getattr(accelerator, INSTALLED)
     params = list(parameters)
     optimizer = _optimizer_holding(accelerator, params)
     if optimizer is None:
@@ -519,7 +513,7 @@ def _restore_scaler(accelerator: Accelerator, models: list[Any], input_dir: str)
     Accelerate runs load-state pre-hooks after the optimizers are loaded. Under FSDP2 that load ran
     a dummy optimizer step, whose ``scaler.update()`` moved the restored state.
     """
-    inst: _Installation | None = getattr(accelerator, _ATTR, None)
+    inst: _Installation | None = getattr(accelerator, INSTALLED, None)
     if inst is None or not accelerator.is_fsdp2:
         return
     path = os.path.join(input_dir, SCALER_NAME)

@@ -37,12 +37,15 @@ changes with this plugin:
   ``DistScalerPrecision("16-mixed", device="cpu")`` runs fp16 autocast on the CPU (gloo included).
 * **Skips.** torch's scaler decides per rank; nothing makes the ranks agree and LR schedulers step
   on skipped steps. Here every rank skips, or none does, and `connect()` puts a guard in front of
-  each ``interval="step"`` scheduler's ``step``: it does nothing after a skipped optimizer step
-  (``last_epoch`` stays; Lightning's ``scheduler_progress`` still counts the call).
+  each ``interval="step"`` scheduler's ``step``: it does nothing when every optimizer step of its
+  optimizer since its last ``step`` was skipped (``last_epoch`` stays; Lightning's
+  ``scheduler_progress`` still counts the call).
 * **Logging.** After each optimizer step the plugin logs, through ``LightningModule.log``,
   ``distscaler/skipped`` (0/1 per step, ``_step``; summed per epoch, ``_epoch``),
   ``distscaler/scale`` and, when clipping ran, ``distscaler/grad_norm`` (device tensors, no host
-  read at log time).
+  read); at the steps Lightning writes its logs (``log_every_n_steps``), the other entries of
+  [`GradScaler.metrics()`][distscaler.GradScaler.metrics] (``distscaler/skipped_total``, the last
+  overflow, the replica check's counts: the keys every integration logs; one host read).
 * **Checkpoints.** The scaler's ``state_dict`` goes into the checkpoint under
   ``"DistScalerPrecision"`` (Lightning's precision-plugin key), so a resume continues with the same
   scale, tracker and skip counts, on every strategy (``ModelParallelStrategy`` keeps it in the
@@ -75,7 +78,9 @@ from typing import Any
 import torch
 from torch.optim import LBFGS, Optimizer
 
-try:
+from ._common import SKIPPED, SkipLedger, requires
+
+with requires("lightning", "Lightning >= 2.4", "lightning"):
     import lightning.pytorch as pl
     from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDPPrecision
     from lightning.fabric.plugins.precision.precision import Precision as _FabricPrecision
@@ -85,11 +90,6 @@ try:
     from lightning.pytorch.plugins.precision.precision import Precision as _TrainerPrecision
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning_utilities.core.apply_func import apply_to_collection
-except ImportError as e:  # pragma: no cover - exercised only without lightning
-    raise ImportError(
-        "distscaler.integrations.lightning needs Lightning >= 2.4: "
-        "pip install 'distscaler[lightning]' (or: pip install lightning)"
-    ) from e
 
 from .._scaler import GradScaler
 from ._scaler_arg import scaler_from_argument
@@ -133,7 +133,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     Cost per optimizer step: the scaler's (one ``all_reduce`` of 2 float32 on every rank of the
     scaler's group, which every rank must join; no host read with a fused optimizer, one with
-    others); one host read of the agreed flag per guarded scheduler step.
+    others); one host read of the agreed flags per guarded scheduler step; one host read at each
+    step Lightning writes its logs (``log_metrics``).
     """
 
     precision = "16-mixed"
@@ -184,6 +185,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         )
         self._registered: weakref.ref[torch.nn.Module] | None = None
         self._guarded: list[tuple[Any, type]] = []
+        # Per guarded scheduler: its optimizer's steps since its last step (the hold rule).
+        self._ledgers: weakref.WeakKeyDictionary[Any, SkipLedger] = weakref.WeakKeyDictionary()
         self._backward_skipped = False
         # Set by connect(), which only the Trainer calls: Fabric casts inputs, the Trainer does not.
         self._trainer_connected = False
@@ -200,6 +203,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
             "_norms",
             "_registered",
             "_guarded",
+            "_ledgers",
             "_backward_skipped",
             "_trainer_connected",
         ):
@@ -218,8 +222,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         """Trainer hook (``Strategy.setup_precision_plugin``): guard the step-interval schedulers.
 
         Each ``LRSchedulerConfig`` with ``interval="step"`` gets its scheduler's class swapped for a
-        subclass whose ``step`` does nothing after a skipped optimizer step (same object, state and
-        ``state_dict``; undone by
+        subclass whose ``step`` does nothing when every optimizer step of its optimizer since its
+        last ``step`` was skipped (same object, state and ``state_dict``; undone by
         [`teardown()`][distscaler.integrations.lightning.DistScalerPrecision.teardown]). Epoch
         schedulers are left alone.
 
@@ -325,8 +329,11 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         found_inf = self.scaler.found_inf
         if found_inf is not None:
             self._found_inf[optimizer] = found_inf
+            for scheduler, ledger in self._ledgers.items():
+                if _unwrap(getattr(scheduler, "optimizer", optimizer)) is _unwrap(optimizer):
+                    ledger.record(found_inf)  # no host read: read when the scheduler steps
         if trainer is not None and self.log_metrics and found_inf is not None:
-            self._log(model, optimizer, found_inf)
+            self._log(model, optimizer, found_inf, _logs_this_step(trainer))
         return out
 
     def clip_gradients(
@@ -395,6 +402,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
             scheduler.__class__ = cls
             _SCHEDULER_OWNERS.pop(scheduler, None)
         self._guarded.clear()
+        self._ledgers.clear()
         self._trainer_connected = False
 
     # ------------------------------------------------------------------ helpers
@@ -408,6 +416,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def _guard(self, scheduler: Any) -> None:
         cls = type(scheduler)
+        self._ledgers[scheduler] = SkipLedger()
         if issubclass(cls, _SkipAwareScheduler):
             _SCHEDULER_OWNERS[scheduler] = self
             return
@@ -420,28 +429,39 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         _SCHEDULER_OWNERS[scheduler] = self
         self._guarded.append((scheduler, cls))
 
-    def _log(self, model: Any, optimizer: Optimizer, found_inf: torch.Tensor) -> None:
+    def _holds(self, scheduler: Any) -> bool:
+        """Whether ``scheduler`` holds: every step of its optimizer since its last step skipped."""
+        ledger = self._ledgers.get(scheduler)
+        return ledger is not None and ledger.hold()
+
+    def _log(
+        self, model: Any, optimizer: Optimizer, found_inf: torch.Tensor, logs_now: bool
+    ) -> None:
         log = {"batch_size": 1, "sync_dist": False, "add_dataloader_idx": False}
-        model.log(
-            "distscaler/skipped", found_inf, on_step=True, on_epoch=True, reduce_fx="sum", **log
-        )
+        model.log(SKIPPED, found_inf, on_step=True, on_epoch=True, reduce_fx="sum", **log)
         one = torch.ones((), dtype=torch.float32, device=found_inf.device)
         model.log("distscaler/scale", self.scaler.scale(one), on_step=True, on_epoch=False, **log)
         norm = self._norms.get(optimizer)
         if norm is not None:
             model.log("distscaler/grad_norm", norm, on_step=True, on_epoch=False, **log)
+        if logs_now:  # the rest of GradScaler.metrics(), when Lightning writes (one host read)
+            for key, value in self.scaler.metrics().items():
+                if key != "distscaler/scale":  # logged above from the device, at every step
+                    model.log(key, float(value), on_step=True, on_epoch=False, **log)
 
 
 class _SkipAwareScheduler:
-    """Put in front of a step-interval scheduler's class: no step after a skipped optimizer step.
+    """Put in front of a step-interval scheduler's class: no step when every optimizer step since
+    its last one was skipped.
 
-    The skip is the owning plugin's agreed flag for the scheduler's ``optimizer`` (torch's
-    ``LRScheduler`` attribute; for a scheduler without one, the scaler's last step). One host read.
+    The steps are the owning plugin's agreed flags for the scheduler's ``optimizer`` (torch's
+    ``LRScheduler`` attribute; for a scheduler without one, every optimizer's), kept in a
+    `distscaler.integrations._common.SkipLedger`. One host read.
     """
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         owner = _SCHEDULER_OWNERS.get(self)
-        if owner is not None and owner.step_was_skipped(getattr(self, "optimizer", None)):
+        if owner is not None and owner._holds(self):
             return None
         return super().step(*args, **kwargs)  # type: ignore[misc]
 
@@ -458,6 +478,13 @@ def _unwrap(optimizer: Any) -> Any:
     if isinstance(optimizer, LightningOptimizer):
         return optimizer._optimizer
     return optimizer
+
+
+def _logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning writes its logs at this optimizer step (``log_every_n_steps``: its logger
+    connector's ``should_update_logs``; True where a Lightning release lacks it)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))
 
 
 def _trainer_of(module: Any) -> Any:

@@ -80,14 +80,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
-from megatron.core.optimizer.grad_scaler import MegatronGradScaler
-from megatron.core.optimizer.optimizer import (
-    ChainedOptimizer,
-    MegatronOptimizer,
-    MixedPrecisionOptimizer,
-)
-from megatron.core.transformer.module import param_is_not_shared
+
+from . import _common
+from ._common import INSTALLED, TESTED_VERSIONS, requires
+
+with requires("megatron", f"megatron-core {TESTED_VERSIONS['megatron-core']}", "megatron"):
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+    from megatron.core.optimizer.optimizer import (
+        ChainedOptimizer,
+        MegatronOptimizer,
+        MixedPrecisionOptimizer,
+    )
+    from megatron.core.transformer.module import param_is_not_shared
 
 from .._scaler import GradScaler
 from ..config import ScalerConfig
@@ -97,7 +102,7 @@ from ._scaler_arg import scaler_from_argument
 __all__ = ["MegatronBinding", "SharedGradScaler", "install", "installed_scaler", "scaler_config"]
 
 #: The megatron-core version the tests ran (``pip install distscaler[megatron]``).
-TESTED_VERSION = "0.19.2"
+TESTED_VERSION = TESTED_VERSIONS["megatron-core"]
 
 
 def scaler_config(config: Any) -> ScalerConfig:
@@ -454,7 +459,7 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
             "optimizer must be what megatron.core.optimizer.get_megatron_optimizer returns, got: "
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         )
-    if getattr(optimizer, "_distscaler", None) is not None:
+    if getattr(optimizer, INSTALLED, None) is not None:
         raise RuntimeError("distscaler is already installed on this optimizer")
     subs = list(
         optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
@@ -493,7 +498,7 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
     binding = MegatronBinding(optimizer, built)
     for sub in subs:
         sub.grad_scaler = SharedGradScaler(binding)
-    optimizer._distscaler = binding  # type: ignore[attr-defined]
+    setattr(optimizer, INSTALLED, binding)
     optimizer.prepare_grads = binding.prepare_grads  # type: ignore[method-assign]
     optimizer.step = binding.step  # type: ignore[method-assign]
     optimizer.step_with_ready_grads = binding.step_with_ready_grads  # type: ignore[method-assign]
@@ -509,7 +514,7 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
 
 def _chained_only(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(
-        "with distscaler installed, the sub-optimizers share one verdict: call prepare_grads() "
+        "with distscaler installed, the sub-optimizers share one found_inf: call prepare_grads() "
         "and step() on the ChainedOptimizer given to install(), not on a sub-optimizer"
     )
 
@@ -523,5 +528,4 @@ def _with_init_scale(config: ScalerConfig, scale: float) -> ScalerConfig:
 def installed_scaler(optimizer: MegatronOptimizer) -> GradScaler | None:
     """The scaler [`install()`][distscaler.integrations.megatron.install] put on ``optimizer``, or
     None."""
-    binding = getattr(optimizer, "_distscaler", None)
-    return binding.scaler if binding is not None else None
+    return _common.installed_scaler(optimizer)

@@ -64,6 +64,10 @@ What a step does, on every rank of every replica group (torchft 0.2.0, ``manager
   healthy peer at the next quorum, while the other groups step normally (their gradients are
   finite). Cost: one host read of the cross-replica found_inf per step (free on the CPU; a sync on a
   GPU, where torchft's ``should_commit`` synchronizes anyway).
+* **Logs**: torchft brings no metrics logger; the scaler's
+  [`metrics()`][distscaler.GradScaler.metrics] gives the ``distscaler/*`` entries under the keys
+  every integration logs (the scale, the skips, the last overflow, the replica check's counts; one
+  host read), for the job's own logger.
 
 What it relies on in torchft 0.2.0 (changes there break it; pinned in the ``torchft`` extra):
 ``Manager.allreduce`` (``reduce_op``; a non-participating group's tensor zeroed), ``should_commit``,
@@ -87,13 +91,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-try:
+from ._common import TESTED_VERSIONS, requires
+
+with requires("torchft", f"torchft {TESTED_VERSIONS['torchft']}", "torchft"):
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
-except ImportError as e:  # pragma: no cover - exercised only without torchft
-    raise ImportError(
-        "distscaler.integrations.torchft needs torchft 0.2.0: pip install 'distscaler[torchft]'"
-    ) from e
 
 from .._process_group import ScalerGroup, has_dynamic_membership
 from .._scaler import GradScaler
@@ -112,7 +114,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The torchft release this integration was written against and tested with.
-TESTED_TORCHFT = "0.2.0"
+TESTED_TORCHFT = TESTED_VERSIONS["torchft"]
 #: The key of the scaler's state in torchft's healed state (``register_state_dict_fn``).
 STATE_KEY = "distscaler"
 #: Elements of the cross-replica found_inf: [flag or statistic, statistic, hi, lo].

@@ -43,13 +43,15 @@ What torchtitan 0.3.0 (``trainer.py``) does in fp16 and what
   (on skipped steps too, as a fused optimizer's do under torch's scaler); no host read. Otherwise
   (``foreach``, ``for-loop``, ``DistMuon``...) the container is the scaler's optimizer: an in-place
   unscale pass and one host read of the agreed flag per step; a skipped step runs no hook.
-* **Logs.** torchtitan's metrics logger (console, TensorBoard, W&B) gets ``distscaler/scale``,
-  ``distscaler/skipped`` (since the last log), ``distscaler/skipped_total`` and, after a skip,
+* **Logs.** torchtitan's metrics logger (console, TensorBoard, W&B) gets
+  [`GradScaler.metrics()`][distscaler.GradScaler.metrics] (the keys every integration logs:
+  ``distscaler/scale``, ``distscaler/updates``, ``distscaler/skipped_total`` and, after a skip,
   ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``, and once replicated gradients
-  were compared the replica check's counts (``distscaler/replica_checks``,
+  were compared the replica check's counts, ``distscaler/replica_checks``,
   ``distscaler/replica_mismatches``, ``distscaler/replica_skipped``, ``distscaler/suspects``:
-  [`distscaler.replica_check`][distscaler.replica_check]); a warning names the parameters
-  and ranks ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]). The LR
+  [`distscaler.replica_check`][distscaler.replica_check]) and ``distscaler/skipped`` (since the
+  last log); a warning names the parameters and ranks
+  ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]). The LR
   scheduler steps on skipped steps too (torch's recipe; holding it would cost a host read per step).
 * **Checkpoints.** ``Trainer.state_dict`` (torchtitan's ``train_state``) carries the scaler: a
   resume continues with the same scale, tracker and skip counts.
@@ -75,7 +77,17 @@ from typing import Any, Literal
 
 import torch
 
-try:
+from ._common import TESTED_VERSIONS, LogMetrics, requires, warn_if_untested
+
+with requires(
+    "torchtitan",
+    "torchtitan (Python >= 3.11)",
+    "torchtitan",
+    hints={
+        "triton": f"torchtitan {TESTED_VERSIONS['torchtitan']} imports triton when it loads "
+        "(torchtitan.distributed.minimal_async_ep); install triton (CUDA builds of torch bring it)"
+    },
+):
     import torchtitan
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.config import TrainingConfig
@@ -84,22 +96,12 @@ try:
     from torchtitan.tools import utils as tt_utils
     from torchtitan.tools.logging import logger as tt_logger
     from torchtitan.trainer import Trainer
-except ImportError as e:  # pragma: no cover - exercised only without torchtitan
-    if e.name == "triton":
-        raise ImportError(
-            "distscaler.integrations.torchtitan: torchtitan 0.3.0 imports triton when it loads "
-            "(torchtitan.distributed.minimal_async_ep); install triton (CUDA builds of torch "
-            "bring it)"
-        ) from e
-    raise ImportError(
-        "distscaler.integrations.torchtitan needs torchtitan (Python >= 3.11): "
-        "pip install 'distscaler[torchtitan]'"
-    ) from e
 
 from .._contract import uses_fused_scaling
 from .._scaler import GradScaler
 from ..config import ScalerConfig
 from ..layouts import GradLayout
+from ..policies import get_policy
 from ._scaler_arg import scaler_from_argument
 from ._torchtitan_loss import scale_loss_fn, scaled_for_backward
 
@@ -113,17 +115,16 @@ __all__ = [
 ]
 
 #: The torchtitan release this module is written against and tested with.
-TESTED_VERSION = "0.3.0"
+TESTED_VERSION = TESTED_VERSIONS["torchtitan"]
 
 logger = logging.getLogger(__name__)
 
-if torchtitan.__version__ != TESTED_VERSION:  # pragma: no cover - depends on the install
-    logger.warning(
-        "distscaler.integrations.torchtitan is tested with torchtitan %s, found %s: it overrides "
-        "Trainer.train_step (see its docstring for what an upstream change can break)",
-        TESTED_VERSION,
-        torchtitan.__version__,
-    )
+warn_if_untested(
+    logger,
+    "torchtitan",
+    torchtitan.__version__,
+    "it overrides Trainer.train_step (see its docstring for what an upstream change can break)",
+)
 
 # Optimizers whose fused kernels read ``grad_scale``/``found_inf`` per param group whatever the
 # constructor's ``fused`` (torchtitan puts ``fused`` into each group, so torch leaves their
@@ -210,8 +211,8 @@ class DistScalerTrainer(Trainer):
 
     Cost per step on top of stock torchtitan: the one ``all_reduce`` of 2 float32 over
     the world (in place of the clip's norm reductions) and a few device ops; no host read on the
-    fused path. Per logging step: two host reads, and after new skips one ``all_gather`` (every
-    rank). Every rank must run the same steps, as in stock torchtitan.
+    fused path. Per logging step: one host read, and after new skips one ``all_gather`` and one
+    more read (every rank). Every rank must run the same steps, as in stock torchtitan.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -259,7 +260,7 @@ class DistScalerTrainer(Trainer):
         self._scaler_optimizer: Any = (
             _ContainerStep(self.optimizers) if self.fused_step else self.optimizers
         )
-        self._logged_skipped = 0
+        self._log = LogMetrics()
         modules = (m for part in self.model_parts for m in part.modules())
         if not any(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in modules):
             tt_logger.warning(
@@ -267,7 +268,7 @@ class DistScalerTrainer(Trainer):
                 "(torchtitan applies it through FSDP2's MixedPrecisionPolicy)"
             )
         dtype = config.training.mixed_precision_param
-        if dtype != "float16" and grad_scaler.config.policy != "static":
+        if dtype != "float16" and get_policy(grad_scaler.config.policy).reacts_to_overflow:
             tt_logger.warning(
                 "distscaler: %s parameters need no loss scale; --grad_scaler.policy static "
                 "--grad_scaler.init_scale 1 keeps only the agreement on non-finite steps",
@@ -382,29 +383,14 @@ class DistScalerTrainer(Trainer):
             self.step, avg_loss, max_loss, float(grad_norm.item()), extra_metrics=extra
         )
 
-    def scaler_metrics(self) -> dict[str, float]:
-        """The ``distscaler/*`` metrics of this logging step (module docstring). After new skips it
-        runs [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow], which logs the
-        report (a warning on rank 0, logger ``"distscaler"``): every rank must call it at the same
-        step (one ``all_gather`` at world size > 1, only then). Two host reads (the skip counts, the
-        scale)."""
-        scaler = self.grad_scaler
-        if not scaler.is_enabled():
-            return {}
-        totals = scaler.skip_totals
-        new = totals.num_skipped - self._logged_skipped
-        self._logged_skipped = totals.num_skipped
-        metrics: dict[str, float] = {
-            "distscaler/scale": scaler.get_scale(),
-            "distscaler/skipped": new,
-            "distscaler/skipped_total": totals.num_skipped,
-        }
-        report = scaler.report_overflow() if new else scaler.last_overflow
-        if report is not None:
-            metrics["distscaler/overflow_step"] = report.step
-            metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
-        metrics.update(scaler.replica_ledger.metrics())  # once replicas were compared
-        return metrics
+    def scaler_metrics(self) -> dict[str, float | int]:
+        """The ``distscaler/*`` metrics of this logging step (module docstring):
+        [`GradScaler.metrics()`][distscaler.GradScaler.metrics] and ``distscaler/skipped``. After
+        new skips it runs [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]
+        first, which logs the report (a warning on rank 0, logger ``"distscaler"``): every rank
+        must call it at the same step (one ``all_gather`` at world size > 1, only then). One host
+        read; after new skips the report's and one more."""
+        return self._log.metrics(self.grad_scaler, report=True)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -421,7 +407,7 @@ class DistScalerTrainer(Trainer):
         super().load_state_dict(state_dict)
         if "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-            self._logged_skipped = self.grad_scaler.skip_totals.num_skipped
+            self._log.resume(self.grad_scaler)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -28,13 +28,15 @@ Transformers 5.x (``trainer.py``: ``_inner_training_loop``, ``_clip_grad_norm``,
   into the step's collective, no extra pass with a fused optimizer); ``max_grad_norm=0`` measures
   the logged ``grad_norm`` with ``max_norm=inf`` (measure only).
 * **Logs.** Each Trainer log (``on_log``: the console, TensorBoard, W&B... get them like any metric,
-  and ``trainer.state.log_history``) carries ``distscaler/scale``, ``distscaler/skipped`` (skipped
-  optimizer steps since the previous log), ``distscaler/skipped_total`` and, once a step was
+  and ``trainer.state.log_history``) carries
+  [`GradScaler.metrics()`][distscaler.GradScaler.metrics] (the keys every integration logs:
+  ``distscaler/scale``, ``distscaler/updates``, ``distscaler/skipped_total`` and, once a step was
   skipped, ``distscaler/overflow_step`` (the scaler's update number of the last skipped step) and
   ``distscaler/overflow_tensors`` (how many gradient tensors held inf/NaN, all ranks), and once
   replicated gradients were compared ([`distscaler.replica_check`][distscaler.replica_check]),
   ``distscaler/replica_checks``, ``distscaler/replica_mismatches``,
-  ``distscaler/replica_skipped`` and ``distscaler/suspects``. The names,
+  ``distscaler/replica_skipped`` and ``distscaler/suspects``) and ``distscaler/skipped`` (skipped
+  optimizer steps since the previous log). The names,
   ranks and kinds are logged as a warning on rank 0 (logger ``"distscaler"``) right after the
   skipped step: [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow].
 * **Checkpoints.** Unchanged code path: the Trainer saves ``accelerator.scaler.state_dict()`` as
@@ -61,13 +63,11 @@ import logging
 import os
 from typing import Any
 
-try:
+from . import _common
+from ._common import INSTALLED, LogMetrics, requires
+
+with requires("transformers", "HuggingFace Transformers", "transformers"):
     from transformers import Trainer, TrainerCallback
-except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise ImportError(
-        "distscaler.integrations.transformers needs HuggingFace Transformers: "
-        "pip install 'distscaler[transformers]'"
-    ) from e
 
 from .._scaler import GradScaler
 from . import accelerate as _accelerate
@@ -76,7 +76,6 @@ __all__ = ["DistScalerCallback", "install", "installed_scaler", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
-_ATTR = "_distscaler_callback"
 _said_cpu_fp16 = False
 
 
@@ -88,13 +87,13 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
     ``on_step_end`` (every rank, after each optimizer step): one host read of the agreed skip flag;
     after a skipped step, [`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow]
     (every rank at the same step: at world size > 1 one ``all_gather``, only then). ``on_log``: adds
-    the metrics of the module docstring to the log (two host reads).
+    the metrics of the module docstring to the log (one host read).
     """
 
     def __init__(self, scaler: GradScaler, *, log_metrics: bool = True) -> None:
         self.scaler = scaler
         self.log_metrics = log_metrics
-        self._logged_skipped = 0
+        self._log = LogMetrics()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """After a skipped step, fill ``scaler.last_overflow`` (every rank together)."""
@@ -107,20 +106,10 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
         """Add the scale, the skip counts and the last overflow report to the Trainer's log."""
         if not self.log_metrics or logs is None or not self.scaler.is_enabled():
             return
-        totals = self.scaler.skip_totals
-        if totals.num_updates == 0:  # before the first step (or only evaluating)
+        # Reported after each skipped step already (on_step_end): no report here.
+        metrics = self._log.metrics(self.scaler)
+        if not metrics.get("distscaler/updates"):  # before the first step (or only evaluating)
             return
-        metrics: dict[str, float] = {
-            "distscaler/scale": self.scaler.get_scale(),
-            "distscaler/skipped": totals.num_skipped - self._logged_skipped,
-            "distscaler/skipped_total": totals.num_skipped,
-        }
-        self._logged_skipped = totals.num_skipped
-        report = self.scaler.last_overflow
-        if report is not None:
-            metrics["distscaler/overflow_step"] = report.step
-            metrics["distscaler/overflow_tensors"] = len(report.entries) + report.unlisted
-        metrics.update(self.scaler.replica_ledger.metrics())  # once replicas were compared
         logs.update(metrics)
         # Trainer.log stored a copy of ``logs`` in the history before calling the callbacks.
         history = state.log_history
@@ -131,7 +120,7 @@ class DistScalerCallback(TrainerCallback):  # type: ignore[misc]
         """Count skips from the checkpoint's totals on a resumed run."""
         # A resumed run continues the skip counts of its checkpoint: count from there.
         if self.scaler.is_enabled():
-            self._logged_skipped = self.scaler.skip_totals.num_skipped
+            self._log.resume(self.scaler)
 
 
 def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -> GradScaler:
@@ -179,7 +168,7 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
         )
     if not isinstance(log_metrics, bool):
         raise TypeError(f"log_metrics must be a bool, got: {log_metrics!r}")
-    if getattr(trainer, _ATTR, None) is not None:
+    if getattr(trainer, INSTALLED, None) is not None:
         raise RuntimeError(
             "distscaler is already installed on this Trainer; call uninstall(trainer) first"
         )
@@ -200,7 +189,7 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
     installed = _accelerate.install(accelerator, scaler)
     callback = DistScalerCallback(installed, log_metrics=log_metrics)
     trainer.callback_handler.callbacks.insert(0, callback)
-    setattr(trainer, _ATTR, callback)
+    setattr(trainer, INSTALLED, callback)
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         _say_cpu_fp16(accelerator.is_main_process)
     return installed
@@ -209,8 +198,7 @@ def install(trainer: Trainer, scaler: Any = None, *, log_metrics: bool = True) -
 def installed_scaler(trainer: Trainer) -> GradScaler | None:
     """The scaler [`install()`][distscaler.integrations.transformers.install] put into ``trainer``,
     or None."""
-    callback = getattr(trainer, _ATTR, None)
-    return None if callback is None else callback.scaler
+    return _common.installed_scaler(trainer)
 
 
 def uninstall(trainer: Trainer) -> GradScaler:
@@ -220,11 +208,11 @@ def uninstall(trainer: Trainer) -> GradScaler:
     Raises:
         RuntimeError: distscaler is not installed on ``trainer``.
     """
-    callback = getattr(trainer, _ATTR, None)
+    callback = getattr(trainer, INSTALLED, None)
     if callback is None:
         raise RuntimeError("distscaler is not installed on this Trainer")
     trainer.callback_handler.callbacks.remove(callback)
-    delattr(trainer, _ATTR)
+    delattr(trainer, INSTALLED)
     return _accelerate.uninstall(trainer.accelerator)
 
 

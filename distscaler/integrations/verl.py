@@ -31,12 +31,15 @@ What an FSDP engine then does in fp16, on verl's device (``get_device_name()``),
   every rank or none; fused and foreach AdamW take ``grad_scale``/``found_inf`` and never wait for
   the host), ``update``. It returns ``grad_norm`` as verl does (a Python float: the norm before
   clipping; non-finite on a skipped step). One host read (the norm, which verl reads anyway).
-* **Metrics**, in the step's ``metrics``: ``grad_norm`` (verl's), ``distscaler/scale`` (the scale
-  for the next step), ``distscaler/skipped`` (0 or 1) and, after a skip,
-  ``distscaler/overflow_step`` and ``distscaler/overflow_tensors`` with a warning that names the
+* **Metrics**, in the step's ``metrics``: ``grad_norm`` (verl's),
+  [`GradScaler.metrics()`][distscaler.GradScaler.metrics] (the keys every integration logs:
+  ``distscaler/scale``, the scale for the next step, ``distscaler/updates``,
+  ``distscaler/skipped_total``, the replica check's counts once it compared replicas) and
+  ``distscaler/skipped`` (0 or 1) and, after a skip, ``distscaler/overflow_step`` and
+  ``distscaler/overflow_tensors`` (in that step's metrics only) with a warning that names the
   ranks and parameters (by module path, FSDP1 and FSDP2)
   ([`GradScaler.report_overflow()`][distscaler.GradScaler.report_overflow], one ``all_gather``, only
-  after a skip). One more host read per step (the scale).
+  after a skip). One more host read per step.
 * **LR scheduler held** on skipped steps (default, ``lr_on_skip="hold"``): verl's worker calls
   ``lr_scheduler_step()`` once per training call, after its mini-batches; it is held (the current
   LR returned) when every optimizer step since the last scheduler step was skipped, so the schedule
@@ -87,6 +90,14 @@ import torch
 
 from .._scaler import GradScaler
 from ..config import ScalerConfig
+from ._common import (
+    SKIPPED,
+    TESTED_VERSIONS,
+    LROnSkip,
+    SkipLedger,
+    check_lr_on_skip,
+    requires,
+)
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -100,12 +111,11 @@ __all__ = [
 ]
 
 #: The verl release this module is tested with (CI: ``tests/test_verl.py``).
-TESTED_VERSION = "0.9.1"
+TESTED_VERSION = TESTED_VERSIONS["verl"]
 
 #: verl's own fp16 scaler settings (``ShardedGradScaler(growth_interval=400)``), our default.
 VERL_SCALER = ScalerConfig(growth_interval=400)
 
-_LR_ON_SKIP = ("hold", "step")
 _DEVICE = "verl's device (get_device_name())"
 
 logger = logging.getLogger("distscaler")
@@ -124,13 +134,13 @@ class VerlScalerOptions:
     """
 
     scaler: Any = None
-    lr_on_skip: str = "hold"
+    lr_on_skip: LROnSkip = "hold"
 
 
 _options: VerlScalerOptions | None = None
 
 
-def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOptions:
+def configure(scaler: Any = None, *, lr_on_skip: LROnSkip = "hold") -> VerlScalerOptions:
     """Set what the engines built after this call in this process use; returns the options.
 
     Args:
@@ -150,7 +160,7 @@ def configure(scaler: Any = None, *, lr_on_skip: str = "hold") -> VerlScalerOpti
         TypeError: ``scaler`` is none of the accepted kinds.
     """
     global _options
-    _check_lr_on_skip(lr_on_skip, "lr_on_skip")
+    check_lr_on_skip(lr_on_skip)
     if isinstance(scaler, GradScaler):
         _check_scaler_device(scaler)
     else:
@@ -168,16 +178,12 @@ def options() -> VerlScalerOptions:
     """
     if _options is not None:
         return _options
-    lr_on_skip = os.environ.get("DISTSCALER_VERL_LR_ON_SKIP", "hold")
-    _check_lr_on_skip(lr_on_skip, "DISTSCALER_VERL_LR_ON_SKIP")
+    lr_on_skip = check_lr_on_skip(
+        os.environ.get("DISTSCALER_VERL_LR_ON_SKIP", "hold"), "DISTSCALER_VERL_LR_ON_SKIP"
+    )
     return VerlScalerOptions(
         scaler=os.environ.get("DISTSCALER_VERL_SCALER") or None, lr_on_skip=lr_on_skip
     )
-
-
-def _check_lr_on_skip(value: Any, name: str) -> None:
-    if value not in _LR_ON_SKIP:
-        raise ValueError(f"{name} must be one of {_LR_ON_SKIP}, got: {value!r}")
 
 
 def _check_scaler_device(scaler: GradScaler) -> None:
@@ -203,38 +209,22 @@ def _new_scaler(device_type: str) -> GradScaler:
     return scaler if scaler is not None else GradScaler.from_config(VERL_SCALER, device_type)
 
 
-# ----------------------------------------------------------------------------- the step's record
+# ----------------------------------------------------------------------------- the step's metrics
+
+#: The overflow report's keys of ``GradScaler.metrics()``: in the metrics of the skipped step only.
+_OVERFLOW_KEYS = ("distscaler/overflow_step", "distscaler/overflow_tensors")
 
 
-class _StepLedger:
-    """Optimizer steps and skips since the LR scheduler last stepped, for the hold rule."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.applied = 0
-        self.last_skipped = False
-
-    def record(self, skipped: bool) -> None:
-        self.steps += 1
-        self.applied += not skipped
-        self.last_skipped = skipped
-
-    def hold_lr(self) -> bool:
-        held = options().lr_on_skip == "hold" and self.steps > 0 and self.applied == 0
-        self.steps = self.applied = 0
-        return held
-
-
-def _scaler_metrics(scaler: GradScaler, skipped: bool) -> dict[str, float]:
-    """``distscaler/*`` of one step; after a skip every rank must call it (``report_overflow``)."""
-    metrics: dict[str, float] = {
-        "distscaler/scale": scaler.get_scale(),
-        "distscaler/skipped": float(skipped),
-    }
-    report = scaler.report_overflow() if skipped else None
-    if report is not None:
-        metrics["distscaler/overflow_step"] = float(report.step)
-        metrics["distscaler/overflow_tensors"] = float(len(report.entries) + report.unlisted)
+def _scaler_metrics(scaler: GradScaler, skipped: bool) -> dict[str, float | int]:
+    """``distscaler/*`` of one step: ``GradScaler.metrics()`` and the step's skip; after a skip
+    every rank must call it (``report_overflow``)."""
+    if skipped:
+        scaler.report_overflow()
+    metrics = scaler.metrics()
+    if not skipped:  # verl averages each key over a step's metrics: the report is that step's
+        for key in _OVERFLOW_KEYS:
+            metrics.pop(key, None)
+    metrics[SKIPPED] = float(skipped)
     return metrics
 
 
@@ -252,7 +242,7 @@ class _DistScalerEngine:
     """What every distscaler engine adds to verl's whatever its backend: the step's metrics and
     the LR held on skipped steps. A subclass says where its scaler is and what the current LR is."""
 
-    _distscaler_ledger: _StepLedger
+    _distscaler_ledger: SkipLedger
 
     def _distscaler(self) -> GradScaler | None:
         """The engine's distscaler scaler; None in bf16/fp32 (verl's behaviour, unchanged)."""
@@ -272,8 +262,10 @@ class _DistScalerEngine:
         return outputs
 
     def lr_scheduler_step(self) -> Any:
-        if self._distscaler() is not None and self._distscaler_ledger.hold_lr():
-            return self._current_lr()  # held
+        if self._distscaler() is not None:
+            held = self._distscaler_ledger.hold()  # counts from here on either way
+            if held and options().lr_on_skip == "hold":
+                return self._current_lr()
         return super().lr_scheduler_step()  # type: ignore[misc]
 
 
@@ -299,7 +291,7 @@ class DistScalerFSDPEngine(_DistScalerEngine):
             # overflow report names (FSDP2's DTensors give their layout themselves).
             scaler.register_model(module)
             self.scaler = scaler
-        self._distscaler_ledger = _StepLedger()
+        self._distscaler_ledger = SkipLedger()
         return module
 
     def _distscaler(self) -> GradScaler | None:
@@ -392,7 +384,7 @@ class DistScalerMegatronEngine(_DistScalerEngine):
         if fp16:
             _check_standard_fp16_optimizer(self.optimizer_config)
         optimizer = super()._build_optimizer()  # type: ignore[misc]
-        self._distscaler_ledger = _StepLedger()
+        self._distscaler_ledger = SkipLedger()
         self._distscaler_scaler: GradScaler | None = None
         if fp16:
             from . import megatron as ds_megatron
@@ -500,4 +492,5 @@ def installed(model_type: str = "language_model", backend: str = "fsdp2") -> boo
     return issubclass(cls, _DistScalerEngine)
 
 
-install()
+with requires("verl", f"verl {TESTED_VERSIONS['verl']}", "verl"):
+    install()
