@@ -269,13 +269,12 @@ class _Step:
 
 class FaultTolerantGradScaler(GradScaler):
     """A [`distscaler.GradScaler`][distscaler.GradScaler] that agrees with torchft: made by
-    [`install()`][distscaler.integrations.torchft.install].
+    [`install()`][distscaler.integrations.torchft.install] (through
+    [`from_scaler()`][distscaler.integrations.torchft.FaultTolerantGradScaler.from_scaler]).
 
-    The same scaler (same object when one was passed to
-    [`install()`][distscaler.integrations.torchft.install], its class changed to this one, as
-    Accelerate's integration does with optimizers), plus torchft's protocol: the agreement across
-    replica groups, ``should_commit()`` once per step, the heal applied before the check and the
-    scale update discarded when the step does not commit (see
+    A scaler's settings, state and registered layouts, plus torchft's protocol: the agreement
+    across replica groups, ``should_commit()`` once per step, the heal applied before the check and
+    the scale update discarded when the step does not commit (see
     [`distscaler.integrations.torchft`][distscaler.integrations.torchft]). Takes torchft's
     ``OptimizerWrapper`` wherever a ``GradScaler`` takes an optimizer (it steps the wrapped one).
     """
@@ -288,6 +287,63 @@ class FaultTolerantGradScaler(GradScaler):
     _replica_overflow: ReplicaOverflow | None
     _last_committed: bool | None
     _state_key: str
+
+    @classmethod
+    def from_scaler(
+        cls,
+        scaler: GradScaler,
+        manager: Manager,
+        *,
+        replica_group: dist.ProcessGroup | None = None,
+        report_lone_replica: bool = False,
+    ) -> FaultTolerantGradScaler:
+        """A scaler for torchft that takes ``scaler`` over: its settings, its state and counts,
+        its registered models and parameters (not copied: use the returned scaler from here on,
+        not ``scaler``), committing through ``manager``.
+
+        [`install()`][distscaler.integrations.torchft.install] builds its scaler with it and also
+        registers the scaler's state with ``manager`` (healing) and the model.
+
+        Args:
+            scaler: a ``distscaler.GradScaler``; its ``process_group``, if any, is the replica
+                group's own group.
+            manager: the replica group's torchft ``Manager``.
+            replica_group: the ranks of this replica group; default: ``scaler.process_group``
+                (see [`install()`][distscaler.integrations.torchft.install]).
+            report_lone_replica: see [`install()`][distscaler.integrations.torchft.install].
+
+        Raises:
+            TypeError: ``scaler`` is not a ``distscaler.GradScaler``.
+            ValueError: ``scaler`` is one already (installed on a torchft ``Manager``); its process
+                group is one of torchft's (pass the replica group's own group: the integration adds
+                the cross-replica agreement). Nothing is changed when it raises.
+
+        Cost: no collective, no host read.
+        """
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(f"scaler must be a distscaler.GradScaler, got: {type(scaler).__name__}")
+        if isinstance(scaler, FaultTolerantGradScaler):
+            raise ValueError("scaler is already installed on a torchft Manager")
+        own = scaler.process_group
+        if own is not None and has_dynamic_membership(own):
+            raise ValueError(
+                "scaler's process_group is a torchft group whose membership changes "
+                f"({type(own).__name__}); pass the replica group's own process group (or none): "
+                "the integration adds the agreement across replica groups"
+            )
+        ft = cls.__new__(cls)
+        ft.__dict__.update(scaler.__dict__)  # the scaler's parts, as they are
+        ft._manager = manager
+        ft._report_lone = bool(report_lone_replica)
+        ft._ft = _Step()
+        ft._preloaded_state = None
+        ft._pending_cross = None
+        ft._replica_overflow = None
+        ft._last_committed = None
+        ft._state_key = STATE_KEY
+        group = CrossReplicaGroup(ft, replica_group if replica_group is not None else own)
+        ft._group = ScalerGroup(group)
+        return ft
 
     # ------------------------------------------------------------------ the step
 
@@ -495,10 +551,11 @@ def install(
         manager (torchft.Manager): the replica group's manager.
         optimizer (OptimizerWrapper | Optimizer | None): torchft's ``OptimizerWrapper`` (checked to
             wrap ``manager``); pass it (or its wrapped optimizer) to ``scaler.step``.
-        scaler: a ``distscaler.GradScaler`` (used, its class becomes
-            [`FaultTolerantGradScaler`][distscaler.integrations.torchft.FaultTolerantGradScaler];
-            its ``process_group``, if any, is the replica group's own group), a ``ScalerConfig``, a
-            DeepSpeed config, or None (``GradScaler(device_type)``).
+        scaler: a ``distscaler.GradScaler`` (taken over by the returned
+            [`FaultTolerantGradScaler`][distscaler.integrations.torchft.FaultTolerantGradScaler],
+            [`from_scaler()`][distscaler.integrations.torchft.FaultTolerantGradScaler.from_scaler]:
+            use the returned one; its ``process_group``, if any, is the replica group's own
+            group), a ``ScalerConfig``, a DeepSpeed config, or None (``GradScaler(device_type)``).
         model (nn.Module | None): registered with ``scaler.register_model`` (parameter names in
             the overflow report; DDP layouts for clipping).
         replica_group (ProcessGroup | None): the ranks of this replica group (an FSDP/TP group
@@ -525,33 +582,17 @@ def install(
     elif device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     built = scaler_from_argument(scaler, device_type, "device_type")
-    if built is None:
-        built = GradScaler(device_type)
-    if isinstance(built, FaultTolerantGradScaler):
-        raise ValueError("scaler is already installed on a torchft Manager")
-    own = built.process_group
-    if own is not None and has_dynamic_membership(own):
-        raise ValueError(
-            "scaler's process_group is a torchft group whose membership changes "
-            f"({type(own).__name__}); pass the replica group's own process group (or none): the "
-            "integration adds the agreement across replica groups"
-        )
+    ft = FaultTolerantGradScaler.from_scaler(
+        GradScaler(device_type) if built is None else built,
+        manager,
+        replica_group=replica_group,
+        report_lone_replica=report_lone_replica,
+    )  # refuses an installed scaler and a torchft group before anything changes
     if STATE_KEY in manager._user_state_dicts:
         raise ValueError(
             f"manager already holds a state named {STATE_KEY!r} (register_state_dict_fn): "
             "install() once per manager"
         )
-    built.__class__ = FaultTolerantGradScaler
-    ft: FaultTolerantGradScaler = built  # type: ignore[assignment]
-    ft._manager = manager
-    ft._report_lone = bool(report_lone_replica)
-    ft._ft = _Step()
-    ft._preloaded_state = None
-    ft._pending_cross = None
-    ft._replica_overflow = None
-    ft._last_committed = None
-    ft._state_key = STATE_KEY
-    ft._group = ScalerGroup(CrossReplicaGroup(ft, replica_group if replica_group is not None else own))
     if model is not None:
         ft.register_model(model)
     manager.register_state_dict_fn(STATE_KEY, ft._load_healed, ft.state_dict)
