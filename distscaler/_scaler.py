@@ -463,12 +463,13 @@ class GradScaler(torch.amp.GradScaler):
         state = self._device_state("update")
         mismatch = any(r.replica_mismatch for r in self._records.values())
         if mismatch and new_scale is None:
-            # A replica mismatch whose values are all finite is no overflow: every rank skipped
-            # the step, and the scale, the growth tracker and the policy's counters stay as they
-            # are. One that brought inf/NaN (agreed: found_inf is 1.0 on every rank) is an
-            # overflow too, and every rank backs off alike. (A mismatch already read the host.)
-            mismatch = not any(bool(r.found_inf.item()) for r in self._records.values()
-                               if r.found_inf is not None)  # fmt: skip
+            # A replica mismatch whose values are all finite is no overflow (even where the
+            # corrupted value made the norm overflow): every rank skipped the step, and the scale,
+            # the growth tracker and the policy's counters stay as they are. One where some rank
+            # held inf/NaN (the mismatch's exchange says so, alike on every rank) is an overflow
+            # too: the agreed found_inf is 1.0 and every rank backs off alike.
+            last = self._replicas.ledger.last_mismatch
+            mismatch = last is None or not last.nonfinite
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
         elif mismatch:

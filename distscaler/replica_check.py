@@ -397,6 +397,9 @@ class ReplicaMismatch:
         sets: each replica set that disagreed: (its ranks, each rank's fingerprint as
             ``(A mod P1, A mod P2, B mod P1, B mod P2)`` in the same order).
         action: what was done: ``"skip"``, ``"raise"`` or ``"callback"``.
+        nonfinite: the ranks whose checked tensors held inf/NaN at that step (then the step is an
+            overflow too, and every rank backs off alike); empty when every value was finite
+            (the scale does not move).
     """
 
     step: int
@@ -404,6 +407,7 @@ class ReplicaMismatch:
     ranks: tuple[int, ...]
     sets: tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...] = ()
     action: str = "skip"
+    nonfinite: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """``step 12: gradients of rank(s) 3 differ from their replicas' (replica set of ranks
@@ -541,6 +545,7 @@ class ReplicaSlots:
         #: not checked this step: the slots' places stay fixed).
         self.numel = SLOTS * (2 if with_params else 1)
         self._global: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
+        self._grads: Sequence[torch.Tensor] = ()
         self.param_nonfinite: torch.Tensor | None = None
 
     # -- the local part
@@ -555,6 +560,7 @@ class ReplicaSlots:
         computed here."""
         primes = primes_tensor(self.primes, self.device)
         sets = [self.sets.get(id(p)) for p in params]
+        self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
         parts: list[torch.Tensor] = []
         if self.with_grads:
             if moments is None:
@@ -616,10 +622,14 @@ class ReplicaSlots:
         if not bad:
             return None
         what = bad[0]
-        ranks, sets = _name_ranks(self._global[what], self.primes, self.group)
+        local_nonfinite = any(
+            not bool(g.isfinite().all()) for g in self._grads if g.is_floating_point()
+        )  # a mismatch's one more read: an inf/NaN makes it an overflow too
+        ranks, sets, nonfinite = _name_ranks(self._global[what], self.primes, self.group,
+                                             local_nonfinite)  # fmt: skip
         on_mismatch = check.on_mismatch
         action = on_mismatch if isinstance(on_mismatch, str) else "callback"
-        mismatch = ReplicaMismatch(step, what, ranks, sets, action)  # type: ignore[arg-type]
+        mismatch = ReplicaMismatch(step, what, ranks, sets, action, nonfinite)  # type: ignore[arg-type]
         ledger.note_mismatch(mismatch)
         ledger.skipped += 1
         _warn_rank0("distscaler: replica mismatch at %s; the step is skipped on every rank",
@@ -777,8 +787,10 @@ def _name_ranks(
     fingerprints: tuple[torch.Tensor, list[ReplicaSet | None]],
     primes: tuple[int, int],
     group: dist.ProcessGroup | None,
-) -> tuple[tuple[int, ...], tuple]:
-    """Exchange per-set fingerprints (one ``all_gather_object``) and name each set's outliers."""
+    nonfinite: bool = False,
+) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
+    """Exchange per-set fingerprints and whether this rank's tensors hold inf/NaN (one
+    ``all_gather_object``); name each set's outliers and the ranks that held inf/NaN."""
     rows_t, sets = fingerprints
     rows = rows_t.cpu().tolist()
     mods = (primes[0], primes[1], primes[0], primes[1])
@@ -793,11 +805,11 @@ def _name_ranks(
     local = {key: tuple(v % m for v, m in zip(acc, mods)) for key, acc in mine.items()}
     gathered: list[Any] = [None] * (dist.get_world_size(group) if dist.is_initialized() else 1)
     if dist.is_initialized():
-        dist.all_gather_object(gathered, (me, local), group=group)
+        dist.all_gather_object(gathered, (me, local, nonfinite), group=group)
     else:
-        gathered = [(me, local)]
+        gathered = [(me, local, nonfinite)]
     by_set: dict[tuple[int, ...], dict[int, tuple[int, ...]]] = {}
-    for rank, per_set in gathered:
+    for rank, per_set, _ in gathered:
         for key, fp in per_set.items():
             by_set.setdefault(key, {})[rank] = fp
     named: set[int] = set()
@@ -811,5 +823,6 @@ def _name_ranks(
         named |= {r for r, fp in fps.items() if fp != majority}
         bad_sets.append((members, tuple(fps.get(r, (-1, -1, -1, -1)) for r in members)))
     if not named:  # the sets agree as wholes: the difference lies across sets
-        named = {r for r, _ in gathered}
-    return tuple(sorted(named)), tuple(bad_sets)
+        named = {r for r, _, _ in gathered}
+    held = tuple(sorted(r for r, _, bad in gathered if bad))
+    return tuple(sorted(named)), tuple(bad_sets), held
