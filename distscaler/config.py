@@ -15,13 +15,10 @@ import os
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from . import _validation as V
-from .policies import ScaleRule, get_policy
-
-if TYPE_CHECKING:
-    from .policies import PolicyName
+from .policies import PolicyName, ScaleRule, get_policy  # PolicyName: pydantic resolves it
 
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
 
