@@ -779,8 +779,10 @@ class GradScaler(torch.amp.GradScaler):
     @property
     def found_inf(self) -> torch.Tensor | None:
         """The agreed flag of the last [`update()`][distscaler.GradScaler.update] (0-dim float32 on
-        the device, 1.0 if skipped, else 0.0; no host read; never written again). None before one
-        and when disabled."""
+        the device, 1.0 if inf/NaN was found, else 0.0; no host read; never written again): a step
+        skipped for another cause (a finite replica mismatch) has 0.0 here and
+        [`step_was_skipped`][distscaler.GradScaler.step_was_skipped] True. None before one and
+        when disabled."""
         return self._state.last_found_inf if self._enabled else None
 
     @property
@@ -793,6 +795,9 @@ class GradScaler(torch.amp.GradScaler):
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
+        host = self._last_host_skip  # a skip whose cause only the host knows (no inf found)
+        if host is not None and host[0] == self._state.num_host_updates:
+            return True
         return bool(self._read(flag)[0][0])
 
     @property

@@ -417,7 +417,7 @@ class ScalerState:
         assert state is not None
         counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
         state.record_(state.one, counters)
-        self.last_found_inf = state.one
+        self.last_found_inf = state.zero  # no inf/NaN was found: the step was skipped for `cause`
         self.skips.note_cause(cause)
         return self._tick(config)
 
