@@ -52,6 +52,47 @@ COMPAT: dict[str, str] = {
     "test_replica_check.py": "the replica check: integer views and sums, DDP and HSDP on gloo",
 }
 
+#: What a plain ``pytest`` (the README's ``pytest -n auto``) leaves out, so that it fits 15 minutes
+#: on a 2-core CPU without fp16 units (docs/testing.md); CI runs them as a stage of their own,
+#: ``pytest -n auto -m "slow or integration"`` (.ci/run). ``slow``: whole jobs launched
+#: (torchrun, ``accelerate launch``, a wheel built and installed); ``integration``: a framework's
+#: own code run against distscaler's integration of it (every ``test_<integration>*.py`` of a
+#: module of ``distscaler/integrations/``, and the integration guides' examples in
+#: tests/test_docs.py). They run whenever the command line selects tests itself: a ``-m`` or ``-k``
+#: expression, or a test file or test named (``pytest tests/test_transformers.py``).
+LEFT_OUT_BY_DEFAULT = ("slow", "integration")
+INTEGRATIONS = sorted(
+    p.stem
+    for p in (Path(__file__).resolve().parent.parent / "distscaler" / "integrations").glob("*.py")
+    if not p.stem.startswith("_")
+)
+
+
+def _is_integration_test(item: pytest.Item) -> bool:
+    stem = item.path.stem
+    if any(stem == f"test_{n}" or stem.startswith(f"test_{n}_") for n in INTEGRATIONS):
+        return True
+    return item.path.name == "test_docs.py" and "docs/integrations/" in item.name
+
+
+def _selects_itself(config: pytest.Config) -> bool:
+    """Whether the command line chose the tests: a ``-m``/``-k`` expression, or a file or a test
+    named (a folder, such as ``tests``, chooses nothing)."""
+    if config.option.markexpr or config.option.keyword:
+        return True
+    here = config.invocation_params.dir
+    return any("::" in arg or not (here / arg).is_dir() for arg in config.args)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _selects_itself(config):
+        return None
+    return (
+        "distscaler: slow and integration tests left out (a plain pytest); "
+        '`pytest -n auto -m "slow or integration"` runs them'
+    )
+
+
 #: On GPU CI runners: the number of GPUs the machine must show, so that the GPU tests cannot pass
 #: by skipping (a runner whose container lost its GPUs fails instead of going green).
 REQUIRE_GPUS_ENV = "DISTSCALER_REQUIRE_GPUS"
@@ -84,7 +125,17 @@ def pytest_collection_modifyitems(config, items):
         name = f"{item.path.name}::{item.name}"  # test_x.py::test_y[params]
         if any(key in (item.path.name, name) or name.startswith(f"{key}[") for key in COMPAT):
             item.add_marker(pytest.mark.compat)
+        if _is_integration_test(item):
+            item.add_marker(pytest.mark.integration)
         if "cuda" in item.keywords and num_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and num_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+    if not _selects_itself(config):
+        kept, left_out = [], []
+        for item in items:
+            marked = any(item.get_closest_marker(m) for m in LEFT_OUT_BY_DEFAULT)
+            (left_out if marked else kept).append(item)
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = kept
