@@ -24,8 +24,10 @@ elsewhere these tests skip, except under ``DISTSCALER_AREAL_STAGE=1``, where a m
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import math
 import os
+import time
 
 import pytest
 from _common import torchrun_summary
@@ -49,18 +51,43 @@ def test_the_areal_stage_has_the_tested_areal():
     assert FOUND == TESTED, f"CI's AReaL stage installs AReaL {TESTED}, found {FOUND}"
 
 
-#: The spawn's results, once per process: xdist tears a module's fixtures down whenever a worker's
-#: queue runs empty between two tests of the group, and the spawn takes minutes.
+#: The spawn's results, once per test session: the first worker that asks spawns and writes them
+#: where every xdist worker finds them (pytest 9.2 with xdist 3.8 ignores ``xdist_group``: xdist
+#: renames ``item._nodeid``, pytest 9 reads ``item._id``, so the tests of a group can land on both
+#: workers), the others wait for the file. The spawn takes minutes on 2 cores.
 _SPAWNED: list[list[dict]] = []
+SPAWN_WAIT_S = 1200
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     import _areal_scenarios as S
 
-    if not _SPAWNED:
-        _SPAWNED.append(spawn(S.everything, 2, tmp_path_factory.mktemp("areal")))
-    return _SPAWNED[0]
+    if _SPAWNED:
+        return _SPAWNED[0]
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done, lock = shared / "areal-spawn.json", shared / "areal-spawn.lock"
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:  # another worker spawns
+        deadline = time.monotonic() + SPAWN_WAIT_S
+        while not done.exists():
+            assert time.monotonic() < deadline, f"no {done} after {SPAWN_WAIT_S} s"
+            time.sleep(1)
+        found = json.loads(done.read_text())
+        assert "__error__" not in found, f"the spawn failed in another worker:\n{found}"
+    else:
+        try:
+            found = spawn(S.everything, 2, tmp_path_factory.mktemp("areal"))
+        except BaseException as e:
+            done.write_text(json.dumps({"__error__": repr(e)}))
+            raise
+        written = done.with_suffix(".tmp")
+        written.write_text(json.dumps(found))
+        written.replace(done)
+    _SPAWNED.append(found)
+    return found
 
 
 def _scenarios():
