@@ -117,7 +117,7 @@ class GradScaler(torch.amp.GradScaler):
             ``optimizer.step()``): no collective, no host read.
         process_group (ProcessGroup | None): the ranks that must agree; default None: WORLD once
             ``torch.distributed`` is initialized.
-        grad_layout (``"replicated"`` | ``"sharded"`` | None): how plain-tensor gradients nothing
+        grad_layout ("replicated" | "sharded" | None): how plain-tensor gradients nothing
             else describes lie across the group, for
             [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]
             ([`distscaler.layouts`][distscaler.layouts]); default None: unknown (an error in a
@@ -147,7 +147,7 @@ class GradScaler(torch.amp.GradScaler):
             GPU (a checked step there costs one read pass over the gradients and one host read).
         param_check_interval (int): keyword-only, updates between two comparisons of the
             replicated parameters and their optimizer state, default 1000 (0: never).
-        on_replica_mismatch (``"skip"`` | ``"raise"`` | callable): keyword-only, default
+        on_replica_mismatch ("skip" | "raise" | callable): keyword-only, default
             ``"skip"``; ``"raise"`` raises `ReplicaMismatchError` on every rank before the
             optimizer steps; a callable is called with the
             [`ReplicaMismatch`][distscaler.replica_check.ReplicaMismatch] on every rank and the
@@ -295,14 +295,14 @@ class GradScaler(torch.amp.GradScaler):
         [`distscaler.layouts`][distscaler.layouts]), as ``torch.nn.utils.clip_grad_norm_`` would
         compute it on the full, gathered, unscaled gradients. The gradients are then scaled by
         ``clip_coef = min(1, max_norm / total_norm)`` (torch's coefficient without its 1e-6 guard,
-        which this form does not need: see `distscaler._inf_check`). ``max_norm=math.inf`` measures
+        which this form does not need: it never divides by the norm). ``max_norm=math.inf`` measures
         only, as torch's ``clip_grad_norm_(..., inf)`` does (its coefficient clamps to 1): the same
         pass and collective, the norm returned, the gradients only unscaled (fused optimizers get
         ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
-        Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group has
+        Cost: one read pass (``_foreach_norm``), one collective of 2 float32 (more where the replica check rides in it) when the group has
         several ranks (every rank must call; it *is* the step's collective), a few device ops
-        (`distscaler._inf_check`), no host read. Fused optimizers get ``grad_scale = scale /
+        ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
         (a second all_reduce unless all are replicated). A disabled scaler only clips.
@@ -375,7 +375,7 @@ class GradScaler(torch.amp.GradScaler):
         [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] the inf check runs here (one
         ``all_reduce`` of 1 or 2 float32; every rank must call). Fused optimizers: one read-only
         check pass, then ``grad_scale`` and ``found_inf`` go to the kernel, no host read
-        (`distscaler._fused`); others: the unscale pass and one host read of the agreed
+        (torch's fused-optimizer contract); others: the unscale pass and one host read of the agreed
         ``found_inf``, and on a skipped step one more read pass for the per-tensor flags of
         [`last_overflow`][distscaler.GradScaler.last_overflow]. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] (and no
@@ -940,7 +940,7 @@ class GradScaler(torch.amp.GradScaler):
         """The scaler's state as plain Python numbers (one host read); empty when disabled.
 
         torch's five keys, so `torch.amp.GradScaler.load_state_dict()` loads it, plus the bounds,
-        the run's counts, the policy and its counters (see `distscaler._persistence`), so that a run
+        the run's counts, the policy and its counters, so that a run
         resumed mid-hysteresis continues exactly. Safe under ``torch.load(weights_only=True)``.
         Never touches the process group.
         """
@@ -955,7 +955,7 @@ class GradScaler(torch.amp.GradScaler):
         torch's and Megatron's ``state_dict``, DeepSpeed's fp16 optimizer state, its loss scaler
         object or the ZeRO state holding it ([`distscaler.interop`][distscaler.interop]). Settings a
         format carries replace the constructor's, as torch does; a replaced bound or hysteresis, or
-        another policy, warns (`distscaler._persistence`). Every value is checked first, all problems
+        another policy, warns. Every value is checked first, all problems
         in one error, and on error nothing changes. No-op when disabled.
 
         Raises:

@@ -35,7 +35,7 @@ _WHAT: ContextVar[str] = ContextVar("distscaler_config_what", default="ScalerCon
 
 #: The check and valid range of each numeric or bool setting (``policy`` is checked apart), shared
 #: by [`settings_problems()`][distscaler.config.settings_problems] and ``load_state_dict``'s per-key
-#: checks (`distscaler._persistence`).
+#: checks.
 FIELD_CHECKS: dict[str, tuple[Any, dict[str, Any]]] = {
     "enabled": (V.check_bool, {}),
     "consecutive_hysteresis": (V.check_bool, {}),

@@ -27,7 +27,7 @@ Adding a policy: subclass [`LossScalePolicy`][distscaler.policies.LossScalePolic
 runs it. For the op count, the DeepSpeed and Megatron rules give the scaler their counters packed
 into two float32 values
 ([`packed_counters()`][distscaler.policies.LossScalePolicy.packed_counters], an optional hook;
-``distscaler._packed``), with their plain ``update_`` here as the reference, step for step, in
+their packed counters), with their plain ``update_`` here as the reference, step for step, in
 ``tests/test_policies.py``.
 """
 
@@ -207,9 +207,9 @@ class LossScalePolicy(ABC):
         growth_tracker: int,
         counters: Mapping[str, int],
         device: torch.device,
-    ) -> PackedCounters | None:
+    ) -> Any:
         """Optional hook: this rule's counters packed so that the scaler runs the rule in ops its
-        update makes anyway (``distscaler._packed``: the torch rule's ops + 2), or None (the
+        update makes anyway (the torch rule's ops + 2), or None (the
         default): the scaler runs [`update_()`][distscaler.policies.LossScalePolicy.update_] on
         the counters as they are. The DeepSpeed and Megatron rules pack; a subclass of theirs that
         defines its own ``update_`` runs plainly.
@@ -368,7 +368,7 @@ class MegatronPolicy(LossScalePolicy):
     scale infinite (as torch's; the tracker still resets and the hysteresis refills), and the
     growth test is ``tracker >= growth_interval`` instead of ``==`` so that lowering the interval
     mid-run with ``set_growth_interval`` cannot stop growth. The scaler runs it packed (torch's
-    rule + 2 ops, ``distscaler._packed``).
+    rule + 2 ops).
     """
 
     name = "megatron"
@@ -417,9 +417,9 @@ class MegatronPolicy(LossScalePolicy):
         growth_tracker: int,
         counters: Mapping[str, int],
         device: torch.device,
-    ) -> PackedCounters | None:
+    ) -> Any:
         """The growth and hysteresis trackers packed in two float32 values
-        (``distscaler._packed``)."""
+        (packed)."""
         if cls.update_ is not MegatronPolicy.update_:  # a subclass's own rule runs plainly
             return None
         return PackedCounters(cls, rule, growth_tracker, counters, device)
@@ -441,7 +441,7 @@ class DeepSpeedPolicy(LossScalePolicy):
 
     The growth test counts with [`growth_count`][distscaler.policies.DeepSpeedPolicy.growth_count],
     ``(stable - 1) % growth_interval`` (-1 right after an overflow): torch's tracker that restarts
-    at -1. The scaler runs it packed (torch's rule + 2 ops, ``distscaler._packed``).
+    at -1. The scaler runs it packed (torch's rule + 2 ops).
 
     Differences: the scale is float32 (DeepSpeed: a Python float), and a growth that would make it
     infinite (beyond 2**127) is skipped, as torch's; a growth interval changed mid-run keeps the
@@ -555,8 +555,8 @@ class DeepSpeedPolicy(LossScalePolicy):
         growth_tracker: int,
         counters: Mapping[str, int],
         device: torch.device,
-    ) -> PackedCounters | None:
-        """The counters packed in two float32 values (``distscaler._packed``; ``cur_iter`` and
+    ) -> Any:
+        """The counters packed in two float32 values (``cur_iter`` and
         ``last_overflow_iter`` as host offsets plus the skip record's counts)."""
         if cls.update_ is not DeepSpeedPolicy.update_:  # a subclass's own rule runs plainly
             return None

@@ -472,7 +472,7 @@ class ReplicaLedger:
         for rank in new:
             if rank not in self.suspects:
                 _warn_rank0(
-                    "distscaler: rank %d is a suspect: alone at fault %d times in the last %d "
+                    "rank %d is a suspect: alone at fault %d times in the last %d "
                     "updates (overflows only it saw, replica mismatches it was named in)",
                     rank, counts[rank], SUSPECT_WINDOW,
                 )  # fmt: skip
@@ -632,7 +632,7 @@ class ReplicaSlots:
         mismatch = ReplicaMismatch(step, what, ranks, sets, action, nonfinite)  # type: ignore[arg-type]
         ledger.note_mismatch(mismatch)
         ledger.skipped += 1
-        _warn_rank0("distscaler: replica mismatch at %s; the step is skipped on every rank",
+        _warn_rank0("replica mismatch at %s; the step is skipped on every rank",
                     mismatch.describe())  # fmt: skip
         if on_mismatch == "raise":
             raise ReplicaMismatchError(mismatch)

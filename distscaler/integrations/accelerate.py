@@ -74,12 +74,12 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from . import _common
-from ._common import INSTALLED, LROnSkip, check_lr_on_skip, requires
+from ._common import INSTALLED, check_lr_on_skip, requires
 
 with requires("accelerate", "HuggingFace Accelerate", "accelerate"):
     from accelerate import Accelerator
@@ -221,7 +221,7 @@ def install(
     accelerator: Accelerator,
     scaler: Any = None,
     *,
-    lr_on_skip: LROnSkip = "hold",
+    lr_on_skip: Literal["hold", "step"] = "hold",
 ) -> GradScaler:
     """Make ``accelerator`` scale, skip, clip and checkpoint with a ``distscaler.GradScaler``.
 

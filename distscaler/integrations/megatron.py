@@ -192,7 +192,7 @@ class _MainGrads:
 
 class MegatronBinding:
     """What [`install()`][distscaler.integrations.megatron.install] attaches to a Megatron optimizer
-    (``optimizer._distscaler``).
+    (an attribute of the optimizer).
 
     Attributes:
         scaler: the one [`distscaler.GradScaler`][distscaler.GradScaler] (its process group: the
@@ -443,7 +443,7 @@ def install(optimizer: MegatronOptimizer, scaler: Any = None) -> GradScaler:
             config (dict, its ``"fp16"`` section or JSON path).
 
     Returns:
-        The scaler (also ``optimizer._distscaler.scaler``).
+        The scaler.
 
     Raises:
         TypeError: ``optimizer`` is not a Megatron optimizer; ``scaler`` of another type.

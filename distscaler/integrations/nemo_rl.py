@@ -635,7 +635,7 @@ def policy_factory(*args: Any, scaler: Any = None, lr_on_skip: str = "hold", **k
 
     Args:
         scaler: a ``ScalerConfig``, a DeepSpeed fp16 config (dict or JSON path) or None
-            (`NEMO_RL_SCALER`); ``policy.distscaler._scaler`` in the config wins.
+            (`NEMO_RL_SCALER`); ``policy.distscaler.scaler`` in the config wins.
         lr_on_skip: ``"hold"`` or ``"step"``; ``policy.distscaler.lr_on_skip`` wins.
 
     Raises:

@@ -195,7 +195,7 @@ class CrossReplicaGroup(dist.ProcessGroup):
     ([`FaultTolerantGradScaler`][distscaler.integrations.torchft.FaultTolerantGradScaler]).
     ``size()`` is the replica group's, for gradient layouts (the groups hold replicas of the
     averaged gradients, so a norm sums inside the group only). ``dynamic_membership`` makes the core
-    issue it at every step, also at 1 rank (`distscaler._process_group.needs_collective()`).
+    issue it at every step, also at 1 rank (a group whose membership changes).
     ``all_gather_single`` (the overflow report) stays inside the replica group.
     """
 
@@ -492,7 +492,7 @@ class FaultTolerantGradScaler(GradScaler):
             if bool(bad):  # one host read, on a healing step only
                 step.lone = ReplicaOverflow(step.step, -1, True, step.num_participants,
                                             reported=True, healing=True)  # fmt: skip
-                logger.warning("distscaler: %s", step.lone.describe())
+                logger.warning("%s", step.lone.describe())
                 manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
         keep_own = False
         if self._report_lone and step.num_participants > 1:

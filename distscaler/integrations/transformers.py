@@ -54,7 +54,7 @@ Transformers 5.x (``trainer.py``: ``_inner_training_loop``, ``_clip_grad_norm``,
 
 Not supported (refused by the Accelerate integration): DeepSpeed, Megatron-LM, XLA, MS-AMP. Tested
 with transformers 5.23.0, trl 1.16.0, accelerate 1.15.0, torch 2.13, on CPU processes (gloo; the
-FSDP2 test sets Accelerate's FSDP state by hand there, see tests/_transformers_scenarios.py).
+FSDP2 test sets Accelerate's FSDP state by hand there).
 """
 
 from __future__ import annotations

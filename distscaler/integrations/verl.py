@@ -84,7 +84,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -93,7 +93,6 @@ from ..config import ScalerConfig
 from ._common import (
     SKIPPED,
     TESTED_VERSIONS,
-    LROnSkip,
     SkipLedger,
     check_lr_on_skip,
     requires,
@@ -134,13 +133,13 @@ class VerlScalerOptions:
     """
 
     scaler: Any = None
-    lr_on_skip: LROnSkip = "hold"
+    lr_on_skip: Literal["hold", "step"] = "hold"
 
 
 _options: VerlScalerOptions | None = None
 
 
-def configure(scaler: Any = None, *, lr_on_skip: LROnSkip = "hold") -> VerlScalerOptions:
+def configure(scaler: Any = None, *, lr_on_skip: Literal["hold", "step"] = "hold") -> VerlScalerOptions:
     """Set what the engines built after this call in this process use; returns the options.
 
     Args:
