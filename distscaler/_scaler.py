@@ -817,11 +817,12 @@ class GradScaler(torch.amp.GradScaler):
         |---|---|
         | ``distscaler/scale`` | the loss scale (float) |
         | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals]) |
-        | ``distscaler/skipped_total`` | skipped optimizer steps so far |
+        | ``distscaler/skipped_total`` | skipped optimizer steps so far, every cause |
+        | ``distscaler/skipped_overflow``, ``distscaler/skipped_replica_mismatch``, ``distscaler/skipped_not_committed`` | of those, per cause ([`SkipTotals.causes`][distscaler.SkipTotals.causes]); they sum to ``skipped_total`` |
         | ``distscaler/overflow_step`` | the update number (1-based) of the last skipped step reported ([`last_overflow`][distscaler.GradScaler.last_overflow]); present once one was |
         | ``distscaler/overflow_tensors`` | gradient tensors that held inf/NaN at that step, all ranks; with ``overflow_step`` |
         | ``distscaler/replica_checks`` | replica checks so far ([`replica_ledger`][distscaler.GradScaler.replica_ledger]); present once replicas were compared, as the three below |
-        | ``distscaler/replica_mismatches`` | replica mismatches, summed over the ranks they named |
+        | ``distscaler/replica_mismatches`` | replica mismatches (events; the ledger counts the ranks each named apart) |
         | ``distscaler/replica_skipped`` | steps skipped because of a replica mismatch |
         | ``distscaler/suspects`` | ranks named suspects |
 
@@ -841,6 +842,7 @@ class GradScaler(torch.amp.GradScaler):
             "distscaler/scale": values.scale,
             "distscaler/updates": totals.num_updates,
             "distscaler/skipped_total": totals.num_skipped,
+            **{f"distscaler/skipped_{cause}": n for cause, n in totals.causes.items()},
         }
         report = self.last_overflow
         if report is not None:
@@ -849,7 +851,7 @@ class GradScaler(torch.amp.GradScaler):
         ledger = self.replica_ledger
         if ledger.checks or ledger.param_checks:
             metrics["distscaler/replica_checks"] = ledger.checks
-            metrics["distscaler/replica_mismatches"] = sum(ledger.mismatches.values())
+            metrics["distscaler/replica_mismatches"] = ledger.mismatch_events
             metrics["distscaler/replica_skipped"] = ledger.skipped
             metrics["distscaler/suspects"] = len(ledger.suspects)
         return metrics

@@ -9,7 +9,14 @@ import torch
 from common.probes import HostReadSpy
 from distscaler import GradScaler
 
-BASE_KEYS = {"distscaler/scale", "distscaler/updates", "distscaler/skipped_total"}
+BASE_KEYS = {
+    "distscaler/scale",
+    "distscaler/updates",
+    "distscaler/skipped_total",
+    "distscaler/skipped_overflow",
+    "distscaler/skipped_replica_mismatch",
+    "distscaler/skipped_not_committed",
+}
 OVERFLOW_KEYS = {"distscaler/overflow_step", "distscaler/overflow_tensors"}
 REPLICA_KEYS = {
     "distscaler/replica_checks",
@@ -36,6 +43,9 @@ def test_metrics_are_the_scalers_readings_under_stable_keys():
         "distscaler/scale": 1024.0,
         "distscaler/updates": 0,
         "distscaler/skipped_total": 0,
+        "distscaler/skipped_overflow": 0,
+        "distscaler/skipped_replica_mismatch": 0,
+        "distscaler/skipped_not_committed": 0,
     }
     seen = []
     for infs in (0, 2, 0, 0):  # a clean step, two tensors with an inf, two clean steps
@@ -49,6 +59,7 @@ def test_metrics_are_the_scalers_readings_under_stable_keys():
     assert set(seen[0]) == BASE_KEYS  # no overflow yet, nothing replicated at one rank
     assert [m["distscaler/scale"] for m in seen] == [1024.0, 512.0, 512.0, 1024.0]
     assert [m["distscaler/skipped_total"] for m in seen] == [0, 1, 1, 1]
+    assert [m["distscaler/skipped_overflow"] for m in seen] == [0, 1, 1, 1]  # the one cause
     for metrics in seen[1:]:  # the report of the skipped step stays until the next skip
         assert set(metrics) == BASE_KEYS | OVERFLOW_KEYS
         report = scaler.last_overflow
@@ -67,6 +78,7 @@ def test_metrics_cost_one_host_read_and_carry_the_replica_ledger():
     ledger = scaler.replica_ledger
     ledger.checks, ledger.skipped, ledger.suspects = 5, 1, (3,)
     ledger.mismatches.update({1: 1, 3: 2})
+    ledger.mismatch_events = 3
     metrics = scaler.metrics()
     assert {k: metrics[k] for k in REPLICA_KEYS} == {
         "distscaler/replica_checks": 5,
