@@ -485,7 +485,7 @@ class FaultTolerantGradScaler(GradScaler):
         manager.allreduce(cross, reduce_op=ReduceOp.MAX).wait()
         step.cross = cross
         if step.replica_rank is None and getattr(self, "_heal_counts_own", True):
-            # A healing group's part was zeroed in the exchange: its own gradients' verdict is
+            # A healing group's part was zeroed in the exchange: its own gradients' flag is
             # added back, so that it never steps on its own inf/NaN. It then does not commit and
             # heals again at the next quorum, while the participants step on theirs.
             cross[:numel] = torch.maximum(cross[:numel], values[:numel])
