@@ -38,6 +38,7 @@ to avoid dividing by zero; here ``clip_coef = min(1, max_norm / total_norm)`` is
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -174,7 +175,7 @@ def _run(
         return result
     if grad_pass is GradPass.UNSCALE:
         found = coll.reduce_(
-            check_and_unscale_(grads, inv_scale=_inv_scale(state.scale)), dist.ReduceOp.MAX
+            check_and_unscale_(grads, inv_scale=_inv_scale(state.scale)), op=dist.ReduceOp.MAX
         )[0]
         if not plan.skip_nonfinite:
             found = state.zero
@@ -209,28 +210,30 @@ class _Collective:
     and each contribution's reading kept in ``readings``. Every rank of ``plan.world`` calls
     `reduce_()` once per pass (when ``plan.world.collective``)."""
 
-    __slots__ = ("grads", "moments", "params", "plan", "readings")
+    __slots__ = ("grads", "params", "plan", "readings")
 
     def __init__(self, plan: StepPlan, grads: GradGroups, params: tuple[torch.Tensor, ...]):
         self.plan = plan
         self.grads = grads
         self.params = params
         self.readings: dict[str, Any] = {}
-        #: The gradients' fingerprint moments where the pass computed them (the Triton kernel).
-        self.moments: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
         """Whether the pass issues the collective (more than one rank, or a changing group)."""
         return self.plan.world.collective
 
-    def reduce_(self, buffer: torch.Tensor, op: Any) -> torch.Tensor:
+    def reduce_(
+        self, buffer: torch.Tensor, moments: torch.Tensor | None = None, *, op: Any
+    ) -> torch.Tensor:
         """``buffer`` reduced in place with ``op`` over the plan's group (the MAX callers ask for
         is over 0/1 flags, or over a p = inf norm's statistic). With contributions: one ``cat`` of
         their slots after ``buffer``; a SUM of the joint buffer (a MAX of flags clamped to 1 after
         it: one ``clamp_``), or, beside a MAX of values, one ``all_gather`` reduced here (amax of
         ``buffer``'s part, sum of the contributions', in rank order); one ``copy_`` back; then
-        each contribution reads its reduced slots. Returns ``buffer``."""
+        each contribution reads its reduced slots. ``moments``: the gradients' fingerprint moments
+        where the pass computed them (the Triton kernel), for the contributions. Returns
+        ``buffer``."""
         plan = self.plan
         world = plan.world
         if not world.collective:
@@ -239,7 +242,7 @@ class _Collective:
             dist.all_reduce(buffer, op=op, group=world.group)
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
-        parts = [c.local(self.params, flat, self.moments).to(buffer.device, non_blocking=True)
+        parts = [c.local(self.params, flat, moments).to(buffer.device, non_blocking=True)
                  for c in plan.contributions]  # fmt: skip
         n = buffer.numel()
         joint = torch.cat([buffer.reshape(-1), *parts])
@@ -291,28 +294,27 @@ def _run_triton(
         return None
     flat = [g for gs in grads.values() for g in gs]
     weights = [key.weight for key, gs in grads.items() for _ in gs] if norm_type else None
-    primes = next((getattr(c, "primes", None) for c in plan.contributions), None)
-    taken = kernels.grad_pass(flat, weights=weights, norm_type=norm_type,
-                              flags=plan.per_tensor_flags, primes=primes, device=state.device)  # fmt: skip
-    coll.moments = taken.moments
-    stat = taken.stat
     max_of = norm_type is None or norm_type == math.inf
-    coll.reduce_(stat, dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM)
-    if grad_pass is GradPass.UNSCALE:
-        kernels.scale_(flat, _inv_scale(state.scale))
-    done = kernels.finish(stat, state.scale, max_norm=max_norm_t if norm_type else None,
-                          norm_type=norm_type)  # fmt: skip
+    taken, done = kernels.phase(
+        flat, state.scale, functools.partial(coll.reduce_, op=dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM),
+        weights=weights, norm_type=norm_type, flags=plan.per_tensor_flags,
+        primes=next((getattr(c, "primes", None) for c in plan.contributions), None),
+        unscale=_inv_scale(state.scale) if grad_pass is GradPass.UNSCALE else None,
+        max_norm=max_norm_t if norm_type else None,
+        # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first
+        clip=grad_pass is GradPass.NORM and not plan.fused,
+        factor_in_dtype=state.device.type == "cuda", device=state.device,
+    )  # fmt: skip
     found = done.found_inf if plan.skip_nonfinite else state.zero
     per_tensor = taken.per_tensor
     grad_scale = done.grad_scale if norm_type else state.scale
-    if grad_pass is GradPass.NORM and not plan.fused:
-        # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first
-        kernels.div_(flat, grad_scale, factor_in_dtype=state.device.type == "cuda")
     total = done.total_norm if norm_type else None
     if grad_pass is GradPass.UNSCALE and not plan.read_found_inf:
         return StepResult(found)  # unscale_: no flags (a later step takes them)
     if not plan.read_found_inf:
-        flags = flag_tensors(per_tensor) if plan.per_tensor_flags and per_tensor is not None else None
+        flags = (
+            flag_tensors(per_tensor) if plan.per_tensor_flags and per_tensor is not None else None
+        )
         return StepResult(found, grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
                           total_norm=total, per_tensor_flags=flags, params=params,
                           flags_taken=True, max_norm=plan.max_norm)  # fmt: skip
@@ -367,7 +369,7 @@ def _check(
         )
         found = neg_min.clamp(0.0, 1.0)
         counters = state.next_counters(next_values)
-    coll.reduce_(found, dist.ReduceOp.MAX)
+    coll.reduce_(found, op=dist.ReduceOp.MAX)
     return StepResult(
         found,
         grad_scale=state.scale,
@@ -396,7 +398,7 @@ def _check_kernel(
     found, *next_values = torch._foreach_addcdiv([zero, *a], [zero, *b], [one, *c])
     counters = state.next_counters(next_values)
     _check_and_unscale_into_(grads, found, one)
-    coll.reduce_(found, dist.ReduceOp.MAX)
+    coll.reduce_(found, op=dist.ReduceOp.MAX)
     if not plan.read_found_inf:
         return StepResult(found, grad_scale=state.scale, next_counters=counters,
                           params=params, flags_taken=True)  # fmt: skip
@@ -559,7 +561,7 @@ def _stacked_two_norm(
         out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
     else:
         out.zero_()
-    coll.reduce_(buffer2, dist.ReduceOp.SUM)
+    coll.reduce_(buffer2, op=dist.ReduceOp.SUM)
     if total is None:
         return buffer2[1].sqrt(), per_tensor, None
     torch.sqrt(buffer2[1], out=total)
@@ -664,7 +666,7 @@ def _norm(
     else:
         local, per_tensor = local_stat(grads, _inv_scale(scale), norm_type)
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        coll.reduce_(local, op)
+        coll.reduce_(local, op=op)
         norm = _p_norm(local, norm_type)
         nonfinite_now = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
         found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
@@ -714,7 +716,9 @@ def _norm_on_device(
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
     tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
-    total, per_tensor, buffer = _stacked_two_norm(grads, state.device, coll, state.norm_buffer, tail)
+    total, per_tensor, buffer = _stacked_two_norm(
+        grads, state.device, coll, state.norm_buffer, tail
+    )
     assert buffer is not None
     num_grads = 0 if per_tensor is None else per_tensor.numel()
     flagged = flag_tensors(buffer[: num_grads + 1])  # the per-tensor flags, then T's
@@ -762,8 +766,8 @@ def _norm_unscaled(
     assert plan.max_norm is not None
     max_norm, norm_type = plan.max_norm, plan.norm_type
     world_size = plan.world.size
-    local_only = state is None and bool(grads) and all(
-        key.weight == 1.0 / world_size for key in grads
+    local_only = (
+        state is None and bool(grads) and all(key.weight == 1.0 / world_size for key in grads)
     )
     if state is not None:
         device = state.device
@@ -775,7 +779,7 @@ def _norm_unscaled(
     local, per_tensor = local_stat(grads, one, norm_type)
     if not local_only:
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        coll.reduce_(local, op)
+        coll.reduce_(local, op=op)
     norm = _p_norm(local, norm_type)
     if max_norm < math.inf:  # inf measures only: the coefficient would be 1
         _div_(grads, torch.fmax(norm / max_norm, one))

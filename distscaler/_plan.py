@@ -206,9 +206,9 @@ class StepPlan:
         return self.grad_pass is not GradPass.NONE or self.per_tensor_flags
 
 
-def plan_unscale(world: World, *, skip_nonfinite: bool) -> StepPlan:
-    """``unscale_``: torch's check-and-unscale kernel; no per-tensor flags (a later ``step`` or
-    ``clip_grad_norm_`` takes them)."""
+def plan_unscale(world: World, contract: StepContract, *, skip_nonfinite: bool) -> StepPlan:
+    """``unscale_``: torch's check-and-unscale kernel whatever the ``contract``; no per-tensor
+    flags (a later ``step`` or ``clip_grad_norm_`` takes them)."""
     return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite, world=world,
                     tracing=is_tracing())  # fmt: skip
 
@@ -260,18 +260,20 @@ def plan_step(
     host_reads: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
-) -> StepPlan:
+) -> StepPlan | None:
     """``step``: a fused optimizer gets the read-only check (it divides by ``grad_scale``), any
     other the unscale pass and one host read of ``found_inf``. After an explicit ``unscale_`` or
-    ``clip_grad_norm_`` (``checked``) the agreed flag is reused.
+    ``clip_grad_norm_`` (``checked``) the agreed flag is reused. None for an optimizer that
+    drives the scaler itself (``DRIVES_THE_SCALER``, torch's deprecated contract): nothing to do.
 
     Args:
-        contract: the optimizer's step contract (not ``DRIVES_THE_SCALER``: that one drives the
-            scaler itself).
+        contract: the optimizer's step contract.
         checked: an inf check already ran in this iteration.
         host_reads: this scaler may read ``found_inf`` on the host without a sync (the CPU).
         per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
     """
+    if contract is StepContract.DRIVES_THE_SCALER:
+        return None
     fused = contract is StepContract.FUSED
     tracing = is_tracing()
     if fused:
@@ -294,9 +296,15 @@ def plan_step(
 
 
 def plan_check(
-    world: World, *, host_reads: bool, per_tensor_flags: bool, skip_nonfinite: bool
+    world: World,
+    contract: StepContract,
+    *,
+    host_reads: bool,
+    per_tensor_flags: bool,
+    skip_nonfinite: bool,
 ) -> StepPlan:
-    """torch's ``_check_inf_per_device`` hook: the read-only check, the gradients unchanged."""
+    """torch's ``_check_inf_per_device`` hook: the read-only check, the gradients unchanged
+    whatever the ``contract`` (the optimizer calling it drives the scaler)."""
     tracing = is_tracing()
     return StepPlan(
         GradPass.CHECK,
@@ -307,4 +315,3 @@ def plan_check(
         world=world,
         tracing=tracing,
     )
-

@@ -22,9 +22,10 @@ and the fused hand-off (`distscaler._fused`) or the scaler itself steps the opti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,8 @@ from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 
 if TYPE_CHECKING:
     from ._inf_check import StepResult
-    from ._plan import Contribution, StepPlan
+    from ._plan import StepPlan
+    from ._process_group import World
     from ._state import DeviceState, NextCounters
     from .attribution import OverflowReport
     from .config import CollapseAction, Kernels, OnMismatch
@@ -280,8 +282,10 @@ class GradScaler(torch.amp.GradScaler):
             )
         if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
-        plan = plan_unscale(self._group.world(), skip_nonfinite=self._config.skip_nonfinite)
-        result = self._check(optimizer, plan, state, weighted=False)
+        _, result = self._check(
+            optimizer, state, functools.partial(plan_unscale, skip_nonfinite=self._config.skip_nonfinite),
+            weighted=False,
+        )  # fmt: skip
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
 
     def clip_grad_norm_(
@@ -336,14 +340,14 @@ class GradScaler(torch.amp.GradScaler):
                     "update()."
                 )
         unscaled = record is None or record.stage is OptState.UNSCALED
-        plan = plan_clip(self._group.world(), step_contract(optimizer), unscaled=unscaled,
-                         host_reads=self._host_reads,
-                         per_tensor_flags=self._attributing and state is not None,
-                         skip_nonfinite=self._config.skip_nonfinite,
-                         max_norm=max_norm, norm_type=norm_type)  # fmt: skip
-        result = self._check(optimizer, plan, state, weighted=True,
-                             found_inf=None if record is None else record.found_inf,
-                             max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
+        plan_for = functools.partial(
+            plan_clip, unscaled=unscaled, host_reads=self._host_reads,
+            per_tensor_flags=self._attributing and state is not None,
+            skip_nonfinite=self._config.skip_nonfinite, max_norm=max_norm, norm_type=norm_type,
+        )  # fmt: skip
+        plan, result = self._check(optimizer, state, plan_for, weighted=True,
+                                   found_inf=None if record is None else record.found_inf,
+                                   max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
         if record is not None:
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
                         counters=not unscaled, clipped=True)  # fmt: skip
@@ -357,10 +361,10 @@ class GradScaler(torch.amp.GradScaler):
         their step (they drive the scaler); returns torch's ``{device: found_inf}``.
         """
         state = self._device_state("_check_inf_per_device")
-        plan = plan_check(self._group.world(), host_reads=self._host_reads,
-                          per_tensor_flags=self._attributing,
-                          skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
-        result = self._check(optimizer, plan, state, weighted=False)
+        plan_for = functools.partial(plan_check, host_reads=self._host_reads,
+                                     per_tensor_flags=self._attributing,
+                                     skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
+        _, result = self._check(optimizer, state, plan_for, weighted=False)
         record = self._records.setdefault(id(optimizer), StepRecord())
         record.keep(optimizer, result)
         assert result.found_inf is not None
@@ -396,8 +400,15 @@ class GradScaler(torch.amp.GradScaler):
         record = self._records.setdefault(id(optimizer), StepRecord())
         if record.stage is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
-        contract = step_contract(optimizer)
-        if contract is StepContract.DRIVES_THE_SCALER:
+        plan_for = functools.partial(
+            plan_step, checked=record.found_inf is not None, host_reads=self._host_reads,
+            per_tensor_flags=self._attributing and record.flags is None,
+            skip_nonfinite=self._config.skip_nonfinite,
+        )  # fmt: skip
+        checked = self._check(
+            optimizer, state, plan_for, weighted=False, found_inf=record.found_inf
+        )
+        if checked is None:  # torch's deprecated contract: the optimizer drives the scaler
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
@@ -409,15 +420,7 @@ class GradScaler(torch.amp.GradScaler):
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})  # type: ignore[call-overload]
             record.stage = OptState.STEPPED
             return retval
-        plan = plan_step(
-            self._group.world(),
-            contract,
-            checked=record.found_inf is not None,
-            host_reads=self._host_reads,
-            per_tensor_flags=self._attributing and record.flags is None,
-            skip_nonfinite=self._config.skip_nonfinite,
-        )
-        result = self._check(optimizer, plan, state, weighted=False, found_inf=record.found_inf)
+        plan, result = checked
         if plan.grad_pass is GradPass.NONE:
             record.keep_flags(optimizer, result)
         elif plan.fused:  # kept before the step, as torch keeps its found_inf
@@ -575,40 +578,62 @@ class GradScaler(torch.amp.GradScaler):
             named += [f"rank {r} (replica mismatch)" for r in mismatch.ranks]
         return tuple(named)
 
+    @overload
     def _check(
         self,
         optimizer: torch.optim.Optimizer,
-        plan: StepPlan,
         state: DeviceState | None,
+        plan_for: Callable[[World, StepContract], StepPlan],
         *,
         weighted: bool,
         found_inf: torch.Tensor | None = None,
         max_norm: torch.Tensor | None = None,
-    ) -> StepResult:
-        # The entry points' one path: what rides in the collective (decided here, once, into the
-        # plan), the gradients (the layouts), the pass and its collective (the runner).
+    ) -> tuple[StepPlan, StepResult]: ...
+
+    @overload
+    def _check(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: DeviceState | None,
+        plan_for: Callable[[World, StepContract], StepPlan | None],
+        *,
+        weighted: bool,
+        found_inf: torch.Tensor | None = None,
+        max_norm: torch.Tensor | None = None,
+    ) -> tuple[StepPlan, StepResult] | None: ...
+
+    def _check(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: DeviceState | None,
+        plan_for: Callable[[World, StepContract], StepPlan | None],
+        *,
+        weighted: bool,
+        found_inf: torch.Tensor | None = None,
+        max_norm: torch.Tensor | None = None,
+    ) -> tuple[StepPlan, StepResult] | None:
+        # The entry points' one path. The plan, once: from the world (the group, whether a
+        # collective runs), the optimizer's step contract and the entry point's ``plan_for``
+        # (a `distscaler._plan` function); then what rides in its collective (the replica check's
+        # fingerprint when due) and the kernels; then the gradients (the layouts) and the pass
+        # with its collective (the runner). None where the plan says the optimizer drives the
+        # scaler itself (torch's deprecated contract): nothing ran.
+        plan = plan_for(self._group.world(), step_contract(optimizer))
+        if plan is None:
+            return None
+        world = plan.world
         if state is not None and plan.carries_contributions:
-            contributions = self._contributions(optimizer, plan, state)
-            if contributions:
-                plan = dataclasses.replace(plan, contributions=contributions)
+            replica = self._replicas.contribution(
+                self._layouts, optimizer, group=world.group, world_size=world.size,
+                dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
+            )  # fmt: skip
+            if replica is not None:
+                plan = dataclasses.replace(plan, contributions=(replica,))
         if self._kernels == "triton":
             plan = dataclasses.replace(plan, kernels="triton")
-        world = plan.world
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
-        return run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)
-
-    def _contributions(
-        self, optimizer: torch.optim.Optimizer, plan: StepPlan, state: DeviceState
-    ) -> tuple[Contribution, ...]:
-        # What rides in this pass's collective besides the flag and the norm statistic: the
-        # replica check's fingerprint when due. A subclass (an integration) adds its own here.
-        world = plan.world
-        replica = self._replicas.contribution(
-            self._layouts, optimizer, group=world.group, world_size=world.size,
-            dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
-        )  # fmt: skip
-        return () if replica is None else (replica,)
+        return plan, run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)
 
     def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
         # ``extra`` 0-dim tensors and the state in one host transfer; new skips logged. Between

@@ -97,7 +97,7 @@ import functools
 import math
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +110,7 @@ __all__ = [
     "available",
     "div_",
     "finish",
+    "phase",
     "grad_pass",
     "norm_bound",
     "scale_",
@@ -958,6 +959,40 @@ def finish(
     else:
         out = _finish_impl(stat, scale, max_norm, nt)
     return FinishResult(out)
+
+
+def phase(
+    tensors: Sequence[torch.Tensor],
+    scale: torch.Tensor,
+    reduce: Callable[[torch.Tensor, torch.Tensor | None], object],
+    *,
+    weights: Sequence[float] | None = None,
+    norm_type: float | None = None,
+    flags: bool = True,
+    primes: Sequence[int] | None = None,
+    unscale: torch.Tensor | None = None,
+    max_norm: torch.Tensor | None = None,
+    clip: bool = False,
+    factor_in_dtype: bool = False,
+    device: torch.device | str | None = None,
+) -> tuple[PassResult, FinishResult]:
+    """The scaler's whole phase over ``tensors``, in order: `grad_pass()`, then
+    ``reduce(stat, moments)`` (the caller's collective, which reduces ``stat`` in place and reads
+    the fingerprint ``moments``, None without ``primes``), then `scale_()` by ``unscale`` (the 0-dim
+    float32 inverse scale, where gradients are unscaled in place), `finish()`, and `div_()` by its
+    ``grad_scale`` where ``clip`` (gradients clipped in place). Launches: 2 + 1 + 1 (+ 1 for
+    ``unscale``; + 1 for ``clip``) and the collective ``reduce`` issues, whatever the number of
+    tensors. Arguments as in those functions; returns the pass's and the finish's results.
+    """
+    taken = grad_pass(tensors, weights=weights, norm_type=norm_type, flags=flags, primes=primes,
+                      device=device)  # fmt: skip
+    reduce(taken.stat, taken.moments)
+    if unscale is not None:
+        scale_(tensors, unscale)
+    done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type)
+    if clip:
+        div_(tensors, done.grad_scale, factor_in_dtype=factor_in_dtype)
+    return taken, done
 
 
 def _finish_impl(
