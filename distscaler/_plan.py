@@ -132,6 +132,9 @@ class GradPass(enum.Enum):
     #: The global norm of gradients that carry no loss scale (``clip_grad_norm_`` after
     #: ``unscale_``, or with a disabled scaler), clipped in place.
     NORM_UNSCALED = "norm of unscaled gradients"
+    #: No pass: the optimizer drives the scaler itself (torch's deprecated ``grad_scaler=``
+    #: contract: its step calls ``_check_inf_per_device`` and ``unscale_``).
+    DRIVEN = "driven by the optimizer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,11 +263,11 @@ def plan_step(
     host_reads: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
-) -> StepPlan | None:
+) -> StepPlan:
     """``step``: a fused optimizer gets the read-only check (it divides by ``grad_scale``), any
     other the unscale pass and one host read of ``found_inf``. After an explicit ``unscale_`` or
-    ``clip_grad_norm_`` (``checked``) the agreed flag is reused. None for an optimizer that
-    drives the scaler itself (``DRIVES_THE_SCALER``, torch's deprecated contract): nothing to do.
+    ``clip_grad_norm_`` (``checked``) the agreed flag is reused. An optimizer that drives the
+    scaler itself (``DRIVES_THE_SCALER``, torch's deprecated contract) gets no pass (``DRIVEN``).
 
     Args:
         contract: the optimizer's step contract.
@@ -273,7 +276,7 @@ def plan_step(
         per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
     """
     if contract is StepContract.DRIVES_THE_SCALER:
-        return None
+        return StepPlan(GradPass.DRIVEN, world=world)
     fused = contract is StepContract.FUSED
     tracing = is_tracing()
     if fused:

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch.amp.grad_scaler import OptState
 from . import _validation as V
 from ._contract import StepContract, step_contract
 from ._fused import fused_step
-from ._inf_check import run
+from ._inf_check import StepResult, run
 from ._persistence import export_state, parse_state
 from ._plan import GradPass, host_read_is_free, plan_check, plan_clip, plan_step, plan_unscale
 from ._process_group import ScalerGroup
@@ -49,7 +49,6 @@ from .replica_check import ReplicaCheck
 from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 
 if TYPE_CHECKING:
-    from ._inf_check import StepResult
     from ._plan import StepPlan
     from ._process_group import World
     from ._state import DeviceState, NextCounters
@@ -405,10 +404,10 @@ class GradScaler(torch.amp.GradScaler):
             per_tensor_flags=self._attributing and record.flags is None,
             skip_nonfinite=self._config.skip_nonfinite,
         )  # fmt: skip
-        checked = self._check(
+        plan, result = self._check(
             optimizer, state, plan_for, weighted=False, found_inf=record.found_inf
         )
-        if checked is None:  # torch's deprecated contract: the optimizer drives the scaler
+        if plan.grad_pass is GradPass.DRIVEN:  # torch's deprecated contract
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
@@ -420,7 +419,6 @@ class GradScaler(torch.amp.GradScaler):
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})  # type: ignore[call-overload]
             record.stage = OptState.STEPPED
             return retval
-        plan, result = checked
         if plan.grad_pass is GradPass.NONE:
             record.keep_flags(optimizer, result)
         elif plan.fused:  # kept before the step, as torch keeps its found_inf
@@ -578,7 +576,6 @@ class GradScaler(torch.amp.GradScaler):
             named += [f"rank {r} (replica mismatch)" for r in mismatch.ranks]
         return tuple(named)
 
-    @overload
     def _check(
         self,
         optimizer: torch.optim.Optimizer,
@@ -588,39 +585,16 @@ class GradScaler(torch.amp.GradScaler):
         weighted: bool,
         found_inf: torch.Tensor | None = None,
         max_norm: torch.Tensor | None = None,
-    ) -> tuple[StepPlan, StepResult]: ...
-
-    @overload
-    def _check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: DeviceState | None,
-        plan_for: Callable[[World, StepContract], StepPlan | None],
-        *,
-        weighted: bool,
-        found_inf: torch.Tensor | None = None,
-        max_norm: torch.Tensor | None = None,
-    ) -> tuple[StepPlan, StepResult] | None: ...
-
-    def _check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        state: DeviceState | None,
-        plan_for: Callable[[World, StepContract], StepPlan | None],
-        *,
-        weighted: bool,
-        found_inf: torch.Tensor | None = None,
-        max_norm: torch.Tensor | None = None,
-    ) -> tuple[StepPlan, StepResult] | None:
+    ) -> tuple[StepPlan, StepResult]:
         # The entry points' one path. The plan, once: from the world (the group, whether a
         # collective runs), the optimizer's step contract and the entry point's ``plan_for``
         # (a `distscaler._plan` function); then what rides in its collective (the replica check's
         # fingerprint when due) and the kernels; then the gradients (the layouts) and the pass
-        # with its collective (the runner). None where the plan says the optimizer drives the
-        # scaler itself (torch's deprecated contract): nothing ran.
+        # with its collective (the runner). Nothing runs where the optimizer drives the scaler
+        # itself (torch's deprecated contract: a DRIVEN plan).
         plan = plan_for(self._group.world(), step_contract(optimizer))
-        if plan is None:
-            return None
+        if plan.grad_pass is GradPass.DRIVEN:
+            return plan, StepResult(None)
         world = plan.world
         if state is not None and plan.carries_contributions:
             replica = self._replicas.contribution(
