@@ -3,10 +3,13 @@ replica mismatch, torchft's uncommitted step), ``step_was_skipped`` and the acco
 every rank, and ``report_skip()`` returning the last skip's report whatever its cause; and the
 collapse watch, which names a run whose every step skips (the torchft heal that stepped on its own
 inf, reproduced with the healer's own flag left out) and stays quiet when the healer is handled.
+Under torchft, 2 replica groups x 2 ranks, the three faults in one run
+(tests/_skip_torchft_scenarios.py); two of its expectations are strict xfails, with their causes.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -131,3 +134,132 @@ def test_the_collapse_watch_fires_on_the_bad_heal_and_not_on_the_handled_one(hea
     healer = T.steps_of(heals["fixed"]["records_by_rank"][(1, 0)])
     # The healer's own inf/NaN made its heal step an uncommitted one, counted with its cause.
     assert max(d["skip_causes"]["not_committed"] for d in healer) >= 1
+
+
+# ---------------------------------------------------------------------- torchft: three causes
+
+#: Why the flip is not a skip under torchft, and where that is decided.
+_FLIP_UNSEEN = (
+    "over torchft the replica check never compares: the scaler's group is the integration's "
+    "CrossReplicaGroup (dynamic_membership=True), which ReplicaCheck.due() refuses, also for the "
+    "ranks of one replica group (whose membership does not change); and "
+    "FaultTolerantGradScaler._across_replicas_ (distscaler/integrations/torchft.py) takes a "
+    "buffer of 1 or 2 elements only (no replica slots)"
+)
+#: Why the Recipes page's report_overflow() and metrics() misreport an uncommitted step.
+_STALE_ATTRIBUTION = (
+    "GradScaler._report (distscaler/_scaler.py) attributes totals.last_skipped whatever its "
+    "cause: an uncommitted step (and a replica mismatch) is reported as inf/NaN gradients at that "
+    "update, from the overflow record's flags of an earlier overflow (last_overflow, "
+    "report_overflow(), metrics()['distscaler/overflow_step'], a WARNING log line, "
+    "ledger.note_overflow)"
+)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """tests/_skip_torchft_scenarios.py: 2 torchft replica groups x 2 ranks, gradients replicated
+    on all 4, the replica check on; an overflow, a bit flip on one replica and a step torchft
+    commits nowhere, at three iterations (about 5 s on 2 cores)."""
+    pytest.importorskip("torchft")
+    import _skip_torchft_scenarios as F
+
+    result = F.run(str(tmp_path_factory.mktemp("three")), timeout=120)
+    assert not result["timed_out"] and set(result["exits"].values()) == {0}, (
+        result["exits"], result["logs"])  # fmt: skip
+    for key, lines in result["records"].items():
+        assert [d["it"] for d in lines] == list(range(F.ITERATIONS)), (key, result["logs"][key])
+    return result["records"]
+
+
+def _skip_metrics(line: dict) -> dict:
+    return {k: v for k, v in line["metrics"].items() if k.startswith("distscaler/skipped")}
+
+
+def test_under_torchft_an_overflow_and_an_uncommitted_step_are_counted_alike_on_every_rank(three):
+    """The overflow and the uncommitted step are skips of their causes on all 4 ranks, with the
+    recipe's pattern (``if scaler.step_was_skipped: scaler.report_skip().describe()``) after each;
+    the scale, the account and ``metrics()`` agree on every rank after every iteration. The flip
+    is proven injected either way: a replica mismatch skip on every rank where the replica check
+    compares over torchft, else (at this commit) its replica's parameters parted from the others'
+    while no replica check ran (the strict xfail below)."""
+    import _skip_torchft_scenarios as F
+
+    skips = {F.OVERFLOW: "overflow", F.UNCOMMITTED: "not_committed"}
+    seen_flip = three[(0, 0)][F.FLIP]["skipped"]
+    if seen_flip:
+        skips[F.FLIP] = "replica_mismatch"
+    for key, lines in three.items():
+        assert [d["skipped"] for d in lines] == [i in skips for i in range(F.ITERATIONS)], key
+        for it, cause in skips.items():
+            line = lines[it]
+            assert line["cause"] == cause and line["update"] == it + 1, (key, line)
+            assert line["describe"].startswith(
+                f"step {it + 1} was skipped ({cause.replace('_', ' ')})"
+            )
+        over, unc = lines[F.OVERFLOW], lines[F.UNCOMMITTED]
+        # The overflow: torchft committed, the scaler skipped and backed off.
+        assert over["committed"] is True and over["scale"] == F.INIT_SCALE / 2
+        assert "inf in" in over["describe"] or "nan in" in over["describe"]
+        # The uncommitted step: committed nowhere, the manager's step and the scale stayed.
+        assert unc["committed"] is False and unc["step_after"] == unc["step"]
+        assert unc["scale"] == lines[F.UNCOMMITTED - 1]["scale"]
+        last = lines[-1]
+        causes = {"overflow": 1, "replica_mismatch": int(seen_flip), "not_committed": 1}
+        assert last["causes"] == causes
+        assert last["num_skipped"] == len(skips) and last["num_updates"] == F.ITERATIONS
+        assert _skip_metrics(last) == {
+            "distscaler/skipped_total": len(skips),
+            **{f"distscaler/skipped_{cause}": n for cause, n in causes.items()},
+        }
+        if not seen_flip:  # never compared: no replica check ran over torchft's group ...
+            assert last["totals"] == "skipped steps: 2 of 7 (overflow 1, not_committed 1)"
+            assert last["ledger"]["replica_checks"] == 0
+            assert "distscaler/replica_checks" not in last["metrics"]
+    # ... and its replica's parameters parted from the others' from that step on.
+    ref = three[(0, 0)]
+    for it in range(F.ITERATIONS):
+        flipped = three[(0, 1)][it]["params"] != ref[it]["params"]
+        assert flipped == (not seen_flip and it >= F.FLIP), it
+        assert all(lines[it]["params"] == ref[it]["params"]
+                   for key, lines in three.items() if key != (0, 1))  # fmt: skip
+    # The same scale, skips, account and metrics on every rank after every iteration.
+    keys = ("scale", "skipped", "cause", "update", "describe", "causes", "totals", "metrics")
+    for it in range(F.ITERATIONS):
+        seen = {json.dumps([lines[it].get(k) for k in keys]) for lines in three.values()}
+        assert len(seen) == 1, (it, seen)
+
+
+@pytest.mark.xfail(strict=True, reason=_FLIP_UNSEEN)
+def test_under_torchft_a_bit_flip_is_the_third_cause_three_skips_on_every_rank(three):
+    """Issue 43's run: an overflow, a bit flip and an uncommitted torchft step, 3 skips of 3
+    causes on every rank, the replica mismatch in ``report_skip()`` and counted once (one event)
+    in every rank's ledger, no replica's parameters parted."""
+    import _skip_torchft_scenarios as F
+
+    for key, lines in three.items():
+        flip = lines[F.FLIP]
+        assert flip["skipped"] and flip["cause"] == "replica_mismatch", (key, flip)
+        assert flip["update"] == F.FLIP + 1 and flip["describe"], (key, flip)
+        assert flip["scale"] == lines[F.FLIP - 1]["scale"]
+        assert lines[-1]["ledger"]["replica_mismatches"] == 1, (key, lines[-1]["ledger"])
+        last = lines[-1]
+        assert last["causes"] == {"overflow": 1, "replica_mismatch": 1, "not_committed": 1}
+        assert last["totals"] == (
+            "skipped steps: 3 of 7 (overflow 1, replica_mismatch 1, not_committed 1)"
+        )
+        assert last["metrics"]["distscaler/skipped_replica_mismatch"] == 1
+        assert last["params"] == three[(0, 0)][-1]["params"], key
+
+
+@pytest.mark.xfail(strict=True, reason=_STALE_ATTRIBUTION)
+def test_under_torchft_an_uncommitted_step_is_no_overflow_in_the_overflow_report(three):
+    """After the uncommitted step the Recipes page's ``report_overflow()`` (examples/ddp.py's
+    pattern) and ``metrics()`` still name the run's one overflow (update 2), not update 6, where
+    no gradient held inf/NaN."""
+    import _skip_torchft_scenarios as F
+
+    for key, lines in three.items():
+        unc = lines[F.UNCOMMITTED]
+        assert unc["overflow_report"][0] == F.OVERFLOW + 1, (key, unc["overflow_report"])
+        assert lines[-1]["metrics"]["distscaler/overflow_step"] == F.OVERFLOW + 1, key
