@@ -621,7 +621,7 @@ class GradScaler(torch.amp.GradScaler):
         # the collapse watch at the periodic read.
         if scale is not None:
             self._watch_collapse(totals, scale)
-        if totals.last_skipped and self._attributing:
+        if totals.last_skipped and self._attributing and self._host_skip(totals) is None:
             group, world_size = self._group.resolve()
             report = self._overflows.report(
                 totals.last_skipped,
@@ -929,11 +929,19 @@ class GradScaler(torch.amp.GradScaler):
         totals = self._read()[2]
         if not totals.last_skipped:
             return None
-        ago = totals.num_updates - totals.last_skipped  # updates since the last skip
-        host = self._last_host_skip
-        if host is not None and self._state.num_host_updates - host[0] == ago:
+        host = self._host_skip(totals)
+        if host is not None:
             return SkipReport(host[1], totals.last_skipped, host[2])
         return SkipReport("overflow", totals.last_skipped, self.report_overflow())
+
+    def _host_skip(self, totals: SkipTotals) -> tuple[int, str, Any] | None:
+        # The last skip's (update, cause, report) when its cause is one only the host knows (a
+        # replica mismatch, an uncommitted step: no inf/NaN to attribute), else None.
+        host = self._last_host_skip
+        ago = totals.num_updates - totals.last_skipped  # updates since the last skip
+        if host is not None and self._state.num_host_updates - host[0] == ago:
+            return host
+        return None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -4,7 +4,7 @@ every rank, and ``report_skip()`` returning the last skip's report whatever its 
 collapse watch, which names a run whose every step skips (the torchft heal that stepped on its own
 inf, reproduced with the healer's own flag left out) and stays quiet when the healer is handled.
 Under torchft, 2 replica groups x 2 ranks, the three faults in one run
-(tests/_skip_torchft_scenarios.py); two of its expectations are strict xfails, with their causes.
+(tests/_skip_torchft_scenarios.py).
 """
 
 from __future__ import annotations
@@ -147,15 +147,6 @@ _FLIP_UNSEEN = (
     "buffer of 1 or 2 elements only (no replica slots)"
 )
 #: Why the Recipes page's report_overflow() and metrics() misreport an uncommitted step.
-_STALE_ATTRIBUTION = (
-    "GradScaler._report (distscaler/_scaler.py) attributes totals.last_skipped whatever its "
-    "cause: an uncommitted step (and a replica mismatch) is reported as inf/NaN gradients at that "
-    "update, from the overflow record's flags of an earlier overflow (last_overflow, "
-    "report_overflow(), metrics()['distscaler/overflow_step'], a WARNING log line, "
-    "ledger.note_overflow)"
-)
-
-
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
     """tests/_skip_torchft_scenarios.py: 2 torchft replica groups x 2 ranks, gradients replicated
@@ -252,7 +243,6 @@ def test_under_torchft_a_bit_flip_is_the_third_cause_three_skips_on_every_rank(t
         assert last["params"] == three[(0, 0)][-1]["params"], key
 
 
-@pytest.mark.xfail(strict=True, reason=_STALE_ATTRIBUTION)
 def test_under_torchft_an_uncommitted_step_is_no_overflow_in_the_overflow_report(three):
     """After the uncommitted step the Recipes page's ``report_overflow()`` (examples/ddp.py's
     pattern) and ``metrics()`` still name the run's one overflow (update 2), not update 6, where
