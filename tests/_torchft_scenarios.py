@@ -16,8 +16,10 @@ stop at), ``crash`` ({group: manager step}: attempt 0 of that group exits there)
 ({group: seconds}), ``inject`` (list of [where, when, group, group_rank]: where "pre" (an inf in the
 local gradient, before the average) or "post" (after it, on that group only); when a manager step,
 "join" (the step a survivor sees a group join in), "join+K" or "heal" (a restarted group's first
-step, the one it heals in)), ``sync_quorum``, ``clip``,
-``report_lone``.
+step, the one it heals in)); where also "flip" (one low mantissa bit of a gradient flipped after
+the average, on that group only: a finite silent corruption), ``sync_quorum``, ``clip``,
+``report_lone``, ``bad_heal`` ("lr" | "param_bit": the restarted group's first heal loads a stale
+learning rate, or its first parameter with one bit flipped, as a faulty load would).
 """
 
 from __future__ import annotations
@@ -84,6 +86,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         num_groups=2, group_size=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
         quorum_timeout=6, inject=[["post", "heal", 1, 0]],
     ),  # fmt: skip
+    # Issue 41, the heal verified: group 1 dies at step 4 and is restarted; its first heal loads
+    # a stale learning rate (torchtitan #4598), or a parameter with one flipped bit. Found at its
+    # first step after the heal, reported, healed again, then verified.
+    "bad_heal_lr": dict(num_groups=2, steps=0, after_join=7, crash={1: 4}, sleep=0.1,
+                        bad_heal="lr"),  # fmt: skip
+    "bad_heal_param_bit": dict(num_groups=2, steps=0, after_join=7, crash={1: 4}, sleep=0.1,
+                               bad_heal="param_bit"),  # fmt: skip
+    # A good heal (verified, nothing reported), then one bit flipped in group 0's gradients after
+    # the average, two steps after the join: the replica check across the participating groups.
+    "heal_and_flip": dict(num_groups=2, steps=0, after_join=6, crash={1: 4}, sleep=0.1,
+                          inject=[["flip", "join+2", 0, 0]]),  # fmt: skip
 }
 
 
@@ -276,6 +289,13 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         holder["healed"] += 1
         net.load_state_dict(sd["model"])
         inner.load_state_dict(sd["optim"])
+        bad = spec.get("bad_heal")
+        if bad and holder["healed"] == 1 and attempt > 0:  # the restarted group's first heal
+            if bad == "lr":  # a stale schedule: the learning rate of an earlier step
+                inner.param_groups[0]["lr"] = 0.04
+            else:  # one bit of the first weight's mantissa
+                with torch.no_grad():
+                    params[0].view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 5)
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=4)),
@@ -430,6 +450,9 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         if "post" in fire:
             with torch.no_grad():
                 params[0].grad.view(-1)[0] = math.inf
+        if "flip" in fire:  # finite: only the replica check across groups sees it
+            with torch.no_grad():
+                params[0].grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 3)
         local_flat = torch.cat([local[i].reshape(-1).double() for i in range(len(params))])
         u_true = local_flat / scale_before
         manager.allreduce(u_true).wait()  # measurement only: the true average (healers zeroed)
@@ -468,6 +491,11 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
             record["found_inf"] = float(scaler.found_inf) if scaler.found_inf is not None else None
             record["skip_causes"] = scaler.skip_totals.causes
             record["collapsed"] = scaler.last_collapse is not None
+            div = scaler.replica_divergence
+            record["divergence"] = None if div is None else [
+                div.step, div.what, list(div.replica_ranks), div.this_group, list(div.parts),
+                div.reported,
+            ]  # fmt: skip
         out.write(json.dumps(record) + "\n")
         time.sleep(spec.get("sleep", 0.05))
     out.write(json.dumps({"event": "done", "step": manager.current_step()}) + "\n")

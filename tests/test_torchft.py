@@ -214,6 +214,143 @@ def test_report_lone_replica_drops_only_the_corrupted_group(tmp_path):
     assert s["groups"][0]["heals"] == 1  # healed from group 1 at the next quorum
 
 
+# ---------------------------------------------------------------------- issue 41: heals verified
+
+HEAL_CHECKS = ("bad_heal_lr", "bad_heal_param_bit", "heal_and_flip")
+
+
+@pytest.fixture(scope="module")
+def heal_checks(tmp_path_factory):
+    """The heal-check scenarios of :mod:`_torchft_scenarios` with distscaler's wiring, at once."""
+    import _torchft_scenarios as S
+
+    root = tmp_path_factory.mktemp("heal_checks")
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def go(name: str) -> None:
+        try:
+            # A ceiling, not the run's length (about 30 s each on 2 cores, side by side).
+            results[name] = S.run(dict(S.SCENARIOS[name], wiring="ours"), str(root / name),
+                                  timeout=200)  # fmt: skip
+        except BaseException as e:  # reported on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(name,)) for name in HEAL_CHECKS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@needs_torchft
+@pytest.mark.parametrize(
+    ("name", "parts"),
+    [("bad_heal_lr", ["parameters", "optimizer"]), ("bad_heal_param_bit", ["parameters"])],
+)
+def test_a_bad_heal_is_found_at_the_first_step_after_it_and_healed_again(heal_checks, name, parts):
+    """Group 1 dies at step 4 and is restarted; its first heal loads a stale learning rate
+    (torchtitan #4598) or a parameter with one flipped bit. At its first step after the heal its
+    state is compared with group 0's on the step's exchange: the difference is found there, named
+    (group 1, the parts that differ) on both groups, group 1 does not commit (a skip of cause
+    replica_mismatch, its scale unchanged) and heals again at the next quorum; that heal is
+    verified, and the groups end with the same parameters and scale, every step taken exact."""
+    import _torchft_scenarios as S
+
+    result = heal_checks[name]
+    s = _assert_ours_exact(result, min_steps=5)
+    rejoiner = [d for d in S.steps_of(result["records"][1]) if d["attempt"] == 1]
+    heals = [i for i, d in enumerate(rejoiner) if d["healed"]]
+    assert len(heals) == 2, [(d["step"], d["healed"]) for d in rejoiner]  # healed, then again
+    check = rejoiner[heals[0] + 1]  # the first step after the (bad) heal
+    assert check["divergence"] == [check["step"], "healed state", [1], True, parts, True]
+    assert check["committed"] is False and not check["stepped"]
+    assert check["step_after"] == check["step"] and check["scale_after"] == check["scale_before"]
+    assert check["skip_causes"]["replica_mismatch"] == 1
+    assert check["ledger"]["replica_mismatches"] == 1 and check["ledger"]["replica_skipped"] == 1
+    assert heals[1] == heals[0] + 2  # healed again at the next quorum
+    verified = rejoiner[heals[1] + 1]  # the check after the second heal passed
+    assert verified["ledger"]["replica_param_checks"] == check["ledger"]["replica_param_checks"] + 1
+    assert all(d["divergence"] == check["divergence"] for d in rejoiner[heals[0] + 1 :])
+    assert verified["stepped"] and verified["committed"]
+    survivor = S.steps_of(result["records"][0])
+    at = next(d for d in survivor if d["step"] == check["step"])
+    assert at["stepped"] and at["committed"]  # the reference group stepped on
+    assert at["divergence"] == [check["step"], "healed state", [1], False, parts, True]
+    assert s["groups"][1]["skips"] == 0  # the uncommitted step is no skip of the scale
+
+
+@needs_torchft
+def test_a_good_heal_is_verified_and_a_flip_after_it_is_found_across_groups(heal_checks):
+    """One run: group 1 dies and rejoins with a good heal (verified at its first step after it,
+    nothing reported), then one finite bit flipped in group 0's gradients after the average. The
+    replica check across the participating groups finds it: with two groups neither is the
+    majority, so both are named, neither commits (a skip of cause replica_mismatch, the scale
+    unchanged) and the step is retried; the groups end equal, every step taken exact."""
+    import _torchft_scenarios as S
+
+    result = heal_checks["heal_and_flip"]
+    _assert_ours_exact(result, min_steps=5)
+    rejoiner = [d for d in S.steps_of(result["records"][1]) if d["attempt"] == 1]
+    heal = next(i for i, d in enumerate(rejoiner) if d["healed"])
+    verified = rejoiner[heal + 1]
+    assert verified["ledger"]["replica_param_checks"] >= 1 and verified["divergence"] is None
+    assert verified["stepped"] and sum(d["healed"] for d in rejoiner) == 1
+    flipped = next(d for d in S.steps_of(result["records"][0]) if d["inject"] == ["flip"])
+    step = flipped["step"]
+    for g, records in result["records"].items():
+        at = [d for d in S.steps_of(records) if d["step"] == step]
+        hit, retry = at[0], at[1]
+        assert hit["divergence"] == [step, "gradients", [0, 1], True, [], True], g
+        assert hit["committed"] is False and not hit["stepped"]
+        assert hit["scale_after"] == hit["scale_before"]
+        assert hit["skip_causes"]["replica_mismatch"] == 1
+        assert retry["stepped"] and retry["step_after"] == step + 1  # the step retried
+        last = S.steps_of(records)[-1]
+        assert last["ledger"]["replica_mismatches"] == 1
+        assert last["ledger"]["replica_checks"] >= 3  # gradients compared at every step (CPU)
+
+
+def test_the_state_fingerprint_catches_one_flip_and_a_cancelling_pair():
+    """The heal check's fingerprint (the replica check's exact moments over one stream of
+    words): one flipped bit anywhere, and two flips of the same bit in opposite directions (which
+    a plain sum of words cancels), in one tensor or across two, change it."""
+    import torch
+
+    from distscaler.integrations.torchft import _fingerprint
+
+    cpu = torch.device("cpu")
+    a = torch.linspace(-3, 3, 300)
+    b = torch.linspace(1, 2, 77, dtype=torch.float64)
+    base = _fingerprint([a, b], cpu)
+
+    def flipped(t: torch.Tensor, i: int, bit: int) -> torch.Tensor:
+        t = t.clone()
+        words = t.view(torch.int16)
+        words[i] ^= 1 << bit
+        return t
+
+    for i, bit in [(0, 0), (17, 15), (599, 7)]:
+        assert not torch.equal(_fingerprint([flipped(a, i, bit), b], cpu), base)
+    # Same bit, opposite directions: word 2 has bit 3 clear, word 40 has it set (constructed).
+    c = a.clone()
+    w = c.view(torch.int16)
+    w[2] &= ~(1 << 3)
+    w[40] |= 1 << 3
+    ref = _fingerprint([c, b], cpu)
+    d = c.clone()
+    d.view(torch.int16)[2] |= 1 << 3
+    d.view(torch.int16)[40] &= ~(1 << 3)
+    assert int(d.view(torch.int16).sum()) == int(c.view(torch.int16).sum())  # a plain sum cancels
+    assert not torch.equal(_fingerprint([d, b], cpu), ref)
+    e = b.clone()
+    e.view(torch.int16)[5] ^= 1 << 3
+    assert not torch.equal(_fingerprint([flipped(c, 2, 3), e], cpu), ref)
+
+
 # ---------------------------------------------------------------------- the core, outside torchft
 
 

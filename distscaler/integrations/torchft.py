@@ -30,15 +30,49 @@ What a step does, on every rank of every replica group (torchft 0.2.0, ``manager
   group (the scaler's ``process_group``, else the default group of the group's ``torchrun``;
   nothing at 1 rank).
 * **Across replica groups**: found_inf, once agreed inside the group, goes through one
-  ``manager.allreduce(..., ReduceOp.MAX)`` of 4 float32 over torchft's cross-replica group: the
+  ``manager.allreduce(..., ReduceOp.MAX)`` over torchft's cross-replica group: 4 float32, the
   non-finite flag, the norm statistic (every group holds the same averaged gradients, so the
   largest is any group's; a healing group's part is zeroed by torchft and never wins) and the
-  replica rank of the lowest and the highest group that went non-finite. An inf before the gradient
-  average already reached every group through the average; this all-reduce also catches one that
-  appears after it, on one group only (local corruption, a faulty device). **Cost**: one more
-  latency-bound all-reduce of 16 bytes per step on the cross-replica group (the scaler's own collective
-  is the only collective inside the group); its ``wait()`` blocks the host as the gradient
-  all-reduce's already does (torchft's DDP waits in its comm hook, ``should_commit`` synchronizes).
+  replica rank of the lowest and the highest group that went non-finite; then, with two or more
+  participating groups, one row of 17 float32 per participating group (below). An inf before the
+  gradient average already reached every group through the average; this all-reduce also catches
+  one that appears after it, on one group only (local corruption, a faulty device). **Cost**: one
+  more latency-bound all-reduce per step on the cross-replica group, of ``4 + 17 n`` float32 for
+  ``n`` participating groups (the scaler's own collective is the only collective inside the
+  group); its ``wait()`` blocks the host as the gradient all-reduce's already does (torchft's DDP
+  waits in its comm hook, ``should_commit`` synchronizes).
+* **The replica check across groups** (``replica_check=True``, the default): after the average
+  every participating group holds bit-identical gradients. Each group writes, in its row (at its
+  participating replica rank; every other group writes zeros there, and torchft zeroes a healing
+  group's), the exact fingerprint of its gradients (`distscaler.replica_check`'s moments of the
+  16-bit words, ``A = sum w_k`` and ``B = sum k * w_k`` mod two primes, plus 1 so that 0 reads as
+  absent), every ``replica_check_interval`` manager steps (on the CPU every step, on a GPU every
+  32nd). The MAX hands every group every row whole: no coefficients and no cancellation across
+  groups, the healing group excluded, the rows compared on the host (one read). A group whose own
+  gradients hold inf/NaN writes none (the overflow is the finding). Where the rows differ with
+  every value finite, the groups that differ from the majority (with two groups, both) report to
+  torchft (``manager.report_error(ReplicaGradientMismatch)``) and do not commit: their step is
+  skipped with cause ``replica_mismatch``, the scale unchanged; a minority heals from the majority
+  at the next quorum, and with no majority every group retries the step.
+* **A heal verified**: at the first step where every group of the quorum participates after a
+  quorum change or a heal (async quorum: the step after the heal step; sync: the heal step,
+  healed in ``zero_grad``), each group also writes the fingerprints of its parameters, its
+  optimizer state (state tensors, step counts, and each param group's numbers: lr, betas,
+  weight_decay...) and the scaler's scale and growth tracker, with its role: healed since its last
+  verified step, or reference. A healed group whose state differs from the reference groups'
+  (their majority) reports ``HealMismatch`` to torchft: it does not commit (cause
+  ``replica_mismatch``) and heals again at the next quorum, then is verified again, so no replica
+  trains on from a bad heal (torchtitan #4598: a rejoined replica with a stale LR diverged). The
+  reference groups step on. Every group that compared records it:
+  [`replica_divergence`][distscaler.integrations.torchft.FaultTolerantGradScaler.replica_divergence]
+  (the step, the replica ranks named, the parts that differ), the replica ledger (``param_checks``
+  per heal check, ``checks`` per gradient comparison, the mismatch events) and a log warning; with
+  ``on_replica_mismatch="raise"`` or a callable, that too. **Cost** of a heal check, at those steps
+  only: one fingerprint pass over the parameters and the optimizer state (reads them once, a copy
+  of their words), one host read; of a gradient comparison: one pass over the gradients, one host
+  read. In a replica group of several ranks each rank compares its own shard, and the ranks merge
+  what they found with one all-reduce (MAX) of ``2 n + 4`` float32 over the replica group, at
+  checked steps only, so every rank of a group records the same.
 * **Commit**: right after that all-reduce, ``manager.should_commit()``, exactly once per step,
   whether the step is skipped or not. A step that does not commit is skipped (its found_inf is
   forced to non-finite: no optimizer step, `clip_grad_norm_()` returns inf) and its scale update is
@@ -72,8 +106,11 @@ What a step does, on every rank of every replica group (torchft 0.2.0, ``manager
 What it relies on in torchft 0.2.0 (changes there break it; pinned in the ``torchft`` extra):
 ``Manager.allreduce`` (``reduce_op``; a non-participating group's tensor zeroed), ``should_commit``,
 ``report_error``, ``participating_rank``, ``num_participants``, ``register_state_dict_fn``,
-``wait_quorum``, the private ``Manager._healing`` and ``Manager._pending_state_dict`` (the async
-heal's staged state, ``{"user": {key: state}}``), ``optim.OptimizerWrapper.optim``/``manager``.
+``wait_quorum``, the private ``Manager._healing``, ``Manager._quorum_id``, ``Manager._pg.size()``
+(the groups in the quorum, healing or not) and ``Manager._pending_state_dict`` (the async heal's
+staged state, ``{"user": {key: state}}``), ``optim.OptimizerWrapper.optim``/``manager``. The heal
+check needs every group of the quorum participating: with torchft's ``FIXED_WITH_SPARES`` world
+size mode (spares never participate) it does not run.
 Not covered: LocalSGD/DiLoCo (``torchft.local_sgd``: inner steps are not synchronized across
 groups, there is no per-step gradient average to agree on), the quantized all-reduce
 (``should_quantize=True``, CUDA/triton), DTensor gradients (FSDP2/HSDP through torchft's
@@ -82,10 +119,12 @@ groups, there is no per-step gradient average to agree on), the quantized all-re
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -99,6 +138,16 @@ with requires("torchft", f"torchft {TESTED_VERSIONS['torchft']}", "torchft"):
 
 from .._process_group import ScalerGroup, has_dynamic_membership
 from .._scaler import GradScaler
+from ..errors import ReplicaMismatchError
+from ..replica_check import (
+    ReplicaMismatch,
+    ReplicaSet,
+    fingerprint_slots,
+    layout_terms,
+    moduli,
+    primes_tensor,
+    word_moments,
+)
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -107,6 +156,9 @@ __all__ = [
     "FaultTolerantGradScaler",
     "NonFiniteAfterAverage",
     "CrossReplicaGroup",
+    "HealMismatch",
+    "ReplicaDivergence",
+    "ReplicaGradientMismatch",
     "ReplicaOverflow",
     "install",
 ]
@@ -122,6 +174,21 @@ _CROSS_NUMEL = 4
 #: Encodes the lowest non-finite replica rank under a MAX (``_LO_BASE - (rank + 1)``); larger than
 #: any replica count.
 _LO_BASE = float(2**20)
+#: One participating group's row in the cross-replica exchange, after the 4 elements above:
+#: [role, the gradients' fingerprint (4), the parameters' (4), the optimizer state's (4), the
+#: scaler state's (4)]. Each fingerprint is `fingerprint_slots()`'s ``[A mod P1, A mod P2,
+#: B mod P1, B mod P2]`` plus 1, so that 0 (a row nobody wrote, a healing group's zeroed part)
+#: means absent.
+_ROW = 17
+#: The parts of the state compared at the first step after a heal, in row order.
+STATE_PARTS = ("parameters", "optimizer", "scaler")
+#: Row roles: a group that did not heal since its last verified step (the reference), a group
+#: that healed (checked against the reference).
+_REFERENCE, _REJOINED = 1, 2
+#: The primes of the cross-replica fingerprints: the exchange is a MAX, so a slot never sums
+#: over groups and the largest primes of `moduli()` serve any number of groups (values below
+#: ``2**23``, exact in float32).
+_PRIMES = moduli(2)
 
 class NonFiniteAfterAverage(RuntimeError):
     """Reported to torchft (``manager.report_error``) by the one replica group whose gradients were
@@ -168,6 +235,67 @@ class ReplicaOverflow:
         return (
             f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
             f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}"
+        )
+
+
+class HealMismatch(RuntimeError):
+    """Reported to torchft (``manager.report_error``) by a replica group whose state, at its first
+    step after a heal, differs from the state of the groups it healed from: it does not commit and
+    heals again at the next quorum."""
+
+
+class ReplicaGradientMismatch(RuntimeError):
+    """Reported to torchft by a replica group whose averaged gradients differed bit for bit from
+    the other participating groups' (every value finite): it does not commit that step."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDivergence:
+    """Participating replica groups whose values differed at one step, the same on every group
+    that compared them (see [`distscaler.integrations.torchft`][distscaler.integrations.torchft]).
+
+    Attributes:
+        step: the manager step (``manager.current_step()`` before the step).
+        what: ``"healed state"`` (the first step after a heal: parameters, optimizer state and
+            scaler state) or ``"gradients"`` (the averaged gradients, every value finite).
+        replica_ranks: the participating replica ranks named: the groups that healed and differ
+            from the reference groups; else those that differ from the majority, and with no
+            majority (two groups) every group compared.
+        this_group: whether this process's group is named.
+        parts: the parts of the state that differed (``"parameters"``, ``"optimizer"``,
+            ``"scaler"``) as seen by this group against the reference; empty for gradients.
+        num_participants: replica groups participating in that step.
+        reported: whether the named groups reported it to torchft (``manager.report_error``):
+            then they did not commit and heal again (or, for gradients with no majority, every
+            group retries the step), the others stepped.
+    """
+
+    step: int
+    what: Literal["healed state", "gradients"]
+    replica_ranks: tuple[int, ...]
+    this_group: bool
+    parts: tuple[str, ...]
+    num_participants: int
+    reported: bool
+
+    def describe(self) -> str:
+        """One line for a log."""
+        who = ", ".join(str(r) for r in self.replica_ranks)
+        if self.what == "healed state":
+            names = {"parameters": "parameters", "optimizer": "optimizer state",
+                     "scaler": "scaler state"}  # fmt: skip
+            parts = ", ".join(names[p] for p in self.parts) or "state"
+            return (
+                f"replica group(s) {who} (replica rank, of {self.num_participants}) differ in "
+                f"{parts} at step {self.step}, the first after their heal, from the groups they "
+                "healed from; "
+                + ("they do not commit and heal again" if self.reported else "reported only")
+            )
+        then = "they do not commit" if self.reported else "reported only"
+        return (
+            f"the averaged gradients of replica group(s) {who} (replica rank, of "
+            f"{self.num_participants}) differ from the other groups' at step {self.step} "
+            f"(every value finite: a silent corruption); {then}"
         )
 
 
@@ -265,6 +393,17 @@ class _Step:
     #: The cross-replica found_inf (float32 (4,)) of this step, for `replica_overflow`.
     cross: torch.Tensor | None = None
     lone: ReplicaOverflow | None = None
+    #: The optimizer of the step's latest entry point (its state is what a heal check compares).
+    optimizer: torch.optim.Optimizer | None = None
+    #: A divergence this step found (it does not commit when it names this group).
+    divergence: ReplicaDivergence | None = None
+    #: This group compared its state (a heal check), and whether it passed (this group not
+    #: named), or a rejoined group was named (every group checks again at the next chance).
+    state_checked: bool = False
+    verified: bool = False
+    keep_due: bool = False
+    #: The participating replica ranks of the groups that healed, from the heal check's rows.
+    rejoined: set[int] | None = None
 
 
 class FaultTolerantGradScaler(GradScaler):
@@ -287,6 +426,10 @@ class FaultTolerantGradScaler(GradScaler):
     _replica_overflow: ReplicaOverflow | None
     _last_committed: bool | None
     _state_key: str
+    _seen_quorum: Any
+    _verify_due: bool
+    _rejoined: bool
+    _replica_divergence: ReplicaDivergence | None
 
     @classmethod
     def from_scaler(
@@ -341,6 +484,10 @@ class FaultTolerantGradScaler(GradScaler):
         ft._replica_overflow = None
         ft._last_committed = None
         ft._state_key = STATE_KEY
+        ft._seen_quorum = None
+        ft._verify_due = True  # a new process: its first step where every group participates
+        ft._rejoined = False
+        ft._replica_divergence = None
         group = CrossReplicaGroup(ft, replica_group if replica_group is not None else own)
         ft._group = ScalerGroup(group)
         return ft
@@ -351,6 +498,7 @@ class FaultTolerantGradScaler(GradScaler):
         """[`GradScaler.unscale_()`][distscaler.GradScaler.unscale_] after taking a pending healed
         scale (async quorum)."""
         self._settle()
+        self._ft.optimizer = _inner(optimizer)
         super().unscale_(_inner(optimizer))
 
     def clip_grad_norm_(
@@ -360,6 +508,7 @@ class FaultTolerantGradScaler(GradScaler):
         pending healed scale; the norm is that of one replica group's averaged gradients (each value
         once), inf when the step does not commit."""
         self._settle()
+        self._ft.optimizer = _inner(optimizer)
         return super().clip_grad_norm_(_inner(optimizer), max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -371,6 +520,7 @@ class FaultTolerantGradScaler(GradScaler):
         """
         inner = _inner(optimizer)
         self._settle()
+        self._ft.optimizer = inner
         if not self._enabled:  # no inf check: torchft's own protocol
             if self._commit():
                 return inner.step(*args, **kwargs)
@@ -390,8 +540,18 @@ class FaultTolerantGradScaler(GradScaler):
             self._replica_overflow = step.lone
         elif step.cross is not None and not self._report_lone:
             self._pending_cross = (step.cross, step.step, step.num_participants, step.replica_rank)
+        if step.divergence is not None:
+            self._replica_divergence = step.divergence
+        if step.state_checked:
+            self._verify_due = self._verify_due and step.keep_due
+            if step.verified:
+                self._rejoined = False
         if step.committed is False and new_scale is None:
-            self._skip("not_committed", step.lone)  # counted as a skip; the scale stays
+            if step.divergence is not None and step.divergence.this_group:
+                self._replicas.ledger.skipped += 1
+                self._skip("replica_mismatch", step.divergence)  # the scale stays
+            else:
+                self._skip("not_committed", step.lone)  # counted as a skip; the scale stays
             return
         super().update(new_scale)
 
@@ -416,6 +576,13 @@ class FaultTolerantGradScaler(GradScaler):
                     step, lone, lone == replica_rank, num_participants, reported=False
                 )
         return self._replica_overflow
+
+    @property
+    def replica_divergence(self) -> ReplicaDivergence | None:
+        """The most recent step where participating replica groups differed (a bad heal, or
+        averaged gradients that differ with every value finite); None if none did. No host read
+        (the comparison read the exchange when it ran)."""
+        return self._replica_divergence
 
     @property
     def manager(self) -> Manager:
@@ -446,7 +613,10 @@ class FaultTolerantGradScaler(GradScaler):
             self._preloaded_state = state
 
     def _load_healed(self, state: Any) -> None:
-        # torchft's load function for the scaler's key (registered by install).
+        # torchft's load function for the scaler's key (registered by install): this group
+        # healed, so its next step where every group participates compares its state.
+        self._rejoined = True
+        self._verify_due = True
         if state is self._preloaded_state:  # taken before the check (_settle)
             self._preloaded_state = None
             return
@@ -462,7 +632,10 @@ class FaultTolerantGradScaler(GradScaler):
     def _across_replicas_(self, buffer: torch.Tensor) -> None:
         """The agreement across replica groups, then should_commit: ``buffer`` (found_inf agreed
         inside the replica group: a flag, or [flag or statistic, statistic]) becomes found_inf of
-        every participating group, forced to non-finite when the step does not commit."""
+        every participating group, forced to non-finite when the step does not commit. The same
+        exchange carries each participating group's row (`_rows`): its gradients' fingerprint
+        when the replica check is due, its state's at the first step after a heal; compared on
+        the host (`_compare`), a group named there reports to torchft before should_commit."""
         manager = self._manager
         step = self._ft
         flat = buffer.view(-1)
@@ -472,6 +645,7 @@ class FaultTolerantGradScaler(GradScaler):
             step.step = manager.current_step()
             step.replica_rank = manager.participating_rank()  # None: this group heals (zeroed)
             step.num_participants = manager.num_participants()
+            self._note_quorum(step)
         ident = 0.0 if step.replica_rank is None else float(step.replica_rank + 1)
         # This group's own found_inf: a flag > 0, or a non-finite statistic.
         bad = torch.logical_or(flat[0] > 0, flat.isfinite().all().logical_not()).to(torch.float32)
@@ -480,9 +654,11 @@ class FaultTolerantGradScaler(GradScaler):
         ends = bad * torch.tensor(
             [ident, _LO_BASE - ident if ident else 0.0], dtype=torch.float32, device=flat.device
         )
+        rows, grads_checked, state_checked = self._rows(step, flat, bad)
         parts = [values, ends] if numel == 2 else [values, values.new_zeros(2 - numel), ends]
-        cross = torch.cat(parts)  # (4,): [v0, v1, hi, lo]
-        manager.allreduce(cross, reduce_op=ReduceOp.MAX).wait()
+        exchange = torch.cat([*parts, rows])  # (4 + num_participants * _ROW,)
+        manager.allreduce(exchange, reduce_op=ReduceOp.MAX).wait()
+        cross = exchange[:_CROSS_NUMEL]  # [v0, v1, hi, lo]
         step.cross = cross
         if step.replica_rank is None and getattr(self, "_heal_counts_own", True):
             # A healing group's part was zeroed in the exchange: its own gradients' flag is
@@ -494,6 +670,16 @@ class FaultTolerantGradScaler(GradScaler):
                                             reported=True, healing=True)  # fmt: skip
                 logger.warning("%s", step.lone.describe())
                 manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
+        if grads_checked or state_checked:  # one host read of the rows
+            finding = self._compare(step, exchange[_CROSS_NUMEL:].tolist(), grads_checked,
+                                    state_checked)  # fmt: skip
+            cross_group = self._group.process_group
+            if isinstance(cross_group, CrossReplicaGroup) and cross_group.size() > 1:
+                # The group's ranks merge their findings (a MAX): each compared its own shard.
+                merged = torch.tensor(finding, dtype=torch.float32, device=flat.device)
+                dist.all_reduce(merged, op=ReduceOp.MAX, group=cross_group.replica_group)
+                finding = merged.tolist()
+            self._act(step, finding, grads_checked, state_checked)
         keep_own = False
         if self._report_lone and step.num_participants > 1:
             lone = _lone(cross.tolist(), step.num_participants)  # the opt-in's host read
@@ -513,14 +699,232 @@ class FaultTolerantGradScaler(GradScaler):
             flat[0] = 1.0
             flat[1:] = math.inf
 
+    # ------------------------------------------------------------------ the replica check
+
+    def _note_quorum(self, step: _Step) -> None:
+        # A heal check is due on every group from a quorum change or a step where some group of
+        # the quorum did not participate (it healed) until a step where every group participates:
+        # the same on every group that saw the same quorums (a new process starts due).
+        manager = self._manager
+        quorum = getattr(manager, "_quorum_id", None)
+        if (
+            quorum != self._seen_quorum
+            or step.replica_rank is None
+            or step.num_participants < _quorum_size(manager)
+        ):
+            self._verify_due = True
+        self._seen_quorum = quorum
+
+    def _rows(
+        self, step: _Step, flat: torch.Tensor, bad: torch.Tensor
+    ) -> tuple[torch.Tensor, bool, bool]:
+        """The rows of the exchange, float32 ``(num_participants * _ROW,)``, this group's
+        written at its participating rank (empty below 2 participants: nothing to compare), and
+        whether it wrote its gradients' and its state's fingerprints. ``bad``: this group's own
+        found_inf (a group holding inf/NaN sends no gradients' fingerprint: the overflow is the
+        finding). Device ops only."""
+        n = step.num_participants
+        rows = flat.new_zeros(n * _ROW if n >= 2 else 0, dtype=torch.float32)
+        rank, check, optimizer = step.replica_rank, self._replicas, step.optimizer
+        if n < 2 or rank is None or rank >= n or not check.enabled or optimizer is None:
+            return rows, False, False
+        grads_due = step.step % check.interval(self._host_reads) == 0
+        state_due = (
+            self._verify_due and check.param_interval > 0 and n >= _quorum_size(self._manager)
+        )
+        if not (grads_due or state_due):
+            return rows, False, False
+        row = rows[rank * _ROW : (rank + 1) * _ROW]
+        row[0] = _REJOINED if self._rejoined else _REFERENCE
+        device = flat.device
+        if grads_due:
+            grads = [
+                getattr(p.grad, "_local_tensor", p.grad)
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ]
+            row[1:5] = (_fingerprint(grads, device) + 1).mul_(1.0 - bad)
+        if state_due:
+            row[5:] = torch.cat([_fingerprint(t, device) for t in self._state_parts(optimizer)]) + 1
+            step.state_checked = True
+        return rows, grads_due, state_due
+
+    def _state_parts(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+        # The tensors of the parts compared after a heal, in STATE_PARTS order: the parameters;
+        # the optimizer's state tensors and numbers (steps) and its param groups' settings
+        # (lr, betas...); the scaler's scale and growth tracker.
+        params: list[torch.Tensor] = []
+        optim: list[torch.Tensor] = []
+        numbers: list[float] = []
+        for group in optimizer.param_groups:
+            for key in sorted(k for k in group if k != "params"):
+                _collect(group[key], optim, numbers)
+            for p in group["params"]:
+                params.append(getattr(p, "_local_tensor", p).detach())
+                state = optimizer.state.get(p, {})
+                for key in sorted(state, key=str):
+                    _collect(state[key], optim, numbers)
+        if numbers:
+            optim.append(torch.tensor(numbers, dtype=torch.float64))
+        scaler = [
+            t.detach().reshape(-1).to(torch.float64)
+            for t in (self._scale, self._growth_tracker)
+            if isinstance(t, torch.Tensor)
+        ]
+        return [params, optim, scaler]
+
+    def _compare(
+        self, step: _Step, host: list[float], grads_checked: bool, state_checked: bool
+    ) -> list[float]:
+        """What this rank's rows show, as a finding the group's ranks merge with a MAX: float32
+        ``(2 n + 4,)`` host values, ``n`` participants: the groups named by the heal check (one
+        0/1 per participant), those named by the gradient check, the parts of the state that
+        differ (3), whether the heal check's named groups report (heal again). Host arithmetic
+        on the rows already read."""
+        n = step.num_participants
+        rows = [host[i * _ROW : (i + 1) * _ROW] for i in range(n)]
+        finding = [0.0] * (2 * n + len(STATE_PARTS) + 1)
+        me = step.replica_rank
+        if state_checked:
+            state = {i: (int(r[0]), tuple(r[5:])) for i, r in enumerate(rows) if r[0] and r[5]}
+            refs = {i: fp for i, (role, fp) in state.items() if role == _REFERENCE}
+            rejoined = {i for i, (role, _) in state.items() if role == _REJOINED}
+            reference = _majority(refs)
+            named = {i for i in rejoined if state[i][1] != reference}
+            reported = bool(named)  # a rejoined group heals again
+            if not named and refs and reference is None:  # no rejoiner: references disagree
+                named, reported = set(refs), False  # no majority to heal from: reported only
+            elif not named:
+                named = {i for i, fp in refs.items() if fp != reference}
+                reported = bool(named)  # a minority of three or more: it heals from the majority
+            step.rejoined = rejoined
+            if named:
+                who = me if me in named else min(named)
+                against = reference if reference is not None else next(
+                    (state[i][1] for i in state if i not in named), None
+                )
+                mine = state[who][1]
+                for k in range(len(STATE_PARTS)):
+                    if against is None or mine[4 * k : 4 * k + 4] != against[4 * k : 4 * k + 4]:
+                        finding[2 * n + k] = 1.0
+                for i in named:
+                    finding[i] = 1.0
+                finding[-1] = float(reported)
+        if grads_checked:
+            grads = {i: tuple(r[1:5]) for i, r in enumerate(rows) if r[1] > 0}
+            for i in _outliers(grads):
+                finding[n + i] = 1.0
+        return finding
+
+    def _act(self, step: _Step, finding: list[float], grads_checked: bool,
+             state_checked: bool) -> None:  # fmt: skip
+        # The group's merged finding (the same on each of its ranks): counted, recorded and
+        # logged; a named group reports to torchft (it does not commit). The heal check's finding
+        # comes first: its gradients' difference follows from the states'.
+        n = step.num_participants
+        me = step.replica_rank
+        ledger = self._replicas.ledger
+        ledger.checks += grads_checked
+        ledger.param_checks += state_checked
+        state_named = tuple(i for i in range(n) if finding[i] > 0)
+        grad_named = tuple(i for i in range(n) if finding[n + i] > 0)
+        if state_checked:
+            step.state_checked = True
+            step.verified = me not in state_named
+            step.keep_due = any(i in (step.rejoined or ()) for i in state_named)
+        if state_named:
+            parts = tuple(p for k, p in enumerate(STATE_PARTS) if finding[2 * n + k] > 0)
+            found = ReplicaDivergence(step.step, "healed state", state_named, me in state_named,
+                                      parts, n, finding[-1] > 0)  # fmt: skip
+        elif grad_named:
+            found = ReplicaDivergence(step.step, "gradients", grad_named, me in grad_named, (),
+                                      n, reported=True)  # fmt: skip
+        else:
+            return
+        step.divergence = found
+        on_mismatch = self._replicas.on_mismatch
+        mismatch = ReplicaMismatch(
+            self._replicas.iteration + 1,
+            "parameters" if found.what == "healed state" else "gradients",
+            found.replica_ranks,
+            action=on_mismatch if isinstance(on_mismatch, str) else "callback",
+        )
+        ledger.note_mismatch(mismatch)
+        logger.warning("%s", found.describe())
+        if found.this_group and found.reported:
+            error = HealMismatch if found.what == "healed state" else ReplicaGradientMismatch
+            self._manager.report_error(error(found.describe()))
+        if on_mismatch == "raise":
+            raise ReplicaMismatchError(mismatch)
+        if callable(on_mismatch):
+            on_mismatch(mismatch)
+
     # ------------------------------------------------------------------ pickling
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_manager", "_ft", "_preloaded_state", "_pending_cross"):
+        for key in ("_manager", "_ft", "_preloaded_state", "_pending_cross", "_seen_quorum"):
             state.pop(key, None)
         state["_group"] = ScalerGroup(None)
         return state
+
+
+def _quorum_size(manager: Manager) -> int:
+    # The replica groups in the quorum, participating or healing (the size of torchft's
+    # cross-replica process group).
+    try:
+        return int(manager._pg.size())
+    except Exception:  # noqa: BLE001 - a group not configured yet: only the participants known
+        return manager.num_participants()
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The exact fingerprint of ``tensors`` read as one stream of 16-bit words: float32 ``(4,)``,
+    ``[A mod P1, A mod P2, B mod P1, B mod P2]`` (`distscaler.replica_check`: ``A = sum w_k``,
+    ``B = sum k * w_k``, positions global over the tensors), each below ``2**23``. Tensors on
+    another device are copied to ``device``. Cost: one ``word_moments`` pass (a copy of the
+    words, two row reductions), no host read."""
+    tensors = [t.to(device) for t in tensors if t.is_floating_point() and t.numel()]
+    if not tensors:
+        return torch.zeros(4, dtype=torch.float32, device=device)
+    sizes = [t.numel() * t.element_size() // 2 for t in tensors]
+    # One replica set of which this group is the first member: coefficient 1, shift 0, so the
+    # slots are the plain (A, B) of the concatenated words.
+    sets: list[ReplicaSet | None] = [ReplicaSet((0, 1), 0)] * len(tensors)
+    coefs, offsets, shift = layout_terms(sizes, sets, _PRIMES, device)
+    moments = word_moments(tensors, _PRIMES, device)
+    slots, _ = fingerprint_slots(moments, offsets, coefs, shift, primes_tensor(_PRIMES, device))
+    return slots
+
+
+def _collect(value: Any, tensors: list[torch.Tensor], numbers: list[float]) -> None:
+    # An optimizer setting or state entry: tensors as float64 where not floating point, numbers
+    # (bools, ints, floats, and tuples of them: betas) as float64; anything else is not compared.
+    if isinstance(value, torch.Tensor):
+        t = value.detach().reshape(-1)
+        tensors.append(t if t.is_floating_point() else t.to(torch.float64))
+    elif isinstance(value, bool | int | float):
+        numbers.append(float(value))
+    elif isinstance(value, tuple | list):
+        for v in value:
+            _collect(v, tensors, numbers)
+
+
+def _majority(fingerprints: dict[int, tuple[float, ...]]) -> tuple[float, ...] | None:
+    # The value more than half of them hold, else None.
+    if not fingerprints:
+        return None
+    value, count = collections.Counter(fingerprints.values()).most_common(1)[0]
+    return value if count * 2 > len(fingerprints) else None
+
+
+def _outliers(fingerprints: dict[int, tuple[float, ...]]) -> set[int]:
+    # Those that differ from the majority; with no majority, all of them; none when all agree.
+    if len(set(fingerprints.values())) <= 1:
+        return set()
+    majority = _majority(fingerprints)
+    return {i for i, fp in fingerprints.items() if fp != majority}
 
 
 def _lone(cross: list[float], num_participants: int) -> int | None:
