@@ -116,6 +116,7 @@ def test_every_integration_has_its_extra() -> None:
         "nemo_rl",
         "areal",
         "slime",
+        "roll",
     }
     assert integrations <= EXTRAS
 
