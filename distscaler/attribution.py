@@ -226,7 +226,7 @@ class OverflowTracker:
         def walk(module: nn.Module, prefix: str) -> None:
             for name, param in module.named_parameters(recurse=False):
                 if self._names.get(param) is None:
-                    self._names.set(param, prefix + name)
+                    self._names.set(param, prefix + name, owner=model)
             for name, child in module.named_children():
                 wrapper = name in _WRAPPER_ATTRIBUTES or (
                     name == "module" and isinstance(module, DistributedDataParallel | DataParallel)

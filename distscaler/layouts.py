@@ -102,7 +102,8 @@ def _fsdp1_replicas(fsdp_module: nn.Module) -> int | None:
 class LayoutResolver:
     """Per-parameter replication weights for the global norm (see the module docstring).
 
-    Holds parameters weakly; caches each DTensor gradient's weight per (mesh, placements).
+    Holds a registered model's parameters while the model lives; caches each DTensor gradient's
+    weight per (mesh, placements).
     """
 
     def __init__(self, default: GradLayout | None) -> None:
@@ -200,8 +201,8 @@ class LayoutResolver:
                     if replicate_pg is not None:
                         groups[id(view)] = replicate_pg
         for key, (tensor, weight, source) in learnt.items():
-            self._registered.set(tensor, (weight, source))
-            self._replica_groups.set(tensor, groups.get(key))
+            self._registered.set(tensor, (weight, source), owner=model)
+            self._replica_groups.set(tensor, groups.get(key), owner=model)
         self.version += 1
         return len(learnt)
 

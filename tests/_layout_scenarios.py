@@ -649,3 +649,36 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
     if world_size == 2:
         out["unknown"] = unknown_layouts(rank, world_size)
     return out
+
+
+def fsdp2_model_moves_after_a_step(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 + ``register_model`` + a clipped step, then ``model.to()`` both ways (what a framework
+    does to offload its model between training and rollout: a swap of each DTensor parameter,
+    which torch refuses for a tensor with a weak reference); then a second step."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = GradScaler("cpu", init_scale=256.0).register_model(model)
+    named = len(scaler._overflows._names._entries)  # the names registered
+    out: dict[str, Any] = {"named": named, "moved": [], "scales": []}
+
+    def step() -> None:
+        scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out["scales"].append(scaler.get_scale())
+
+    step()
+    for dtype in (torch.float64, torch.float32):  # away and back, as an offload does
+        try:
+            model.to(dtype)
+            out["moved"].append(str(next(model.parameters()).dtype))
+        except RuntimeError as e:
+            out["moved"].append(f"failed: {e}")
+    step()
+    return out

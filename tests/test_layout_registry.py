@@ -39,3 +39,16 @@ def test_a_later_registration_wins():
         model, grad_layout="sharded"
     )
     assert scaler._layouts.weight(model.bias, torch.zeros(4), 2, None) == 1.0
+
+
+def test_an_fsdp2_model_moves_after_steps_with_a_registered_model(tmp_path):
+    """``model.to()`` swaps FSDP2's DTensor parameters (``torch.utils.swap_tensors``), which torch
+    refuses for a tensor with a weak reference: the scaler's tables hold none, so a framework
+    can offload its model between steps (ROLL's ``offload_states``, verl's offload)."""
+    import _layout_scenarios as L
+    from _harness import spawn
+
+    (out,) = spawn(L.fsdp2_model_moves_after_a_step, 1, tmp_path)
+    assert out["named"] == 4, out  # the registration ran (2 weights, 2 biases named)
+    assert out["moved"] == ["torch.float64", "torch.float32"], out
+    assert out["scales"] == [256.0, 256.0], out  # a step before and after the moves

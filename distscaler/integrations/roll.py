@@ -40,8 +40,7 @@ hold), with one [`distscaler.GradScaler`][distscaler.GradScaler] on ROLL's devic
   on a clean one and non-finite (inf or NaN) on a skipped one; ``train_step`` adds the scaler's
   [`metrics()`][distscaler.GradScaler.metrics] (``distscaler/scale``...) and
   ``distscaler/skipped``. After a skip, one ``all_gather`` attributes it and a warning names the
-  rank and the parameter's position (not its name: ``register_model`` is not called, its weak
-  references to the parameters would stop ROLL's ``load_states`` from moving the model).
+  rank and the parameter by its name in ROLL's model.
 * **No double unscale**: a second ``scaler.unscale_`` since the last ``update()``, or one without a
   scaled backward since then, raises [`CallOrderError`][distscaler.CallOrderError] before any
   gradient changes.
@@ -61,10 +60,7 @@ scale on the device); ``ValueError`` for a strategy that does not train in fp16.
 strategy (``megatron_train``) is not covered here. Relied on in ROLL `TESTED_VERSION`:
 ``FSDP2TrainStrategy.initialize``, ``train_step`` (its calls of ``self.scaler``: ``scale``,
 ``unscale_``, ``step``, ``update``, and of ``self._clip_grad_norm(max_norm=...)``),
-``_clip_grad_norm``, ``load_states``, ``offload_states`` (overridden to empty the scaler's
-cache of the parameters' layouts first: it holds them by weak reference, and the ``model.to()``
-there swaps each DTensor parameter, which torch refuses for a weakly referenced tensor),
-``save_checkpoint``, ``load_checkpoint``, the attributes ``worker``,
+``_clip_grad_norm``, ``save_checkpoint``, ``load_checkpoint``, the attributes ``worker``,
 ``worker_config``, ``param_dtype``, ``scaler``, ``optimizer``, ``scheduler``, ``model``,
 ``ep_enabled``, ``cpu_offload_enabled``, ``save_only_model``,
 ``roll.distributed.strategy.factory.create_strategy`` and ``roll.platforms.current_platform``.
@@ -231,14 +227,6 @@ class _DistScalerStrategy(ABC):  # noqa: B024 - a mixin; ABC: ROLL's strategies'
             metrics["distscaler/skipped"] = float(skips)
         return metrics
 
-    def load_states(self, *args: Any, **kwargs: Any) -> Any:
-        _forget_parameters(self.distscaler)
-        return super().load_states(*args, **kwargs)  # type: ignore[misc]
-
-    def offload_states(self, *args: Any, **kwargs: Any) -> Any:
-        _forget_parameters(self.distscaler)
-        return super().offload_states(*args, **kwargs)  # type: ignore[misc]
-
     def save_checkpoint(self, save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "save_only_model", False):
             os.makedirs(save_dir, exist_ok=True)
@@ -261,19 +249,6 @@ class _DistScalerStrategy(ABC):  # noqa: B024 - a mixin; ABC: ROLL's strategies'
         return out
 
 
-def _forget_parameters(scaler: GradScaler) -> None:
-    """Drop the scaler's cache of the DTensor parameters' layouts (rebuilt at the next step).
-
-    It holds the parameters by weak reference, and ROLL's ``load_states``/``offload_states`` move
-    the FSDP2 model with ``model.to()``, which swaps each DTensor parameter
-    (``torch.utils.swap_tensors``): torch refuses to swap a tensor that has a weak reference
-    ("Cannot swap t1 because it has weakref associated with it")."""
-    table = getattr(getattr(scaler, "_layouts", None), "_dtensor", None)
-    entries = getattr(table, "_entries", None)
-    if isinstance(entries, dict):
-        entries.clear()  # in place: each entry's weak reference is in a cycle with the table
-
-
 def _attach(strategy: Any) -> None:
     """After ROLL's ``initialize``: check what it built, put the step scaler in place."""
     if strategy.param_dtype != torch.float16:
@@ -294,11 +269,10 @@ def _attach(strategy: Any) -> None:
     if getattr(strategy, "optimizer", None) is None:
         raise ValueError("strategy has no optimizer: nothing to scale")
     strategy.scaler = _StepScaler(strategy)
-    # Not register_model(): its parameter table holds weak references to the parameters, and ROLL's
-    # load_states() (every save_checkpoint, and its workers around each step) moves the FSDP2 model
-    # with model.to(), which swaps the parameter tensors: torch refuses to swap a tensor with a
-    # weak reference. DTensor gradients need no registered layout; the overflow report then names
-    # parameters by position.
+    # The overflow report's names (DTensor gradients need no registered layout). ROLL's
+    # load_states/offload_states move the model with model.to() (a swap of each DTensor
+    # parameter), which the scaler's tables allow: they hold no weak reference to a parameter.
+    strategy.distscaler.register_model(strategy.model)
 
 
 def _strategy_config(strategy: Any) -> dict[str, Any]:
