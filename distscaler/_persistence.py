@@ -3,8 +3,9 @@
 A saved state holds plain Python numbers only (``torch.load(weights_only=True)`` reads it): torch's
 five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
 ``_growth_tracker``), so ``torch.amp.GradScaler.load_state_dict`` loads it, and keys torch ignores:
-``min_scale``, ``max_scale``, ``num_updates``, ``num_skipped_steps``, ``policy``, ``hysteresis``,
-``consecutive_hysteresis`` and the policy's counters (``cur_iter``, ``last_overflow_iter``,
+``min_scale``, ``max_scale``, ``num_updates``, ``num_skipped_steps`` (of which
+``num_replica_mismatch_skips`` and ``num_not_committed_skips`` had those causes), ``policy``,
+``hysteresis``, ``consecutive_hysteresis`` and the policy's counters (``cur_iter``, ``last_overflow_iter``,
 ``cur_hysteresis`` or ``hysteresis_tracker``). Other stacks' formats are converted first by
 [`distscaler.interop`][distscaler.interop].
 
@@ -47,6 +48,8 @@ def export_state(config: ScalerConfig, values: HostValues, totals: SkipTotals) -
         "max_scale": config.max_scale,
         "num_updates": totals.num_updates,
         "num_skipped_steps": totals.num_skipped,
+        "num_replica_mismatch_skips": totals.replica_mismatches,
+        "num_not_committed_skips": totals.not_committed,
         "policy": config.policy,
         "hysteresis": config.hysteresis,
         "consecutive_hysteresis": config.consecutive_hysteresis,
@@ -62,6 +65,8 @@ class LoadedState:
         config: the scaler's settings with what the state carries (``init_scale`` is its scale).
         values: scale, growth tracker and counters of ``config.policy``.
         num_updates, num_skipped: the run's counts so far.
+        skip_causes: of ``num_skipped``, those of a cause the host knows (``replica_mismatch``,
+            ``not_committed``); the rest were overflows.
         warnings: settings of the constructor the state replaced, or a change of policy.
     """
 
@@ -69,6 +74,7 @@ class LoadedState:
     values: HostValues
     num_updates: int
     num_skipped: int
+    skip_causes: dict[str, int]
     warnings: tuple[str, ...]
 
 
@@ -90,6 +96,8 @@ _SETTINGS: tuple[tuple[str, Any, dict[str, Any]], ...] = (
 _OPTIONAL: tuple[tuple[str, Any, dict[str, Any]], ...] = (
     ("num_updates", V.check_int, {"minimum": 0}),
     ("num_skipped_steps", V.check_int, {"minimum": 0}),
+    ("num_replica_mismatch_skips", V.check_int, {"minimum": 0}),
+    ("num_not_committed_skips", V.check_int, {"minimum": 0}),
     ("policy", _check_policy_name, {}),
     ("hysteresis", *FIELD_CHECKS["hysteresis"]),
     ("consecutive_hysteresis", *FIELD_CHECKS["consecutive_hysteresis"]),
@@ -206,10 +214,22 @@ def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
     policy_values = get_policy(new_config.policy).state_from_checkpoint(
         saved, parsed["_growth_tracker"], new_config.rule()
     )
+    num_skipped = parsed.get("num_skipped_steps", 0)
+    causes = {
+        "replica_mismatch": parsed.get("num_replica_mismatch_skips", 0),
+        "not_committed": parsed.get("num_not_committed_skips", 0),
+    }
+    if sum(causes.values()) > num_skipped:
+        raise ValueError(
+            "state_dict: num_replica_mismatch_skips + num_not_committed_skips must be at most "
+            f"num_skipped_steps ({num_skipped}), got: {causes['replica_mismatch']} + "
+            f"{causes['not_committed']}"
+        )
     return LoadedState(
         config=new_config,
         values=HostValues(parsed["scale"], parsed["_growth_tracker"], policy_values),
         num_updates=parsed.get("num_updates", 0),
-        num_skipped=parsed.get("num_skipped_steps", 0),
+        num_skipped=num_skipped,
+        skip_causes=causes,
         warnings=tuple(notes),
     )

@@ -979,7 +979,8 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
         self._configure_checks()
-        self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped)
+        self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped,
+                         loaded.skip_causes)  # fmt: skip
         self._prepare_counters()
 
     def __getstate__(self) -> dict[str, Any]:

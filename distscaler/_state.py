@@ -457,10 +457,13 @@ class ScalerState:
         else:
             state.scale.copy_(new_scale.reshape(()))
 
-    def load(self, values: HostValues, num_updates: int, num_skipped: int) -> None:
-        """Continue from a saved state (``load_state_dict``)."""
+    def load(
+        self, values: HostValues, num_updates: int, num_skipped: int, causes: dict[str, int]
+    ) -> None:
+        """Continue from a saved state (``load_state_dict``); ``causes``: the skips of a cause
+        the host knows, of ``num_skipped``."""
         self.initial = values
-        self.skips.restore(num_updates, num_skipped)
+        self.skips.restore(num_updates, num_skipped, causes)
         self._host_updates = num_updates
         if self.device is not None:
             self.device.write(values)

@@ -99,9 +99,11 @@ class SkipLog:
         """Keep the record's counts on the host (the device then zeroes its own)."""
         self.folded = self.totals(record)
 
-    def restore(self, num_updates: int, num_skipped: int) -> None:
-        """Continue the counts of a checkpointed run (step numbers in the log stay global)."""
+    def restore(self, num_updates: int, num_skipped: int, causes: dict[str, int]) -> None:
+        """Continue the counts of a checkpointed run (step numbers in the log stay global),
+        ``causes`` the skips of a cause the host knows among ``num_skipped``."""
         self.folded = SkipTotals(num_updates=num_updates, num_skipped=num_skipped)
+        self.host_causes = {"replica_mismatch": 0, "not_committed": 0, **causes}
         self.num_reported = num_skipped
 
     def report(self, totals: SkipTotals, scale_now: float, world_size: int) -> None:

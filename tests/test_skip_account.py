@@ -227,3 +227,23 @@ def test_under_torchft_an_uncommitted_step_is_no_overflow_in_the_overflow_report
         unc = lines[F.UNCOMMITTED]
         assert unc["overflow_report"][0] == F.OVERFLOW + 1, (key, unc["overflow_report"])
         assert lines[-1]["metrics"]["distscaler/overflow_step"] == F.OVERFLOW + 1, key
+
+
+def test_a_loaded_state_keeps_the_account_cause_by_cause():
+    """A resumed or healed scaler (torchft loads the donor's state_dict) continues the account of
+    each cause; a state without them (torch's, an older one) counts its skips as overflows; causes
+    that sum past ``num_skipped_steps`` are refused, the scaler unchanged."""
+    saved = {**GradScaler("cpu").state_dict(), "num_updates": 9, "num_skipped_steps": 4,
+             "num_replica_mismatch_skips": 1, "num_not_committed_skips": 2}  # fmt: skip
+    scaler = GradScaler("cpu")
+    scaler.load_state_dict(saved)
+    totals = scaler.skip_totals
+    assert totals.causes == {"overflow": 1, "replica_mismatch": 1, "not_committed": 2}
+    again = scaler.state_dict()
+    assert (again["num_replica_mismatch_skips"], again["num_not_committed_skips"]) == (1, 2)
+    older = {k: v for k, v in saved.items() if not k.endswith("_skips")}
+    scaler.load_state_dict(older)
+    assert scaler.skip_totals.causes == {"overflow": 4, "replica_mismatch": 0, "not_committed": 0}
+    with pytest.raises(ValueError, match="num_not_committed_skips"):
+        scaler.load_state_dict({**saved, "num_not_committed_skips": 4})
+    assert scaler.skip_totals.causes["overflow"] == 4  # unchanged
