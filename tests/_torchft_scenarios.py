@@ -13,7 +13,9 @@ after the step.
 
 Spec keys: ``wiring`` ("ours" | "stock"), ``num_groups``, ``group_size``, ``steps`` (manager step to
 stop at), ``crash`` ({group: manager step}: attempt 0 of that group exits there), ``late``
-({group: seconds}), ``inject`` (list of [where, when, group, group_rank]: where "pre" (an inf in the
+({group: seconds}; with ``late_after`` N, counted from group 0's N-th iteration record, so that
+a loaded machine's slow start cannot let the late group arrive before group 0 has moved on),
+``inject`` (list of [where, when, group, group_rank]: where "pre" (an inf in the
 local gradient, before the average) or "post" (after it, on that group only); when a manager step,
 "join" (the step a survivor sees a group join in), "join+K" or "heal" (a restarted group's first
 step, the one it heals in)); where also "flip" (one low mantissa bit of a gradient flipped after
@@ -57,10 +59,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         num_groups=2, steps=0, after_join=5, crash={1: 4}, sleep=0.1,
         inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0], ["pre", "join", 0, 0]],
     ),  # fmt: skip
-    # Group 1 starts 3 s late; group 0 backed off twice before; an inf after the average on group 0
-    # two steps after the join.
+    # Group 1 starts 0.5 s after group 0's third iteration: group 0 backed off twice before; an
+    # inf after the average on group 0 two steps after the join.
     "late_join": dict(
-        num_groups=2, steps=0, after_join=5, late={1: 2.0}, sleep=0.1,
+        num_groups=2, steps=0, after_join=5, late={1: 0.5}, late_after=3, sleep=0.1,
         inject=[["pre", 1, 0, 0], ["pre", 2, 0, 0], ["post", "join+2", 0, 0]],
     ),  # fmt: skip
     # 2 groups x 2 ranks, gradients sharded inside a group: an inf in rank 0's shard before the
@@ -149,6 +151,11 @@ def run(spec: dict[str, Any], rundir: str, *, timeout: float = 60.0) -> dict[str
                 timed_out = True
                 break
             for key, when in list(pending.items()):
+                if key[0] in late and key not in procs and not _progressed(
+                    rundir, spec.get("late_after", 0)
+                ):
+                    pending[key] = time.time() + late[key[0]]  # counted from group 0's progress
+                    continue
                 if time.time() >= when:
                     attempt = procs[key][1] + 1 if key in procs else 0
                     if attempt == 1 and key in standby:
@@ -189,6 +196,17 @@ def run(spec: dict[str, Any], rundir: str, *, timeout: float = 60.0) -> dict[str
         "timed_out": timed_out,
         "wall_s": round(time.time() - t0, 1),
     }
+
+
+def _progressed(rundir: str, iterations: int) -> bool:
+    """Whether group 0's rank 0 (attempt 0) has recorded ``iterations`` iterations."""
+    if iterations <= 0:
+        return True
+    try:
+        with open(os.path.join(rundir, "g0_r0_a0.jsonl")) as f:
+            return sum('"scale_before"' in line for line in f) >= iterations
+    except FileNotFoundError:
+        return False
 
 
 def steps_of(records: list[dict]) -> list[dict]:

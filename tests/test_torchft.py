@@ -151,7 +151,7 @@ def test_an_overflow_in_the_heal_step_keeps_the_heal(tmp_path):
 
 @needs_torchft
 def test_a_late_group_joins_with_the_running_scale(tmp_path):
-    """Group 1 starts 2 s late (group 0 at scale 256); then an inf after the average on group 0.
+    """Group 1 starts after group 0 has backed off twice (scale 256); then an inf after the average on group 0.
     Stock: the joiner keeps 1024, the scales stay split and the updates differ."""
     import _torchft_scenarios as S
 
