@@ -180,6 +180,7 @@ def test_under_torchft_each_skip_is_counted_with_its_cause_alike_on_every_rank(t
         assert "inf in" in over["describe"] or "nan in" in over["describe"]
         # The uncommitted step: committed nowhere, the manager's step and the scale stayed.
         assert unc["committed"] is False and unc["step_after"] == unc["step"]
+        assert f"torchft did not commit step {unc['step']} on this replica group" in unc["describe"]
         assert unc["scale"] == lines[F.UNCOMMITTED - 1]["scale"]
         last = lines[-1]
         causes = {"overflow": 1, "replica_mismatch": 1, "not_committed": 1}

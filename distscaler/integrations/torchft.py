@@ -157,6 +157,7 @@ __all__ = [
     "NonFiniteAfterAverage",
     "CrossReplicaGroup",
     "HealMismatch",
+    "NotCommitted",
     "ReplicaDivergence",
     "ReplicaGradientMismatch",
     "ReplicaOverflow",
@@ -235,6 +236,35 @@ class ReplicaOverflow:
         return (
             f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
             f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NotCommitted:
+    """A step torchft did not commit on this replica group (``should_commit()`` returned False):
+    the report of a ``not_committed`` skip ([`report_skip()`][distscaler.GradScaler.report_skip]).
+
+    Attributes:
+        step: the manager step (``manager.current_step()`` before the step).
+        replica_id: this replica group's id as given to torchft's ``Manager`` (``replica_id=``),
+            None where torchft does not say.
+        num_participants: replica groups participating in that step's quorum.
+        error: what this rank reported to torchft in that step (``manager.errored()``), None
+            where another rank of the group did (should_commit is the group's answer).
+    """
+
+    step: int
+    replica_id: str | None
+    num_participants: int
+    error: str | None
+
+    def describe(self) -> str:
+        """One line for a log (the same on every rank of every group that did not commit)."""
+        return (
+            f"torchft did not commit step {self.step} on this replica group "
+            f"({self.num_participants} replica groups took part): one of its ranks reported an "
+            "error (manager.report_error), or too few replica groups took part; the scale did "
+            "not move and the group heals or retries at the next quorum"
         )
 
 
@@ -550,8 +580,8 @@ class FaultTolerantGradScaler(GradScaler):
             if step.divergence is not None and step.divergence.this_group:
                 self._replicas.ledger.skipped += 1
                 self._skip("replica_mismatch", step.divergence)  # the scale stays
-            else:
-                self._skip("not_committed", step.lone)  # counted as a skip; the scale stays
+            else:  # counted as a skip; the scale stays
+                self._skip("not_committed", step.lone or self._not_committed(step))
             return
         super().update(new_scale)
 
@@ -621,6 +651,16 @@ class FaultTolerantGradScaler(GradScaler):
             self._preloaded_state = None
             return
         self.load_state_dict(state)
+
+    def _not_committed(self, step: _Step) -> NotCommitted:
+        error = self._manager.errored()
+        replica_id = getattr(self._manager, "_replica_id", None)  # torchft: "<replica_id>:<uuid>"
+        return NotCommitted(
+            step=step.step,
+            replica_id=None if replica_id is None else str(replica_id).split(":")[0],
+            num_participants=step.num_participants,
+            error=None if error is None else repr(getattr(error, "original_exception", error)),
+        )
 
     def _commit(self) -> bool:
         step = self._ft
