@@ -293,11 +293,14 @@ def _run_triton(
     if any(key.device != state.device or key.dtype == torch.float64 for key in grads):
         return None
     flat = [g for gs in grads.values() for g in gs]
-    weights = [key.weight for key, gs in grads.items() for _ in gs] if norm_type else None
+    weights = None  # all 1.0: the kernel's default, and a shorter key for its tables' cache
+    if norm_type and any(key.weight != 1.0 for key in grads):
+        weights = [key.weight for key, gs in grads.items() for _ in gs]
     max_of = norm_type is None or norm_type == math.inf
+    op = dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM
     taken, done = kernels.phase(
-        flat, state.scale, functools.partial(coll.reduce_, op=dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM),
-        weights=weights, norm_type=norm_type, flags=plan.per_tensor_flags,
+        flat, state.scale, functools.partial(coll.reduce_, op=op) if coll.active else None,
+        weights=weights, validate=False, norm_type=norm_type, flags=plan.per_tensor_flags,
         primes=next((getattr(c, "primes", None) for c in plan.contributions), None),
         unscale=_inv_scale(state.scale) if grad_pass is GradPass.UNSCALE else None,
         max_norm=max_norm_t if norm_type else None,

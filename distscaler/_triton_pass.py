@@ -95,6 +95,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -324,10 +325,12 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
 
 
 def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_blocks, num_tensors,
-                   p1, p2, NORM: tl.constexpr, PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr,
-                   RT: tl.constexpr):  # fmt: skip
-    """Grid: program 0 the totals (``stat``), program ``1 + t`` tensor ``t``'s statistic and
-    moments. Fixed order: tiles of ``RT`` partials in sequence, lanes by the reduction's tree."""
+                   p1, p2, scale, max_norm, out, NORM: tl.constexpr, PER_TENSOR: tl.constexpr,
+                   MOMENTS: tl.constexpr, RT: tl.constexpr, FINISH: tl.constexpr,
+                   CLIP: tl.constexpr):  # fmt: skip
+    """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
+    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments. Fixed order: tiles
+    of ``RT`` partials in sequence, lanes by the reduction's tree."""
     pid = tl.program_id(0)
     lane = tl.arange(0, RT)
     if pid == 0:
@@ -343,13 +346,17 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
                 s = tl.load(part_s + idx, mask=m, other=0.0)
                 s_acc += w_bits.to(tl.float32, bitcast=True) * s
         mx = tl.reduce(mx_acc, 0, _MAX)
-        tl.store(stat, tl.where(mx >= 0x7F800000, 1.0, 0.0))
+        flag = tl.where(mx >= 0x7F800000, 1.0, 0.0)
         if NORM == 3:
-            tl.store(stat + 1, mx.to(tl.float32, bitcast=True))
+            s = mx.to(tl.float32, bitcast=True)
         elif NORM == 0:
-            tl.store(stat + 1, 0.0)
+            s = flag * 0.0
         else:
-            tl.store(stat + 1, tl.reduce(s_acc, 0, _SUM))
+            s = tl.reduce(s_acc, 0, _SUM)
+        tl.store(stat, flag)
+        tl.store(stat + 1, s)
+        if FINISH:
+            _finish_values(flag, s, scale, max_norm, out, NORM, CLIP)
     else:
         t = pid - 1
         b0 = tl.load(tab + 4 * num_tensors + t)
@@ -453,8 +460,11 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
 
 def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
     """Grid (1,): ``out = [found_inf, grad_scale, total_norm]`` from the reduced ``stat``."""
-    flag = tl.load(stat)
-    s = tl.load(stat + 1)
+    _finish_values(tl.load(stat), tl.load(stat + 1), scale, max_norm, out, NORM, CLIP)
+
+
+def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
+    """``out = [found_inf, grad_scale, total_norm]`` from the flag and the norm statistic."""
     sc = tl.load(scale)
     if NORM == 2:
         norm = tl.sqrt_rn(s)
@@ -485,6 +495,7 @@ _RAW = {
     "_reduce_kernel": _reduce_kernel,
     "_scale_kernel": _scale_kernel,
     "_finish_kernel": _finish_kernel,
+    "_finish_values": _finish_values,
     "_add": _add,
     "_maximum": _maximum,
 }
@@ -601,18 +612,32 @@ def _build_tables(
 
 def _tables(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> _Tables:
     """The cached tables of ``tensors`` (contiguous, of `_DTYPE_CODE`'s dtypes, one device)."""
+    return _tables_of(tensors, tuple(map(_DTYPE, tensors)), weights)
+
+
+#: Unbound accessors: ``map()`` over them walks a list in C (a per-call cost of the host's).
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _tables_of(
+    tensors: Sequence[torch.Tensor],
+    dtypes: tuple[torch.dtype, ...],
+    weights: Sequence[float] | None,
+) -> _Tables:
     block, inner = _CONFIG["BLOCK"], _CONFIG["INNER"]
-    numels = [t.numel() for t in tensors]
+    numels = tuple(map(_NUMEL, tensors))
     chunk = _chunk_for(sum(numels), block, inner)
-    addrs = [t.data_ptr() for t in tensors]
-    codes = [_DTYPE_CODE[t.dtype] for t in tensors]
+    addrs = tuple(map(_DATA_PTR, tensors))
     device = tensors[0].device
-    key = (device, chunk, tuple(addrs), tuple(numels), tuple(codes),
-           None if weights is None else tuple(weights))  # fmt: skip
+    key = (device, chunk, addrs, numels, dtypes, None if weights is None else tuple(weights))
     cached = _TABLE_CACHE.get(key)
     if cached is not None:
         _TABLE_CACHE.move_to_end(key)
         return cached
+    codes = [_DTYPE_CODE[d] for d in dtypes]
     tables = _build_tables(addrs, numels, codes, weights, chunk, device)
     _TABLE_CACHE[key] = tables
     while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
@@ -739,22 +764,42 @@ def _grad_pass_impl(
     mode: int,
     flags: bool,
     primes: tuple[int, int] | None,
+    finish: _Finish | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
+    ``finish.out`` by the reduction (no collective between them: one launch fewer)."""
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
-    if any(t.dtype == torch.float64 for t in tensors):
-        return _torch_pass(tensors, device, weights, mode, n_flags, primes)
-    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    dtypes = tuple(map(_DTYPE, tensors))
+    if torch.float64 in dtypes:
+        stat, per_tensor, moments = _torch_pass(tensors, device, weights, mode, n_flags, primes)
+        if finish is not None:
+            finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+        return stat, per_tensor, moments
+    if not all(map(_IS_CONTIGUOUS, tensors)):
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     stat = torch.empty(2, dtype=torch.float32, device=device)
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
     moments = torch.empty((n_moments, 4), dtype=torch.int64, device=device)
     if n == 0:
         stat.zero_()
+        if finish is not None:
+            finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         return stat, per_tensor, moments
-    tables = _tables(tensors, weights)
-    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes)
+    tables = _tables_of(tensors, dtypes, weights)
+    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish)
     return stat, per_tensor, moments
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    """What `finish()` takes, for a reduction that computes it (no collective in between)."""
+
+    scale: torch.Tensor
+    max_norm: torch.Tensor | None
+    norm_type: float | None
+    out: torch.Tensor  # float32 (3,), written
 
 
 def _launch_pass(
@@ -765,8 +810,10 @@ def _launch_pass(
     mode: int,
     flags: bool,
     primes: tuple[int, int] | None,
+    finish: _Finish | None = None,
 ) -> None:
-    """The two launches over ``tables`` (outputs written in place)."""
+    """The two launches over ``tables`` (outputs written in place; with ``finish``, the
+    reduction writes `finish()`'s ``out`` too)."""
     k = _kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
@@ -780,9 +827,16 @@ def _launch_pass(
             INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
     per_program = flags or primes is not None
+    if finish is None:
+        scale, max_norm, out = stat, stat, stat  # not read
+    else:
+        scale, out = finish.scale, finish.out
+        max_norm = stat if finish.max_norm is None else finish.max_norm
     k._reduce_kernel[(1 + (n if per_program else 0),)](
         tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, nb, n, p1, p2,
-        NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None, RT=_CONFIG["RT"], num_warps=4,
+        scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
+        RT=_CONFIG["RT"], FINISH=finish is not None,
+        CLIP=finish is not None and finish.max_norm is not None, num_warps=4,
     )  # fmt: skip
 
 
@@ -896,6 +950,11 @@ def _scale_or_div(
 def _scale_impl(
     tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool, in_dtype: bool = False
 ) -> None:
+    dtypes = tuple(map(_DTYPE, tensors))
+    if all(d in _DTYPE_CODE for d in dtypes) and all(map(_IS_CONTIGUOUS, tensors)):
+        if tensors:
+            _launch_scale(_tables_of(tensors, dtypes, None), factor, divide, in_dtype)
+        return
     ours = [t for t in tensors if t.dtype in _DTYPE_CODE and t.is_contiguous()]
     others = [t for t in tensors if not (t.dtype in _DTYPE_CODE and t.is_contiguous())]
     for t in others:  # float64 ones, non-contiguous ones: torch's ops, the same arithmetic
@@ -964,7 +1023,7 @@ def finish(
 def phase(
     tensors: Sequence[torch.Tensor],
     scale: torch.Tensor,
-    reduce: Callable[[torch.Tensor, torch.Tensor | None], object],
+    reduce: Callable[[torch.Tensor, torch.Tensor | None], object] | None,
     *,
     weights: Sequence[float] | None = None,
     norm_type: float | None = None,
@@ -975,6 +1034,7 @@ def phase(
     clip: bool = False,
     factor_in_dtype: bool = False,
     device: torch.device | str | None = None,
+    validate: bool = True,
 ) -> tuple[PassResult, FinishResult]:
     """The scaler's whole phase over ``tensors``, in order: `grad_pass()`, then
     ``reduce(stat, moments)`` (the caller's collective, which reduces ``stat`` in place and reads
@@ -982,16 +1042,47 @@ def phase(
     float32 inverse scale, where gradients are unscaled in place), `finish()`, and `div_()` by its
     ``grad_scale`` where ``clip`` (gradients clipped in place). Launches: 2 + 1 + 1 (+ 1 for
     ``unscale``; + 1 for ``clip``) and the collective ``reduce`` issues, whatever the number of
-    tensors. Arguments as in those functions; returns the pass's and the finish's results.
+    tensors. ``reduce=None`` (no collective: one rank): the reduction computes `finish()`'s
+    values itself, one launch fewer. Arguments as in those functions; ``validate=False`` skips
+    their checks of the arguments (the scaler's own call: its gradients are checked where they
+    are gathered, and the Python passes over the list are the host's cost of a small step).
+    Returns the pass's and the finish's results.
     """
-    taken = grad_pass(tensors, weights=weights, norm_type=norm_type, flags=flags, primes=primes,
-                      device=device)  # fmt: skip
-    reduce(taken.stat, taken.moments)
+    compiling = torch.compiler.is_compiling() and _OPS is not None
+    if validate or compiling:
+        taken = grad_pass(tensors, weights=weights, norm_type=norm_type, flags=flags,
+                          primes=primes, device=device)  # fmt: skip
+        done = None
+    else:
+        mode = _NORM_MODE[float(norm_type)] if norm_type is not None else 0
+        ps = None if primes is None else (int(primes[0]), int(primes[1]))
+        dev = torch.device(device) if device is not None else tensors[0].device
+        fin = None
+        if reduce is None:
+            nt = None if norm_type is None else float(norm_type)
+            out = torch.empty(3, dtype=torch.float32, device=dev)
+            fin = _Finish(scale, max_norm, nt, out)
+            done = FinishResult(out)
+        else:
+            done = None
+        stat, per_tensor, moments = _grad_pass_impl(list(tensors), dev, weights, mode, flags, ps,
+                                                    fin)  # fmt: skip
+        taken = PassResult(stat, per_tensor if flags else None,
+                           moments if ps is not None else None, norm_type is not None)  # fmt: skip
+    if reduce is not None:
+        reduce(taken.stat, taken.moments)
     if unscale is not None:
-        scale_(tensors, unscale)
-    done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type)
+        if validate or compiling:
+            scale_(tensors, unscale)
+        else:
+            _scale_impl(list(tensors), unscale, False)
+    if done is None:
+        done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type)
     if clip:
-        div_(tensors, done.grad_scale, factor_in_dtype=factor_in_dtype)
+        if validate or compiling:
+            div_(tensors, done.grad_scale, factor_in_dtype=factor_in_dtype)
+        else:
+            _scale_impl(list(tensors), done.grad_scale, True, factor_in_dtype)
     return taken, done
 
 

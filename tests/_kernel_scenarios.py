@@ -20,6 +20,27 @@ INF_STEP = 3
 STEPS = 5
 
 
+class _launches:
+    """The names of the Triton kernels launched until `stop()` (the interpreter's)."""
+
+    def __init__(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.names: list[str] = []
+        self._cls, self._run = InterpretedFunction, InterpretedFunction.run
+        names, run = self.names, self._run
+
+        def counting(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+            names.append(fn.fn.__name__)
+            return run(fn, *args, **kwargs)
+
+        InterpretedFunction.run = counting  # type: ignore[method-assign]
+
+    def stop(self) -> list[str]:
+        self._cls.run = self._run  # type: ignore[method-assign]
+        return self.names
+
+
 def _run(rank: int, kernels: str, clip: float | None, fused: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -37,9 +58,14 @@ def _run(rank: int, kernels: str, clip: float | None, fused: bool) -> dict[str, 
         scaler.scale(ddp(x).square().mean()).backward()
         if step == FLIP_STEP and rank == 1:
             flip_bit_(model[0].weight.grad, 5, 30)  # after the reduce: this replica only
-        norm = scaler.clip_grad_norm_(opt, clip) if clip is not None else None
-        scaler.step(opt)
-        scaler.update()
+        launched = _launches() if kernels == "triton" and step == STEPS - 1 else None
+        try:
+            norm = scaler.clip_grad_norm_(opt, clip) if clip is not None else None
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            if launched is not None:
+                out["launched"] = launched.stop()
         out["scales"].append(scaler.get_scale())
         out["skipped"].append(scaler.step_was_skipped)
         out["norms"].append(None if norm is None else float(norm))

@@ -424,6 +424,41 @@ def test_finish_matches_torch_ops(device):
     assert out.found_inf.item() == 0.0 and torch.equal(out.total_norm, stat[1] / scale)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [None, 2.0, 1.0, math.inf])
+def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type):
+    """``phase(reduce=None, validate=False)`` (one rank: the reduction writes found_inf,
+    grad_scale and the norm) gives what the checked phase with a collective in between gives,
+    bit for bit: clean, inf, NaN, clipped or not, unscaled in place, float64 among them."""
+    scale = torch.tensor(1024.0, device=device)
+    for poison, unscale, clip, extra64 in [(None, False, False, False), (None, True, True, False),
+                                           (math.inf, False, True, False),
+                                           (math.nan, True, False, False),
+                                           (None, False, True, True)]:  # fmt: skip
+        grads = [g.to(device) for g in grads_mixed(31, sizes=(1, 700, 2049, 5, 300))]
+        if extra64:
+            grads.append(torch.randn(50, dtype=torch.float64, device=device))
+        if poison is not None:
+            grads[1].view(-1)[-1] = poison
+        twin = [g.clone() for g in grads]
+        kwargs = dict(norm_type=norm_type, flags=True, primes=PRIMES,
+                      unscale=(1.0 / scale) if unscale else None,
+                      max_norm=torch.tensor(0.5, device=device) if norm_type else None,
+                      clip=clip and norm_type is not None, device=device)  # fmt: skip
+        seen: list[torch.Tensor] = []
+        a, a_done = tp.phase(grads, scale, lambda stat, _, seen=seen: seen.append(stat), **kwargs)
+        b, b_done = tp.phase(twin, scale, None, validate=False, **kwargs)
+        _sync(device)
+        assert len(seen) == 1  # the collective's place was taken
+        assert torch.equal(bits(a.stat), bits(b.stat))
+        assert torch.equal(bits(a_done.out), bits(b_done.out)), (a_done.out, b_done.out)
+        assert torch.equal(a.moments, b.moments)
+        assert torch.equal(a.per_tensor.nan_to_num(nan=-1.0), b.per_tensor.nan_to_num(nan=-1.0))
+        for g, h in zip(grads, twin):
+            assert torch.equal(g.nan_to_num(nan=-1.0), h.nan_to_num(nan=-1.0))
+        assert b_done.found_inf.item() == (0.0 if poison is None else 1.0)
+
+
 # ---------------------------------------------------------------------- launches
 
 
