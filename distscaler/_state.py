@@ -152,8 +152,9 @@ class DeviceState:
 
     def record_(self, found_inf: torch.Tensor, counters: NextCounters, extra: Sequence[Lerp] = ()) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
-        and the scale it used; ``extra`` lerps (the overflow record's, the policy's) ride in the
-        same ``_foreach_lerp_``, the one op of this call. Call before the policy changes the scale.
+        and the scale it used; ``extra`` lerps of 0-dim tensors (the policy's) ride in the same
+        ``_foreach_lerp_``, the one op of this call with no overflow record; one of a vector (the
+        overflow record's) is a ``lerp_`` of its own. Call before the policy changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
@@ -162,12 +163,21 @@ class DeviceState:
         """
         nu1, ns1 = counters.num_updates, counters.num_skipped
         one = self.one
+        lanes, ends = [*self.counts], [nu1, ns1, nu1, self.scale]
+        weights = [one, found_inf, found_inf, found_inf]
+        apart = []
+        for t, e, w in extra:
+            if t.shape == w.shape:
+                lanes.append(t), ends.append(e), weights.append(w)
+            else:  # a vector (the overflow record's flags) with a 0-dim weight: torch's CUDA
+                # foreach kernels take their per-tensor path for the whole list when one entry's
+                # sizes differ (a kernel per entry, 5 in place of 1, seen on an H100), so it
+                # runs apart, one lerp_ of its own
+                apart.append((t, e, w))
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
-        torch._foreach_lerp_(
-            [*self.counts, *(t for t, _, _ in extra)],
-            [nu1, ns1, nu1, self.scale, *(e for _, e, _ in extra)],
-            [one, found_inf, found_inf, found_inf, *(w for _, _, w in extra)],
-        )
+        torch._foreach_lerp_(lanes, ends, weights)
+        for t, e, w in apart:
+            t.lerp_(e, w)
 
     def counter_terms(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """``(a, b, c)`` lists of the ``a + b / c`` an update needs, for the inf check's own

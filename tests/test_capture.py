@@ -111,9 +111,12 @@ def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
     traced.step()
     traced.set_grads(1, faults)
     graph = make_fx(lambda: traced.step())()
-    # The record rides in the skip record's one _foreach_lerp_: its tensor is among that op's.
+    # The skip record's four lanes in one _foreach_lerp_, the overflow record (a vector: apart,
+    # so that torch's CUDA foreach keeps its one-kernel path) in a lerp_ of its own, both traced.
     (lerp,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten._foreach_lerp_.List]
-    assert len(lerp.args[0]) == 4 + 1  # the skip record's four lanes and the overflow record
+    assert len(lerp.args[0]) == 4
+    (record,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten.lerp_.Tensor]
+    assert record.args[2] in lerp.args[2]  # weighted by the skip record's found_inf
     for step in range(2, STEPS):
         traced.set_grads(step, faults)
         graph()

@@ -176,3 +176,59 @@ def test_the_phase_kernels_on_a_gpu(fused):
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         counts[layers] = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
     assert len(counts[2]) == len(counts[200]) == (2 if fused else 3), counts
+
+
+def _cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
+
+
+@pytest.mark.cuda
+def test_the_whole_phase_in_cuda_kernels_against_torchs_recipe():
+    """CUDA kernels of a whole step phase (clip_grad_norm_ if clipping, step, update) at 144 fp32
+    gradients, fused AdamW, one rank, counted by torch's profiler: distscaler's Triton path
+    against torch's recipe (GradScaler + unscale_ + clip_grad_norm_): at most half of its kernels
+    with clipping, no more without; the skip record's `_foreach_lerp_` one kernel."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4096, device="cuda")) for _ in range(144)]
+    counts = {}
+    for name in ("triton", "torch-kernels", "recipe"):
+        for clip in (True, False):
+            opt = torch.optim.AdamW(params, lr=1e-6, fused=True)
+            if name == "recipe":
+                scaler = torch.amp.GradScaler("cuda")
+            else:
+                kernels = "triton" if name == "triton" else "torch"
+                scaler = GradScaler("cuda", kernels=kernels)
+            scaler.scale(torch.ones((), device="cuda"))
+
+            def phase(scaler=scaler, opt=opt, clip=clip, name=name):
+                for p in params:
+                    p.grad = torch.randn_like(p)  # outside the count: a fresh gradient per step
+                torch.cuda.synchronize()
+                return lambda: _phase_of(scaler, opt, clip, name == "recipe")
+
+            for _ in range(3):
+                phase()()
+            counts[name, clip] = _cuda_kernels(phase())
+    print({f"{k[0]} clip={k[1]}": len(v) for k, v in counts.items()})
+    assert len(counts["triton", True]) <= len(counts["recipe", True]) // 2, counts
+    assert len(counts["triton", False]) <= len(counts["recipe", False]), counts
+    for kernels in counts.values():  # the skip record's lerp is one multi-tensor kernel
+        assert sum("lerp" in k.lower() for k in kernels) <= 2, kernels
+
+
+def _phase_of(scaler, opt, clip: bool, recipe: bool) -> None:
+    if clip and recipe:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    elif clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
