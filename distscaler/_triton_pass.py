@@ -123,10 +123,10 @@ LAUNCHES = {"grad_pass": 2, "finish": 1, "scale_": 1, "div_": 1}
 #: Elements per tile (``BLOCK``), tiles per int32 flush (``INNER``), warps per block of the read
 #: and write kernels; ``RT`` partials per tile of the reduction. ``launch/kernel_bench.py`` sweeps
 #: ``BLOCK`` and ``num_warps``.
-_CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024}
+_CONFIG: dict[str, int] = {"BLOCK": 1024, "INNER": 16, "num_warps": 4, "RT": 1024}
 #: The reduction aims at about this many blocks; a chunk is at most this many elements (the bound
 #: of the fingerprint's int64 block sums, see the module docstring).
-_TARGET_BLOCKS = 8192
+_TARGET_BLOCKS = 32768
 _MAX_CHUNK = 1 << 22
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -243,14 +243,20 @@ if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
 
 def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                  NORM: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
-                 INNER: tl.constexpr, DYNAMIC: tl.constexpr):  # fmt: skip
+                 INNER: tl.constexpr, DYNAMIC: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Grid: one program per block of ``chunk`` elements of one tensor. Writes ``part_s[b]``
     (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
-    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring)."""
+    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). ``ALIGNED``: every tensor's
+    address is a multiple of 16 bytes and every block's first element a multiple of ``BLOCK``
+    (the host checked, `_Tables.aligned`): said to the compiler, so that a full tile is read with
+    16-byte vector loads; a tile is masked only where it passes the block's end."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)  # int64: every offset below is
     addr = tl.load(tab + t)
+    if ALIGNED:  # the same values, written so that the compiler can see their divisibility
+        addr = (addr >> 4) << 4
+        e0 = (e0 // BLOCK) * BLOCK
     numel = tl.load(tab + num_tensors + t)
     dt = tl.load(tab + 2 * num_tensors + t)
     end = tl.minimum(numel, e0 + chunk)
@@ -274,10 +280,13 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     num_it = tl.minimum((end - base + (BLOCK - 1)) // BLOCK, INNER)
                 for it in range(num_it):
                     offs = base + it * BLOCK + lane
-                    mask = offs < end
+                    full = base + it * BLOCK + BLOCK <= end  # no mask: vector loads
                     if DT == 0:
-                        x = tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask,
-                                    other=0.0)  # fmt: skip
+                        ptr32 = addr.to(tl.pointer_type(tl.float32)) + offs
+                        if full:
+                            x = tl.load(ptr32)
+                        else:
+                            x = tl.load(ptr32, mask=offs < end, other=0.0)
                         bits = x.to(tl.int32, bitcast=True)
                         if MOMENTS:
                             hi = bits >> 16  # arithmetic shift: the high word, signed
@@ -288,8 +297,11 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     else:
                         # 16-bit types read as their words (int16): bfloat16's float32 bits are
                         # the word shifted up (exact), float16's come from its conversion
-                        word = tl.load(addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask,
-                                       other=0).to(tl.int32)  # fmt: skip
+                        ptr16 = addr.to(tl.pointer_type(tl.int16)) + offs
+                        if full:
+                            word = tl.load(ptr16).to(tl.int32)
+                        else:
+                            word = tl.load(ptr16, mask=offs < end, other=0).to(tl.int32)
                         if DT == 1:
                             bits = word.to(tl.int16).to(tl.float16, bitcast=True).to(
                                 tl.float32).to(tl.int32, bitcast=True)  # fmt: skip
@@ -399,14 +411,18 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
 
 
 def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.constexpr,
-                  ROUND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                  ROUND: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``
     (first rounded to the tensor's dtype where ``ROUND``), in float32, rounded once to the
-    tensor's dtype."""
+    tensor's dtype. ``ALIGNED`` as in `_read_kernel` (full tiles unmasked, for vector
+    accesses)."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)
     addr = tl.load(tab + t)
+    if ALIGNED:
+        addr = (addr >> 4) << 4
+        e0 = (e0 // BLOCK) * BLOCK
     numel = tl.load(tab + num_tensors + t)
     dt = tl.load(tab + 2 * num_tensors + t)
     end = tl.minimum(numel, e0 + chunk)
@@ -427,24 +443,34 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
             for start in range(0, end - e0, BLOCK):  # relative: int64 offsets from e0 on
                 offs = e0 + start + lane
                 mask = offs < end
+                full = e0 + start + BLOCK <= end  # no mask: vector accesses
                 if DT == 0:
                     ptr = addr.to(tl.pointer_type(tl.float32)) + offs
-                    x = tl.load(ptr, mask=mask, other=0.0)
+                    if full:
+                        x = tl.load(ptr)
+                    else:
+                        x = tl.load(ptr, mask=mask, other=0.0)
                 elif DT == 1:
                     ptr = addr.to(tl.pointer_type(tl.float16)) + offs
-                    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+                    if full:
+                        x = tl.load(ptr).to(tl.float32)
+                    else:
+                        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
                 else:
                     ptr = addr.to(tl.pointer_type(tl.int16)) + offs
-                    word = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+                    if full:
+                        word = tl.load(ptr).to(tl.int32)
+                    else:
+                        word = tl.load(ptr, mask=mask, other=0).to(tl.int32)
                     x = (word << 16).to(tl.float32, bitcast=True)  # exact
                 if DIVIDE:
                     y = tl.math.div_rn(x, f)  # IEEE division (Triton's `/` is approximate)
                 else:
                     y = x * f
                 if DT == 0:
-                    tl.store(ptr, y, mask=mask)
+                    out = y
                 elif DT == 1:
-                    tl.store(ptr, y.to(tl.float16), mask=mask)
+                    out = y.to(tl.float16)
                 else:
                     # float32 -> bfloat16, rounded to nearest even on the bits (torch's
                     # c10::BFloat16 rule; the interpreter's own cast truncates): int32 ops that
@@ -454,8 +480,11 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
                     nan = mag > 0x7F800000
                     mag = tl.where(nan, 0x7FC00000, mag)
                     mag = tl.where(nan, mag, mag + 0x7FFF + ((mag >> 16) & 1))
-                    out = (mag >> 16) | ((b >> 16) & -32768)
-                    tl.store(ptr, out.to(tl.int16), mask=mask)
+                    out = ((mag >> 16) | ((b >> 16) & -32768)).to(tl.int16)
+                if full:
+                    tl.store(ptr, out)
+                else:
+                    tl.store(ptr, out, mask=mask)
 
 
 def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
@@ -545,6 +574,9 @@ class _Tables:
     num_tensors: int
     chunk: int
     host: torch.Tensor  # the host copy (pinned where the copy is asynchronous)
+    #: Every address a multiple of 16 bytes and every block's first element of ``BLOCK``
+    #: elements: the kernels' ``ALIGNED`` (vector loads on full tiles).
+    aligned: bool = False
 
 
 _TABLE_CACHE: collections.OrderedDict[tuple, _Tables] = collections.OrderedDict()
@@ -607,7 +639,12 @@ def _build_tables(
         tab = host.to(device, non_blocking=True)
     else:
         tab = host
-    return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host)
+    block = _CONFIG["BLOCK"]
+    aligned = all(a % 16 == 0 for a in addrs) and (
+        chunk % block == 0 if block_starts is None
+        else all(s % block == 0 for starts in block_starts for s in starts)
+    )  # fmt: skip
+    return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host, aligned)
 
 
 def _tables(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> _Tables:
@@ -824,7 +861,8 @@ def _launch_pass(
         k._read_kernel[(nb,)](
             tables.tab, tables.blk, part_s, part_i, nb, n, tables.chunk,
             NORM=mode, MOMENTS=primes is not None, BLOCK=_CONFIG["BLOCK"],
-            INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=_CONFIG["num_warps"],
+            INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", ALIGNED=tables.aligned,
+            num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
     per_program = flags or primes is not None
     if finish is None:
@@ -976,7 +1014,8 @@ def _launch_scale(
     if tables.num_blocks:
         k._scale_kernel[(tables.num_blocks,)](
             tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
-            DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
+            DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], ALIGNED=tables.aligned,
+            num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
 
 

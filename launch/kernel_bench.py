@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distscaler import _triton_pass as tp  # noqa: E402
 
 MB = 1 << 20
+#: (BLOCK, num_warps, _TARGET_BLOCKS) of the sweep; the first is the module's default.
+SWEEP = [(1024, 4, 32768), (2048, 8, 8192), (2048, 8, 32768), (1024, 4, 8192), (4096, 8, 32768),
+         (512, 4, 32768)]  # fmt: skip
 
 
 def timed(fn, warmup: int, iters: int) -> float:
@@ -184,16 +187,19 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
         record["launches"] = {
             k: kernels_per_call(fn) for k, fn in recipes.items() if not k.endswith("-ref")
         }
-    if sweep:
+    if sweep:  # the kernels' tile, warps and block count, queued (the device's time)
         record["sweep"] = {}
-        saved = dict(tp._CONFIG)
-        for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
+        saved, target = dict(tp._CONFIG), tp._TARGET_BLOCKS
+        for block, warps, blocks in SWEEP:
             tp._CONFIG.update(BLOCK=block, num_warps=warps)
-            record["sweep"][f"BLOCK={block},warps={warps}"] = {
-                "triton": timed(recipes["triton"], args.warmup, args.iters),
-                "triton+moments": timed(recipes["triton+moments"], args.warmup, args.iters),
+            tp._TARGET_BLOCKS = blocks
+            record["sweep"][f"BLOCK={block},warps={warps},target_blocks={blocks}"] = {
+                k: queued(recipes[k], args.warmup, 3 * args.iters)
+                for k in ("triton", "triton+moments", "triton+div")
             }
         tp._CONFIG.update(saved)
+        tp._TARGET_BLOCKS = target
+        print(json.dumps({"sweep": record["sweep"]}, default=lambda x: round(x, 4)), flush=True)
     print(json.dumps({k: record[k] for k in ("case", "ms", "vs_read", "vs_torch_recipe",
                                              "queued_ms")},
                      default=lambda x: round(x, 4)), flush=True)  # fmt: skip

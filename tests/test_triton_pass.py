@@ -459,6 +459,31 @@ def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type)
         assert b_done.found_inf.item() == (0.0 if poison is None else 1.0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_at_any_offset_take_the_unaligned_kernels(device):
+    """Gradients that are views at odd element offsets (a bucket's, a flat buffer's) are not
+    16-byte aligned: their tables say so (the kernels then read without the alignment the vector
+    loads need), and the pass, the moments and the write pass give what fresh tensors give."""
+    for dtype in DTYPES:
+        source = (torch.randn(40_000, generator=torch.Generator().manual_seed(7)) * 5).to(dtype)
+        buffer = source.to(device)
+        views = [buffer[1:9001], buffer[9003:9006], buffer[9011:39_000]]
+        fresh = [v.clone() for v in views]
+        assert not tp._tables(views, None).aligned
+        assert tp._tables(fresh, None).aligned
+        a = tp.grad_pass(views, norm_type=2.0, primes=PRIMES)
+        b = tp.grad_pass(fresh, norm_type=2.0, primes=PRIMES)
+        _sync(device)
+        assert torch.equal(bits(a.stat), bits(b.stat))
+        assert torch.equal(a.moments, b.moments) and torch.equal(a.per_tensor, b.per_tensor)
+        factor = torch.tensor(1 / 3, device=device)
+        tp.div_(views, factor)
+        tp.div_(fresh, factor)
+        _sync(device)
+        assert all(torch.equal(bits(v), bits(f)) for v, f in zip(views, fresh))
+        assert torch.equal(bits(buffer[:1].cpu()), bits(source[:1]))  # outside the views: kept
+
+
 # ---------------------------------------------------------------------- launches
 
 
