@@ -123,7 +123,7 @@ LAUNCHES = {"grad_pass": 2, "finish": 1, "scale_": 1, "div_": 1}
 #: Elements per tile (``BLOCK``), tiles per int32 flush (``INNER``), warps per block of the read
 #: and write kernels; ``RT`` partials per tile of the reduction. ``launch/kernel_bench.py`` sweeps
 #: ``BLOCK`` and ``num_warps``.
-_CONFIG: dict[str, int] = {"BLOCK": 1024, "INNER": 16, "num_warps": 4, "RT": 1024}
+_CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024}
 #: The reduction aims at about this many blocks; a chunk is at most this many elements (the bound
 #: of the fingerprint's int64 block sums, see the module docstring).
 _TARGET_BLOCKS = 32768

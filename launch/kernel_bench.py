@@ -47,7 +47,7 @@ from distscaler import _triton_pass as tp  # noqa: E402
 
 MB = 1 << 20
 #: (BLOCK, num_warps, _TARGET_BLOCKS) of the sweep; the first is the module's default.
-SWEEP = [(1024, 4, 32768), (2048, 8, 8192), (2048, 8, 32768), (1024, 4, 8192), (4096, 8, 32768),
+SWEEP = [(2048, 8, 32768), (2048, 8, 8192), (1024, 4, 32768), (1024, 4, 8192), (4096, 8, 32768),
          (512, 4, 32768)]  # fmt: skip
 
 

@@ -195,10 +195,9 @@ def test_the_whole_phase_in_cuda_kernels_against_torchs_recipe():
     """CUDA kernels of the scaler's whole phase (clip_grad_norm_ if clipping, step, update; the
     optimizer's own kernels left out: its step does nothing) at 144 fp32 gradients, fused AdamW,
     one rank, counted by torch's profiler: distscaler's Triton path launches each kernel once
-    (nothing per tensor or per chunk of tensors: the skip record's lerp is one kernel), and with
-    clipping at most half of torch's recipe (GradScaler + unscale_ + clip_grad_norm_). Without
-    clipping the counts are printed (the update's skip record and overflow record are kernels
-    torch's GradScaler does not have)."""
+    (nothing per tensor or per chunk of tensors: the skip record's lerp is one kernel), with
+    clipping at most half of torch's recipe (GradScaler + unscale_ + clip_grad_norm_), without
+    no more than it (7 and 7 on an H100 with torch 2.11, 2026-11-27; with clipping 7 and 21)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4096, device="cuda")) for _ in range(144)]
     counts = {}
@@ -223,6 +222,7 @@ def test_the_whole_phase_in_cuda_kernels_against_torchs_recipe():
         ours = counts["triton", clip]
         assert len(ours) == len(set(ours)), ours  # each kernel once, at 144 tensors
     assert len(counts["triton", True]) <= len(counts["recipe", True]) // 2, counts
+    assert len(counts["triton", False]) <= len(counts["recipe", False]), counts
 
 
 def _phase_of(scaler, opt, clip: bool, recipe: bool) -> None:
