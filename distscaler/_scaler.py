@@ -488,7 +488,7 @@ class GradScaler(torch.amp.GradScaler):
             found_inf = found[0].to(state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(state.device, non_blocking=True))
-            lerps: list = []  # the overflow record's, run in the skip record's one op
+            lerps: list = []  # the overflow record's, run beside the skip record's lerp
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)

@@ -23,7 +23,8 @@ call), 1 for `finish()` after the collective (``found_inf``, ``grad_scale``, the
 for `scale_()`/`div_()` where gradients are unscaled or clipped in place (``factor_in_dtype``
 picks which of torch's roundings of a 16-bit gradient it reproduces, bit for bit). So a clipped step
 without a fused optimizer is 4 launches + the all_reduce at any number of tensors; with a fused
-optimizer (it divides by ``grad_scale``) 3.
+optimizer (it divides by ``grad_scale``) 3. With no collective (one rank: `phase()` with
+``reduce=None``) the reduction computes `finish()`'s values itself: 3 and 2.
 
 **The tables.** Tensor addresses (``data_ptr``), element counts, dtype codes, weights (float32
 bits) and each tensor's first block in one int64 array; per block its tensor and first element
@@ -63,22 +64,31 @@ from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24`
 returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's is about half
 of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same form with its
 own ``d``; the tests hold both to their bound against the float64 sum and to the sum of the two
-bounds against each other. At 1.5e9 elements in one tensor (chunk 2**18): ``d`` = 128 + 11 + 6 +
-10 + 2, a relative error below 1e-5.
+bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 + 11 + 23 +
+10 + 2, a relative error below 5e-6.
+
+**Alignment.** Where every tensor's address is a multiple of 16 bytes and every block starts at
+a tile (`_Tables.aligned`, checked on the host), the kernels run their ``ALIGNED`` variant, which
+states both in the arithmetic the compiler's analysis follows; full tiles are read (and written)
+without a mask. With Triton 3.6 the compiled read still loads 16-bit words one by one (its PTX,
+2026-11-27): the address comes from a table, and the compiler does not carry the divisibility
+through the integer-to-pointer cast. A one-tensor kernel of the same arithmetic, whose pointer is
+an argument, loads 16 bytes at a time and reads at 3.15 TB/s on the H100 below, where this one
+reads at 2.66 TB/s.
 
 **Cost.** One read of the bytes (no write), about ten integer ops per element for the
 fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
-once by the reduction. On the host: per call, a Python pass over the tensors (their addresses,
-sizes and dtypes: the tables' cache key) and three Triton launches, about 0.2 ms in all, which
-bounds small cases in eager mode (a captured CUDA graph replays without it).
+once by the reduction. On the host: per call, the tensors' addresses, sizes and dtypes gathered
+in C (``map`` over ``Tensor``'s methods: the tables' cache key) and two or three Triton launches
+(about 25 us each on the H100's host), which bound small cases in eager mode (a captured CUDA
+graph replays without them). The scaler's own call skips the argument checks (``validate=False``).
 
-Measured (``python launch/kernel_bench.py``, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton
-3.6.0, 2026-11-26; median of 20 after 5 warm-ups, CUDA events): one 1.536e9-element bfloat16
-gradient, ``grad_pass`` + ``finish`` 1.28 ms (2.4 TB/s; one ``torch.sum`` read of the same bytes
-1.04 ms, torch's unscale + clip recipe 10.2 ms), 2.19 ms with the fingerprint; 500 mixed-dtype
-matrices of 225M elements 0.97 ms (1.14 ms with the fingerprint; torch's recipe 10.8 ms in 868
-launches, the pass 3); 2 GB of float32 0.78 ms (1.10x the read). Below 64 MB the host's 0.2 ms
-dominates.
+Measured (``python launch/kernel_bench.py --iters 10``, NVIDIA H100 80GB HBM3, torch
+2.11.0+cu130, Triton 3.6.0, 2026-11-27; ten calls queued back to back, CUDA events): one
+1.536e9-element bfloat16 gradient, ``grad_pass`` + ``finish`` 1.16 ms (2.66 TB/s; one
+``torch.sum`` read of the same bytes 1.01 ms, torch's unscale + clip recipe 10.2 ms), 2.35 ms with
+the fingerprint; 500 mixed-dtype matrices of 225M elements 0.70 ms (0.73 ms with the
+fingerprint); 2 GB of float32 0.75 ms (1.07x the read).
 
 Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU under
 ``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's

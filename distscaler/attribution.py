@@ -11,10 +11,12 @@ clean steps a few small device ops:
    when it holds a NaN, [`INF_CODE`][distscaler.attribution.INF_CODE] when it holds an inf or -inf
    (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
 2. **The record** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
-   ``update()``, a lerp per optimizer that rides in the skip record's one ``_foreach_lerp_``: no op
-   of its own): a device tensor per optimizer that takes the iteration's flags when the agreed
-   ``found_inf`` is exactly 1.0 and keeps its own when it is 0.0. It always holds this rank's flags
-   of the most recent skipped step, stays on the device and advances under CUDA graph replay.
+   ``update()``, one ``lerp_`` per optimizer beside the skip record's ``_foreach_lerp_``: inside
+   it, the record's vector among 0-dim tensors would send torch's CUDA foreach kernel down its
+   per-tensor path): a device tensor per optimizer that takes the iteration's flags when the
+   agreed ``found_inf`` is exactly 1.0 and keeps its own when it is 0.0. It always holds this
+   rank's flags of the most recent skipped step, stays on the device and advances under CUDA
+   graph replay.
 3. **The report** ([`OverflowTracker.report()`][distscaler.attribution.OverflowTracker.report], with
    the periodic skip report, every ``skip_log_interval`` updates on every rank at the same update):
    when a step was skipped since the last report, each rank reads its record (one host read), names
@@ -257,7 +259,7 @@ class OverflowTracker:
         """Keep this iteration's flags where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
         agreed) says the step was skipped: one ``lerp_`` per optimizer with flags, or, given
         ``lerps``, those lerps appended to it as ``(record, flags, found_inf)`` for the caller to
-        run in its own multi-tensor op (the scaler runs them with the skip record's: no op here).
+        run (the scaler runs them beside the skip record's lerp: no op here).
 
         Args:
             flagged: the optimizers stepped in this iteration, their flags (None: not flagged, as a
