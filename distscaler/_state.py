@@ -168,7 +168,9 @@ class DeviceState:
         apart = []
         for t, e, w in extra:
             if t.shape == w.shape:
-                lanes.append(t), ends.append(e), weights.append(w)
+                lanes.append(t)
+                ends.append(e)
+                weights.append(w)
             else:  # a vector (the overflow record's flags) with a 0-dim weight: torch's CUDA
                 # foreach kernels take their per-tensor path for the whole list when one entry's
                 # sizes differ (a kernel per entry, 5 in place of 1, seen on an H100), so it

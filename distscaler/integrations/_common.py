@@ -32,8 +32,29 @@ __all__ = [
     "check_lr_on_skip",
     "installed_scaler",
     "requires",
+    "subclass",
     "warn_if_untested",
 ]
+
+# ---------------------------------------------------------------------- the framework's class, ours
+
+#: (mixin, the framework's class) -> the subclass `subclass()` made.
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def subclass(mixin: type, stock: type, *, module: str, doc: str) -> type:
+    """The class ``(mixin, stock)``, named as ``stock`` (``__name__``, ``__qualname__``), in
+    ``module`` (the integration's), with ``doc``: made once per ``(mixin, stock)``, so that an
+    integration that swaps an object's class to it (``obj.__class__ = subclass(...)``) gives every
+    object of one framework class the same class (``isinstance`` and pickling agree across them).
+    """
+    key = (mixin, stock)
+    ours = _SUBCLASSES.get(key)
+    if ours is None:
+        namespace = {"__module__": module, "__qualname__": stock.__qualname__, "__doc__": doc}
+        ours = _SUBCLASSES[key] = type(stock.__name__, (mixin, stock), namespace)
+    return ours
+
 
 # ---------------------------------------------------------------------- importing the framework
 

@@ -78,6 +78,7 @@ import torch
 from .. import GradScaler
 from ..config import ScalerConfig
 from ..errors import CallOrderError
+from ._common import subclass
 from ._scaler_arg import scaler_from_argument
 
 __all__ = ["AREAL_SCALER", "TESTED_VERSION", "install", "scaler_of"]
@@ -219,24 +220,10 @@ def _check_built(engine: Any) -> None:
         )
 
 
-#: AReaL's engine class -> distscaler's subclass of it, made by install().
-_SUBCLASSES: dict[type, type] = {}
-
-
 def _subclass(stock: type) -> type:
-    ours = _SUBCLASSES.get(stock)
-    if ours is None:
-        ours = type(
-            stock.__name__,
-            (_DistScalerEngine, stock),
-            {
-                "__module__": __name__,
-                "__qualname__": stock.__name__,
-                "__doc__": f"AReaL's ``{stock.__name__}`` with distscaler's scaler (module docstring).",
-            },
-        )
-        _SUBCLASSES[stock] = ours
-    return ours
+    """``stock`` with distscaler's scaler: its subclass made once (`_common.subclass()`)."""
+    return subclass(_DistScalerEngine, stock, module=__name__,
+                    doc=f"AReaL's ``{stock.__name__}`` with distscaler's scaler (module docstring).")
 
 
 def _is_controller(engine: Any) -> bool:

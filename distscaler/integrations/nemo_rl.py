@@ -97,6 +97,7 @@ import torch
 
 from .. import GradScaler, ScalerConfig
 from ..errors import CallOrderError
+from ._common import subclass
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -566,15 +567,8 @@ def worker_class(base: type) -> type:
     """
     if not isinstance(base, type) or not callable(getattr(base, "train", None)):
         raise TypeError(f"base must be a NeMo-RL worker class with train(), got: {base!r}")
-    return type(
-        base.__name__,
-        (DistScalerWorker, base),
-        {
-            "__module__": __name__,
-            "__qualname__": base.__qualname__,
-            "__doc__": f"NeMo-RL's ``{base.__name__}`` with distscaler's scaler in fp16 (module doc).",
-        },
-    )
+    return subclass(DistScalerWorker, base, module=__name__,
+                    doc=f"NeMo-RL's ``{base.__name__}`` with distscaler's scaler in fp16 (module doc).")
 
 
 _STOCK_IMPLS = {

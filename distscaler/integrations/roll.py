@@ -79,6 +79,7 @@ import torch
 from .. import GradScaler
 from ..config import ScalerConfig
 from ..errors import CallOrderError
+from ._common import subclass
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -324,24 +325,10 @@ def _check_strategy(strategy: Any) -> None:
         )
 
 
-#: ROLL's strategy class -> distscaler's subclass of it, made by install().
-_SUBCLASSES: dict[type, type] = {}
-
-
 def _subclass(stock: type) -> type:
-    ours = _SUBCLASSES.get(stock)
-    if ours is None:
-        ours = type(
-            stock.__name__,
-            (_DistScalerStrategy, stock),
-            {
-                "__module__": __name__,
-                "__qualname__": stock.__name__,
-                "__doc__": f"ROLL's ``{stock.__name__}`` with distscaler's scaler (module docstring).",
-            },
-        )
-        _SUBCLASSES[stock] = ours
-    return ours
+    """``stock`` with distscaler's scaler: its subclass made once (`_common.subclass()`)."""
+    return subclass(_DistScalerStrategy, stock, module=__name__,
+                    doc=f"ROLL's ``{stock.__name__}`` with distscaler's scaler (module docstring).")
 
 
 def install(strategy: Any, scaler: Any = None) -> GradScaler:
