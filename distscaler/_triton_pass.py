@@ -258,8 +258,9 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
     (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
     (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). ``ALIGNED``: every tensor's
     address is a multiple of 16 bytes and every block's first element a multiple of ``BLOCK``
-    (the host checked, `_Tables.aligned`): said to the compiler, so that a full tile is read with
-    16-byte vector loads; a tile is masked only where it passes the block's end."""
+    (the host checked, `_Tables.aligned`): written where the compiler's analysis can see it, for
+    16-byte vector loads (which Triton 3.6 does not make of it: the module docstring's
+    Alignment); a tile is masked only where it passes the block's end."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)  # int64: every offset below is
@@ -290,7 +291,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     num_it = tl.minimum((end - base + (BLOCK - 1)) // BLOCK, INNER)
                 for it in range(num_it):
                     offs = base + it * BLOCK + lane
-                    full = base + it * BLOCK + BLOCK <= end  # no mask: vector loads
+                    full = base + it * BLOCK + BLOCK <= end  # a whole tile: no mask
                     if DT == 0:
                         ptr32 = addr.to(tl.pointer_type(tl.float32)) + offs
                         if full:
@@ -424,8 +425,7 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
                   ROUND: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``
     (first rounded to the tensor's dtype where ``ROUND``), in float32, rounded once to the
-    tensor's dtype. ``ALIGNED`` as in `_read_kernel` (full tiles unmasked, for vector
-    accesses)."""
+    tensor's dtype. ``ALIGNED`` as in `_read_kernel`; full tiles unmasked."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)
@@ -453,7 +453,7 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
             for start in range(0, end - e0, BLOCK):  # relative: int64 offsets from e0 on
                 offs = e0 + start + lane
                 mask = offs < end
-                full = e0 + start + BLOCK <= end  # no mask: vector accesses
+                full = e0 + start + BLOCK <= end  # a whole tile: no mask
                 if DT == 0:
                     ptr = addr.to(tl.pointer_type(tl.float32)) + offs
                     if full:
@@ -584,8 +584,8 @@ class _Tables:
     num_tensors: int
     chunk: int
     host: torch.Tensor  # the host copy (pinned where the copy is asynchronous)
-    #: Every address a multiple of 16 bytes and every block's first element of ``BLOCK``
-    #: elements: the kernels' ``ALIGNED`` (vector loads on full tiles).
+    #: Every address a multiple of 16 bytes and every block's first element a multiple of
+    #: ``BLOCK`` elements: the kernels' ``ALIGNED``.
     aligned: bool = False
 
 

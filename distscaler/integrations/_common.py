@@ -1,5 +1,6 @@
 """What the integrations share: the import guard, the tested versions, the installed scaler, the
-LR hold on skipped steps and the metrics of a log.
+LR hold on skipped steps, the metrics of a log, and the subclass an integration swaps a framework
+object's class to (`subclass()`: AReaL's engine, ROLL's strategy, NeMo-RL's worker).
 
 One definition each, used by [`accelerate`][distscaler.integrations.accelerate],
 [`lightning`][distscaler.integrations.lightning],
