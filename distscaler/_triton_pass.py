@@ -73,8 +73,8 @@ states both in the arithmetic the compiler's analysis follows; full tiles are re
 without a mask. With Triton 3.6 the compiled read still loads 16-bit words one by one (its PTX,
 2026-11-27): the address comes from a table, and the compiler does not carry the divisibility
 through the integer-to-pointer cast. A one-tensor kernel of the same arithmetic, whose pointer is
-an argument, loads 16 bytes at a time and reads at 3.15 TB/s on the H100 below, where this one
-reads at 2.66 TB/s.
+an argument, loads 16 bytes at a time and read at 3.15 TB/s on an H100 the same day, where this
+one reads at 2.66 TB/s (below).
 
 **Cost.** One read of the bytes (no write), about ten integer ops per element for the
 fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
