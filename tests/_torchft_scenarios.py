@@ -26,6 +26,7 @@ learning rate, or its first parameter with one bit flipped, as a faulty load wou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -429,9 +430,15 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         if joined and join_step is None:
             join_step = manager.current_step()
             if spec.get("after_join") and not os.path.exists(stop_file):
-                with open(stop_file + ".tmp", "w") as f:
+                # The first rank to see the join sets the stop step for all: linked into place
+                # (fails if it is there), where a replace let a later rank, which saw the join at
+                # a later step, move the stop and the groups end apart (2 x 2, 1 in 4 runs).
+                tmp = f"{stop_file}.{g}.{r}.tmp"
+                with open(tmp, "w") as f:
                     f.write(str(join_step + spec["after_join"]))
-                os.replace(stop_file + ".tmp", stop_file)
+                with contextlib.suppress(FileExistsError):
+                    os.link(tmp, stop_file)
+                os.remove(tmp)
         fire = set()
         for inj in injects:
             where, when = inj[0], str(inj[1])
