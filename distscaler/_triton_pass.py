@@ -69,12 +69,15 @@ bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` 
 
 **Alignment.** Where every tensor's address is a multiple of 16 bytes and every block starts at
 a tile (`_Tables.aligned`, checked on the host), the kernels run their ``ALIGNED`` variant, which
-states both in the arithmetic the compiler's analysis follows; full tiles are read (and written)
-without a mask. With Triton 3.6 the compiled read still loads 16-bit words one by one (its PTX,
-2026-11-27): the address comes from a table, and the compiler does not carry the divisibility
-through the integer-to-pointer cast. A one-tensor kernel of the same arithmetic, whose pointer is
-an argument, loads 16 bytes at a time and read at 3.15 TB/s on an H100 the same day, where this
-one reads at 2.66 TB/s (below).
+states both to the compiler (``tl.multiple_of`` on the pointer cast from the table's address and
+on the block's first element): every full tile is then read (and written) in 16-byte vectors
+without a mask, one ``ld.global.v4.b32`` per 16 bytes a thread holds, and only a block's last,
+partial tile in scalar loads (``tests/test_triton_pass.py`` compiles the kernels for an H100 on
+the CPU and counts the PTX's accesses). Without the statement, the compiler cannot follow an
+address through the integer-to-pointer cast and loads 16-bit words one by one: so did this
+kernel when it was measured below (2.66 TB/s), where a one-tensor kernel of the same arithmetic,
+with 16-byte loads, read at 3.15 TB/s on an H100 the same day. Views at other offsets (a
+bucket's) take the unaligned variant.
 
 **Cost.** One read of the bytes (no write), about ten integer ops per element for the
 fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
@@ -88,7 +91,8 @@ Measured (``python launch/kernel_bench.py --iters 10``, NVIDIA H100 80GB HBM3, t
 1.536e9-element bfloat16 gradient, ``grad_pass`` + ``finish`` 1.16 ms (2.66 TB/s; one
 ``torch.sum`` read of the same bytes 1.01 ms, torch's unscale + clip recipe 10.2 ms), 2.35 ms with
 the fingerprint; 500 mixed-dtype matrices of 225M elements 0.70 ms (0.73 ms with the
-fingerprint); 2 GB of float32 0.75 ms (1.07x the read).
+fingerprint); 2 GB of float32 0.75 ms (1.07x the read). These figures are of the kernels before
+``tl.multiple_of`` (scalar loads); the vectorized kernels are not yet timed on a GPU.
 
 Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU under
 ``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's
@@ -258,21 +262,25 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
     (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
     (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). ``ALIGNED``: every tensor's
     address is a multiple of 16 bytes and every block's first element a multiple of ``BLOCK``
-    (the host checked, `_Tables.aligned`): written where the compiler's analysis can see it, for
-    16-byte vector loads (which Triton 3.6 does not make of it: the module docstring's
-    Alignment); a tile is masked only where it passes the block's end."""
+    (the host checked, `_Tables.aligned`), stated to the compiler: full tiles in 16-byte vector
+    loads (the module docstring's Alignment); a tile is masked only where it passes the block's
+    end."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)  # int64: every offset below is
     addr = tl.load(tab + t)
-    if ALIGNED:  # the same values, written so that the compiler can see their divisibility
-        addr = (addr >> 4) << 4
-        e0 = (e0 // BLOCK) * BLOCK
+    if ALIGNED:  # the same value, stated so that the compiler can see its divisibility
+        e0 = tl.multiple_of(e0, BLOCK)
     numel = tl.load(tab + num_tensors + t)
     dt = tl.load(tab + 2 * num_tensors + t)
     end = tl.minimum(numel, e0 + chunk)
     lane = tl.arange(0, BLOCK)
     span = INNER * BLOCK
+    p32 = addr.to(tl.pointer_type(tl.float32))
+    p16 = addr.to(tl.pointer_type(tl.int16))
+    if ALIGNED:  # 16-byte aligned (checked on the host): the loads become 16-byte vectors
+        p32 = tl.multiple_of(p32, 16)
+        p16 = tl.multiple_of(p16, 16)
     num_flush = (end - e0 + (span - 1)) // span
     for DT in tl.static_range(3):  # a compiled branch per dtype; the block takes its tensor's
         if dt == DT:
@@ -293,7 +301,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     offs = base + it * BLOCK + lane
                     full = base + it * BLOCK + BLOCK <= end  # a whole tile: no mask
                     if DT == 0:
-                        ptr32 = addr.to(tl.pointer_type(tl.float32)) + offs
+                        ptr32 = p32 + offs
                         if full:
                             x = tl.load(ptr32)
                         else:
@@ -308,7 +316,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     else:
                         # 16-bit types read as their words (int16): bfloat16's float32 bits are
                         # the word shifted up (exact), float16's come from its conversion
-                        ptr16 = addr.to(tl.pointer_type(tl.int16)) + offs
+                        ptr16 = p16 + offs
                         if full:
                             word = tl.load(ptr16).to(tl.int32)
                         else:
@@ -431,13 +439,19 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
     e0 = tl.load(blk + num_blocks + pid)
     addr = tl.load(tab + t)
     if ALIGNED:
-        addr = (addr >> 4) << 4
-        e0 = (e0 // BLOCK) * BLOCK
+        e0 = tl.multiple_of(e0, BLOCK)
     numel = tl.load(tab + num_tensors + t)
     dt = tl.load(tab + 2 * num_tensors + t)
     end = tl.minimum(numel, e0 + chunk)
     f = tl.load(factor)
     lane = tl.arange(0, BLOCK)
+    p32 = addr.to(tl.pointer_type(tl.float32))
+    p16 = addr.to(tl.pointer_type(tl.float16))
+    pw = addr.to(tl.pointer_type(tl.int16))
+    if ALIGNED:
+        p32 = tl.multiple_of(p32, 16)
+        p16 = tl.multiple_of(p16, 16)
+        pw = tl.multiple_of(pw, 16)
     for DT in tl.static_range(3):
         if dt == DT:
             if ROUND:
@@ -455,19 +469,19 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
                 mask = offs < end
                 full = e0 + start + BLOCK <= end  # a whole tile: no mask
                 if DT == 0:
-                    ptr = addr.to(tl.pointer_type(tl.float32)) + offs
+                    ptr = p32 + offs
                     if full:
                         x = tl.load(ptr)
                     else:
                         x = tl.load(ptr, mask=mask, other=0.0)
                 elif DT == 1:
-                    ptr = addr.to(tl.pointer_type(tl.float16)) + offs
+                    ptr = p16 + offs
                     if full:
                         x = tl.load(ptr).to(tl.float32)
                     else:
                         x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    ptr = addr.to(tl.pointer_type(tl.int16)) + offs
+                    ptr = pw + offs
                     if full:
                         word = tl.load(ptr).to(tl.int32)
                     else:
@@ -669,6 +683,11 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _DTYPE = operator.attrgetter("dtype")
 
 
+def _describe(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.dtype, ...], bool]:
+    """The tensors' dtypes and whether every one is contiguous, gathered in C."""
+    return tuple(map(_DTYPE, tensors)), all(map(_IS_CONTIGUOUS, tensors))
+
+
 def _tables_of(
     tensors: Sequence[torch.Tensor],
     dtypes: tuple[torch.dtype, ...],
@@ -818,13 +837,13 @@ def _grad_pass_impl(
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
-    dtypes = tuple(map(_DTYPE, tensors))
+    dtypes, contiguous = _describe(tensors)
     if torch.float64 in dtypes:
         stat, per_tensor, moments = _torch_pass(tensors, device, weights, mode, n_flags, primes)
         if finish is not None:
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         return stat, per_tensor, moments
-    if not all(map(_IS_CONTIGUOUS, tensors)):
+    if not contiguous:
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     stat = torch.empty(2, dtype=torch.float32, device=device)
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
@@ -995,11 +1014,19 @@ def _scale_or_div(
         _scale_impl(list(tensors), factor, divide, in_dtype)
 
 
+def _write_checked(
+    tensors: Sequence[torch.Tensor], factor: torch.Tensor, divide: bool, in_dtype: bool
+) -> None:
+    """`scale_()` or `div_()`, with their checks of the arguments (`_scale_impl`'s signature)."""
+    name = "divisor" if divide else "factor"
+    _scale_or_div(tensors, factor, divide=divide, name=name, in_dtype=in_dtype)
+
+
 def _scale_impl(
     tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool, in_dtype: bool = False
 ) -> None:
-    dtypes = tuple(map(_DTYPE, tensors))
-    if all(d in _DTYPE_CODE for d in dtypes) and all(map(_IS_CONTIGUOUS, tensors)):
+    dtypes, contiguous = _describe(tensors)
+    if contiguous and all(d in _DTYPE_CODE for d in dtypes):
         if tensors:
             _launch_scale(_tables_of(tensors, dtypes, None), factor, divide, in_dtype)
         return
@@ -1097,41 +1124,34 @@ def phase(
     are gathered, and the Python passes over the list are the host's cost of a small step).
     Returns the pass's and the finish's results.
     """
-    compiling = torch.compiler.is_compiling() and _OPS is not None
-    if validate or compiling:
-        taken = grad_pass(tensors, weights=weights, norm_type=norm_type, flags=flags,
-                          primes=primes, device=device)  # fmt: skip
-        done = None
+    checked = validate or (torch.compiler.is_compiling() and _OPS is not None)
+    ts: Any = tensors if checked else list(tensors)  # checked: as given, for the checks
+    write: Callable[[Any, torch.Tensor, bool, bool], None]
+    write = _write_checked if checked else _scale_impl
+    done = None
+    if checked:
+        taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags, primes=primes,
+                          device=device)  # fmt: skip
     else:
         mode = _NORM_MODE[float(norm_type)] if norm_type is not None else 0
         ps = None if primes is None else (int(primes[0]), int(primes[1]))
-        dev = torch.device(device) if device is not None else tensors[0].device
+        dev = torch.device(device) if device is not None else ts[0].device
         fin = None
         if reduce is None:
             nt = None if norm_type is None else float(norm_type)
-            out = torch.empty(3, dtype=torch.float32, device=dev)
-            fin = _Finish(scale, max_norm, nt, out)
-            done = FinishResult(out)
-        else:
-            done = None
-        stat, per_tensor, moments = _grad_pass_impl(list(tensors), dev, weights, mode, flags, ps,
-                                                    fin)  # fmt: skip
+            fin = _Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev))
+            done = FinishResult(fin.out)
+        stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin)
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:
         reduce(taken.stat, taken.moments)
     if unscale is not None:
-        if validate or compiling:
-            scale_(tensors, unscale)
-        else:
-            _scale_impl(list(tensors), unscale, False)
+        write(ts, unscale, False, False)
     if done is None:
         done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type)
     if clip:
-        if validate or compiling:
-            div_(tensors, done.grad_scale, factor_in_dtype=factor_in_dtype)
-        else:
-            _scale_impl(list(tensors), done.grad_scale, True, factor_in_dtype)
+        write(ts, done.grad_scale, True, factor_in_dtype)
     return taken, done
 
 
