@@ -543,7 +543,7 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
-_RAW = {
+_RAW: dict[str, Callable[..., Any]] = {
     "_read_kernel": _read_kernel,
     "_reduce_kernel": _reduce_kernel,
     "_scale_kernel": _scale_kernel,
@@ -585,6 +585,52 @@ def _kernels(interpret: bool) -> types.SimpleNamespace:
         namespace["_SUM"] = namespace["_add"]
         namespace["_MAX"] = namespace["_maximum"]
     return types.SimpleNamespace(**{name: namespace[name] for name in _RAW})
+
+
+def _can_compile_for_a_gpu() -> bool:
+    """Whether `_ptx_accesses()` can compile here: Triton importable, with its CUDA backend and
+    an ``ASTSource`` that takes ``constexprs`` (Triton >= 3.3)."""
+    if not _triton_importable():
+        return False
+    import importlib.util
+    import inspect
+
+    from triton.compiler import ASTSource
+
+    return (importlib.util.find_spec("triton.backends.nvidia") is not None
+            and "constexprs" in inspect.signature(ASTSource).parameters)  # fmt: skip
+
+
+def _ptx_accesses(name: str, consts: dict[str, Any], arch: int = 90) -> collections.Counter:
+    """The global loads and stores of kernel ``name`` (``"_read_kernel"``, ``"_scale_kernel"``),
+    compiled with the constexprs ``consts`` for an NVIDIA GPU of compute capability ``arch``
+    (90: H100), counted by PTX instruction (``ld.global.v4.b32``: 16 bytes in one load). Runs on
+    the CPU (Triton's compiler and its bundled ``ptxas``; no GPU). Pointer arguments are declared
+    16-byte aligned (as Triton's launcher specializes torch's allocations), integers int32;
+    ``num_warps`` is `_CONFIG`'s. A diagnostic: ``launch/kernel_ptx.py``, the tests."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(_kernels(False), name)
+    sig: dict[str, str] = {}
+    for arg in inspect.signature(_RAW[name]).parameters:
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in ("num_blocks", "num_tensors", "chunk"):
+            sig[arg] = "i32"
+        elif arg in ("part_s", "factor"):
+            sig[arg] = "*fp32"
+        else:
+            sig[arg] = "*i64"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": _CONFIG["num_warps"]})  # fmt: skip
+    return collections.Counter(re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"]))
 
 
 # ---------------------------------------------------------------------- the tables

@@ -13,9 +13,7 @@ multi-flush and multi-tile paths with few elements.
 
 from __future__ import annotations
 
-import collections
 import math
-import re
 import time
 
 import pytest
@@ -486,59 +484,29 @@ def test_views_at_any_offset_take_the_unaligned_kernels(device):
         assert torch.equal(bits(buffer[:1].cpu()), bits(source[:1]))  # outside the views: kept
 
 
-def _ptx_accesses(kernel, consts: dict) -> dict[str, int]:
-    """The global loads and stores of ``kernel`` compiled for an H100 (sm_90) **on the CPU**
-    (Triton's compiler and its bundled ``ptxas``; no GPU needed), counted by PTX instruction.
-    Pointer arguments are declared 16-byte aligned (what Triton's launcher specializes torch's
-    allocations to), integers int32."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if "constexprs" not in inspect.signature(ASTSource).parameters:
-        pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3's ASTSource")
-    sig = {}
-    for name in inspect.signature(getattr(tp, kernel.fn.__name__)).parameters:
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ("num_blocks", "num_tensors", "chunk"):
-            sig[name] = "i32"
-        elif name in ("part_s", "factor"):
-            sig[name] = "*fp32"
-        else:
-            sig[name] = "*i64"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
-    source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tp._CONFIG["num_warps"]})  # fmt: skip
-    found = re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"])
-    return collections.Counter(found)
-
-
 def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     """Compiled for an H100 (on the CPU: PTX, no GPU), the ``ALIGNED`` read and write kernels
     access every full tile in 16-byte vectors (``ld.global.v4.b32``; the write kernel's stores
     too): one vector per 16 bytes a thread holds, for each of the three dtypes' branches. The
     unaligned variant (views at any offset) has none. The masked last tile of a block stays in
     scalar accesses in both."""
-    pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend")
-    k = tp._kernels(False)
+    if not tp._can_compile_for_a_gpu():
+        pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     cfg = tp._CONFIG
     threads = 32 * cfg["num_warps"]
     vectors = sum(cfg["BLOCK"] * size // (threads * 16) for size in (4, 2, 2))  # f32, f16, bf16
     read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False}
     write = {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}
     for moments in (False, True):
-        aligned = _ptx_accesses(k._read_kernel, {**read, "MOMENTS": moments, "ALIGNED": True})
+        aligned = tp._ptx_accesses("_read_kernel", {**read, "MOMENTS": moments, "ALIGNED": True})
         assert aligned["ld.global.v4.b32"] == vectors, aligned
-        unaligned = _ptx_accesses(k._read_kernel, {**read, "MOMENTS": moments, "ALIGNED": False})
+        unaligned = tp._ptx_accesses("_read_kernel", {**read, "MOMENTS": moments,
+                                                      "ALIGNED": False})  # fmt: skip
         assert not any(".v" in a for a in unaligned), unaligned
         assert unaligned["ld.global.b16"] > aligned["ld.global.b16"] > 0  # tails: scalar
-    aligned = _ptx_accesses(k._scale_kernel, {**write, "ALIGNED": True})
+    aligned = tp._ptx_accesses("_scale_kernel", {**write, "ALIGNED": True})
     assert aligned["ld.global.v4.b32"] == vectors == aligned["st.global.v4.b32"], aligned
-    unaligned = _ptx_accesses(k._scale_kernel, {**write, "ALIGNED": False})
+    unaligned = tp._ptx_accesses("_scale_kernel", {**write, "ALIGNED": False})
     assert not any(".v" in a for a in unaligned), unaligned
 
 

@@ -1,0 +1,59 @@
+"""The fused pass's kernels compiled for an NVIDIA GPU, their global loads and stores counted.
+
+Compiles ``_read_kernel`` and ``_scale_kernel`` (``distscaler/_triton_pass.py``) in both variants,
+``ALIGNED`` (every address 16-byte aligned: vector loads for full tiles) and not, for compute
+capability ``--arch`` (default: this machine's GPU, else 90, an H100), and prints the PTX's
+``ld.global``/``st.global`` instructions by kind: ``.v4.b32`` loads 16 bytes at a time. Needs no GPU:
+Triton's compiler and its bundled ``ptxas`` run on the CPU.
+
+    python launch/kernel_ptx.py                 # this GPU's architecture, or sm_90
+    python launch/kernel_ptx.py --arch 100      # a B200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=None,
+                        help="compute capability as an int (90: H100); default: this GPU's, or 90")  # fmt: skip
+    args = parser.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's notice, silenced
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import torch
+    import triton
+
+    from distscaler import _triton_pass as tp
+
+    if not tp._can_compile_for_a_gpu():
+        sys.exit("needs Triton >= 3.3 with its CUDA backend (pip install triton)")
+    arch = args.arch
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+        arch = 10 * major + minor
+    cfg = tp._CONFIG
+    print(f"Triton {triton.__version__}, sm_{arch}, BLOCK={cfg['BLOCK']}, "
+          f"num_warps={cfg['num_warps']}, INNER={cfg['INNER']}")  # fmt: skip
+    print("| kernel | ALIGNED | global loads and stores in the PTX |")
+    print("|---|---|---|")
+    cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"],
+                               "INNER": cfg["INNER"], "DYNAMIC": False}, f"moments={m}")
+             for m in (False, True)]  # fmt: skip
+    cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
+    for name, consts, what in cases:
+        for aligned in (True, False):
+            counts = tp._ptx_accesses(name, {**consts, "ALIGNED": aligned}, arch)
+            shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+            print(f"| {name} ({what}) | {aligned} | {shown} |")
+
+
+if __name__ == "__main__":
+    main()
