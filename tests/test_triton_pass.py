@@ -18,6 +18,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton pass needs triton (the test extra)")
 
@@ -508,6 +510,71 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     assert aligned["ld.global.v4.b32"] == vectors == aligned["st.global.v4.b32"], aligned
     unaligned = tp._ptx_accesses("_scale_kernel", {**write, "ALIGNED": False})
     assert not any(".v" in a for a in unaligned), unaligned
+
+
+# ---------------------------------------------------------------------- any gradients
+
+_SPECIALS = (float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, 3e38, -65504.0)
+
+
+@st.composite
+def _gradient_lists(draw):
+    """1 to 6 gradients: each a dtype, a size (edges of the small configuration's tiles, chunks
+    and 16-byte words likely), a fresh tensor or a view at an element offset of 0 to 9 in a
+    buffer, normal values of a magnitude, and up to 2 special values at drawn places."""
+    grads = []
+    for _ in range(draw(st.integers(1, 6))):
+        dtype = draw(st.sampled_from(DTYPES))
+        size = draw(st.one_of(st.sampled_from([0, 1, 7, 8, 63, 64, 65, 256, 257, 1024, 1025]),
+                              st.integers(0, 2600)))  # fmt: skip
+        offset = draw(st.integers(0, 9))
+        seed = draw(st.integers(0, 2**16))
+        magnitude = draw(st.sampled_from([1e-4, 1.0, 300.0]))
+        gen = torch.Generator().manual_seed(seed)
+        buffer = (torch.randn(size + offset, generator=gen) * magnitude).to(dtype)
+        g = buffer[offset:]
+        for _ in range(draw(st.integers(0, 2)) if size else 0):
+            g[draw(st.integers(0, size - 1))] = draw(st.sampled_from(_SPECIALS))
+        grads.append(g)
+    return grads
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(grads=_gradient_lists(), factor=st.sampled_from([1 / 3, 0.7, 2.0**-14, 4096.0]))
+def test_any_gradients_against_torch_and_python_integers(small_config, grads, factor):
+    """Drawn gradient lists (mixed dtypes, sizes at and between the tiles' edges, views at any
+    offset, inf/NaN/-0.0/denormals/extremes at drawn places) through the interpreter: ``found``
+    and the per-tensor max exactly torch's, the fingerprint exactly Python's integers, the
+    2-norm within `norm_bound()`, the write pass bit for bit torch's CPU ``_foreach_div_``; and
+    where the tables call the list aligned, what the ``ALIGNED`` kernels state to the compiler
+    holds (every address a multiple of 16 bytes, every block's first element of ``BLOCK``)."""
+    nonfinite = any(not bool(g.isfinite().all()) for g in grads)
+    tables = tp._tables(grads, None)
+    event(f"aligned: {tables.aligned}, inf/NaN: {nonfinite}, blocks > tensors: "
+          f"{tables.num_blocks > len(grads)}")  # fmt: skip
+    taken = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
+    assert taken.found.item() == float(nonfinite)
+    assert taken.moments.tolist() == [ref_moments(g, PRIMES) for g in grads]
+    maxima = tp.grad_pass(grads).per_tensor
+    expected = torch.stack([torch._foreach_norm([g], math.inf, dtype=torch.float32)[0]
+                            if g.numel() else torch.tensor(0.0) for g in grads])  # fmt: skip
+    assert torch.equal(maxima.nan_to_num(nan=-1.0), expected.nan_to_num(nan=-1.0))
+    if not nonfinite:
+        exact = sum(exact_sumsq(g) for g in grads)
+        bound = tp.norm_bound([g.numel() for g in grads])
+        assert abs(taken.norm_stat.item() - exact) <= bound * exact
+    if tables.aligned:
+        assert all(g.data_ptr() % 16 == 0 for g in grads)
+        starts = tables.blk[tables.num_blocks :]
+        assert bool((starts % tp._CONFIG["BLOCK"] == 0).all())
+    f = torch.tensor(factor)
+    ours = [g.clone() for g in grads]
+    theirs = [g.clone() for g in grads]
+    tp.div_(ours, f)
+    torch._foreach_div_(theirs, f)
+    for a, b in zip(ours, theirs):
+        assert_same_bits(a, b)
 
 
 # ---------------------------------------------------------------------- launches
