@@ -601,15 +601,14 @@ def _can_compile_for_a_gpu() -> bool:
             and "constexprs" in inspect.signature(ASTSource).parameters)  # fmt: skip
 
 
-def _ptx_accesses(name: str, consts: dict[str, Any], arch: int = 90) -> collections.Counter:
-    """The global loads and stores of kernel ``name`` (``"_read_kernel"``, ``"_scale_kernel"``),
-    compiled with the constexprs ``consts`` for an NVIDIA GPU of compute capability ``arch``
-    (90: H100), counted by PTX instruction (``ld.global.v4.b32``: 16 bytes in one load). Runs on
-    the CPU (Triton's compiler and its bundled ``ptxas``; no GPU). Pointer arguments are declared
-    16-byte aligned (as Triton's launcher specializes torch's allocations), integers int32;
-    ``num_warps`` is `_CONFIG`'s. A diagnostic: ``launch/kernel_ptx.py``, the tests."""
+def _compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any:
+    """Kernel ``name`` (``"_read_kernel"``, ``"_scale_kernel"``) compiled with the constexprs
+    ``consts`` for an NVIDIA GPU of compute capability ``arch`` (90: H100), on any machine
+    (Triton's compiler and its bundled ``ptxas``; no GPU): Triton's compiled kernel, whose
+    ``asm`` holds the PTX and the cubin. Pointer arguments are declared 16-byte aligned (as
+    Triton's launcher specializes torch's allocations), integers int32; ``num_warps`` is
+    `_CONFIG`'s. A diagnostic (`_ptx_accesses()`, `_registers()`)."""
     import inspect
-    import re
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -628,9 +627,38 @@ def _ptx_accesses(name: str, consts: dict[str, Any], arch: int = 90) -> collecti
             sig[arg] = "*i64"
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
     source = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": _CONFIG["num_warps"]})  # fmt: skip
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": _CONFIG["num_warps"]})  # fmt: skip
+
+
+def _ptx_accesses(compiled: Any) -> collections.Counter:
+    """The global loads and stores of a `_compile_for_a_gpu()` kernel, counted by PTX instruction
+    (``ld.global.v4.b32``: 16 bytes in one load)."""
+    import re
+
     return collections.Counter(re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"]))
+
+
+def _registers(compiled: Any) -> dict[str, int]:
+    """A `_compile_for_a_gpu()` kernel's resources per thread from its cubin (``REG``: registers,
+    ``STACK``: bytes spilled), as the ``cuobjdump`` bundled with Triton reports them; empty where
+    it cannot run."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        try:
+            shown = subprocess.run([tool, "--dump-resource-usage", cubin.name],
+                                   capture_output=True, text=True, check=True).stdout  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            return {}
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", shown)}
 
 
 # ---------------------------------------------------------------------- the tables

@@ -3,8 +3,11 @@
 Compiles ``_read_kernel`` and ``_scale_kernel`` (``distscaler/_triton_pass.py``) in both variants,
 ``ALIGNED`` (every address 16-byte aligned: vector loads for full tiles) and not, for compute
 capability ``--arch`` (default: this machine's GPU, else 90, an H100), and prints the PTX's
-``ld.global``/``st.global`` instructions by kind: ``.v4.b32`` loads 16 bytes at a time. Needs no GPU:
-Triton's compiler and its bundled ``ptxas`` run on the CPU.
+``ld.global``/``st.global`` instructions by kind (``.v4.b32`` loads 16 bytes at a time), the
+registers per thread and bytes spilled (the cubin, through the ``cuobjdump`` Triton bundles), and
+the warps per SM those registers allow (65,536 registers and at most 64 warps per SM, as on
+sm_80 to sm_100; whole blocks of ``num_warps``). Needs no GPU: Triton's compiler and its bundled
+``ptxas`` run on the CPU.
 
     python launch/kernel_ptx.py                 # this GPU's architecture, or sm_90
     python launch/kernel_ptx.py --arch 100      # a B200
@@ -42,18 +45,31 @@ def main() -> None:
     cfg = tp._CONFIG
     print(f"Triton {triton.__version__}, sm_{arch}, BLOCK={cfg['BLOCK']}, "
           f"num_warps={cfg['num_warps']}, INNER={cfg['INNER']}")  # fmt: skip
-    print("| kernel | ALIGNED | global loads and stores in the PTX |")
-    print("|---|---|---|")
+    print("| kernel | ALIGNED | registers | spilled bytes | warps per SM | global loads and stores |")
+    print("|---|---|---|---|---|---|")
     cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"],
                                "INNER": cfg["INNER"], "DYNAMIC": False}, f"moments={m}")
              for m in (False, True)]  # fmt: skip
     cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
     for name, consts, what in cases:
         for aligned in (True, False):
-            counts = tp._ptx_accesses(name, {**consts, "ALIGNED": aligned}, arch)
+            compiled = tp._compile_for_a_gpu(name, {**consts, "ALIGNED": aligned}, arch)
+            counts = tp._ptx_accesses(compiled)
+            res = tp._registers(compiled)
+            regs = res.get("REG")
             shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-            print(f"| {name} ({what}) | {aligned} | {shown} |")
+            print(f"| {name} ({what}) | {aligned} | {regs if regs else '?'} | "
+                  f"{res.get('STACK', '?')} | {warps_per_sm(regs, cfg['num_warps'])} | {shown} |")
 
+
+def warps_per_sm(regs: int | None, num_warps: int) -> str:
+    """Resident warps per SM at ``regs`` registers per thread (allocated in units of 8 per
+    thread, 65,536 per SM, at most 64 warps), in whole blocks of ``num_warps``."""
+    if not regs:
+        return "?"
+    per_warp = 32 * (-(-regs // 8) * 8)
+    warps = min(64, 65536 // per_warp)
+    return str(warps // num_warps * num_warps)
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ multi-flush and multi-tile paths with few elements.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -499,16 +500,19 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     vectors = sum(cfg["BLOCK"] * size // (threads * 16) for size in (4, 2, 2))  # f32, f16, bf16
     read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False}
     write = {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}
+
+    def accesses(name: str, consts: dict) -> collections.Counter:
+        return tp._ptx_accesses(tp._compile_for_a_gpu(name, consts))
+
     for moments in (False, True):
-        aligned = tp._ptx_accesses("_read_kernel", {**read, "MOMENTS": moments, "ALIGNED": True})
+        aligned = accesses("_read_kernel", {**read, "MOMENTS": moments, "ALIGNED": True})
         assert aligned["ld.global.v4.b32"] == vectors, aligned
-        unaligned = tp._ptx_accesses("_read_kernel", {**read, "MOMENTS": moments,
-                                                      "ALIGNED": False})  # fmt: skip
+        unaligned = accesses("_read_kernel", {**read, "MOMENTS": moments, "ALIGNED": False})
         assert not any(".v" in a for a in unaligned), unaligned
         assert unaligned["ld.global.b16"] > aligned["ld.global.b16"] > 0  # tails: scalar
-    aligned = tp._ptx_accesses("_scale_kernel", {**write, "ALIGNED": True})
+    aligned = accesses("_scale_kernel", {**write, "ALIGNED": True})
     assert aligned["ld.global.v4.b32"] == vectors == aligned["st.global.v4.b32"], aligned
-    unaligned = tp._ptx_accesses("_scale_kernel", {**write, "ALIGNED": False})
+    unaligned = accesses("_scale_kernel", {**write, "ALIGNED": False})
     assert not any(".v" in a for a in unaligned), unaligned
 
 
