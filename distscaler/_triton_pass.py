@@ -588,7 +588,7 @@ def _kernels(interpret: bool) -> types.SimpleNamespace:
 
 
 def _can_compile_for_a_gpu() -> bool:
-    """Whether `_ptx_accesses()` can compile here: Triton importable, with its CUDA backend and
+    """Whether `_compile_for_a_gpu()` can run here: Triton importable, with its CUDA backend and
     an ``ASTSource`` that takes ``constexprs`` (Triton >= 3.3)."""
     if not _triton_importable():
         return False
