@@ -33,12 +33,12 @@ larger for larger totals so that the partials stay few: `_chunk_for()`). The tab
 (addresses, sizes, dtypes, weights, chunk): a step whose gradients sit where they sat at the last
 step launches the two kernels and nothing else.
 
-**int64 addressing.** Every element offset is ``first element of the block`` (loaded from the
-int64 table, so int64) ``+ iteration * BLOCK + lane``: int64 arithmetic from the first operand on,
-so a tensor of 2**31 elements or more is addressed without wrapping (``tests/test_triton_pass.py``
-runs the kernels over a fake table whose tensor starts 2**33 elements before real memory and
-whose blocks start past 2**31, 2**32 and 2**33). Word indices of the fingerprint (up to 2**35) are
-int64 too and enter only modulo ``P``.
+**int64 addressing.** A block's first element is addressed as ``address + e0 * element size``
+with ``e0`` loaded from the int64 table, so in int64 arithmetic, and every element of the block
+from there by an offset below its ``chunk`` (at most 2**22): a tensor of 2**31 elements or more is
+addressed without wrapping (``tests/test_triton_pass.py`` runs the kernels over a fake table whose
+tensor starts 2**33 elements before real memory and whose blocks start past 2**31, 2**32 and
+2**33). Word indices of the fingerprint (up to 2**35) are int64 too and enter only modulo ``P``.
 
 **Exactness of the fingerprint.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L =
 numel * element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high
@@ -67,17 +67,19 @@ own ``d``; the tests hold both to their bound against the float64 sum and to the
 bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 + 11 + 23 +
 10 + 2, a relative error below 5e-6.
 
-**Alignment.** Where every tensor's address is a multiple of 16 bytes and every block starts at
-a tile (`_Tables.aligned`, checked on the host), the kernels run their ``ALIGNED`` variant, which
-states both to the compiler (``tl.multiple_of`` on the pointer cast from the table's address and
-on the block's first element): every full tile is then read (and written) in 16-byte vectors
-without a mask, one ``ld.global.v4.b32`` per 16 bytes a thread holds, and only a block's last,
-partial tile in scalar loads (``tests/test_triton_pass.py`` compiles the kernels for an H100 on
-the CPU and counts the PTX's accesses). Without the statement, the compiler cannot follow an
-address through the integer-to-pointer cast and loads 16-bit words one by one: so did this
-kernel when it was measured below (2.66 TB/s), where a one-tensor kernel of the same arithmetic,
-with 16-byte loads, read at 3.15 TB/s on an H100 the same day. Views at other offsets (a
-bucket's) take the unaligned variant.
+**Alignment.** The table's code of a tensor (`_code()`) carries, beside its dtype, whether the
+first element of each of its blocks sits at a multiple of 16 bytes (checked on the host:
+`_Tables.aligned`; a tensor's blocks start ``chunk`` elements apart, so its address decides). The
+kernels compile a branch per code, six in all, and a block takes its tensor's; the aligned
+branches state the alignment to the compiler (``tl.multiple_of`` on the block's first element's
+pointer), so every full tile there is read (and written) in 16-byte vectors without a mask, one
+``ld.global.v4.b32`` per 16 bytes a thread holds, and only a block's last, partial tile in scalar
+loads (``tests/test_triton_pass.py`` compiles the kernels for an H100 on the CPU and counts the
+PTX's accesses; ``launch/kernel_ptx.py`` shows them). Views at other offsets (a bucket's) take the
+unaligned branches, whatever the other tensors of the list. Without the statement the compiler
+cannot follow an address through the integer-to-pointer cast and loads 16-bit words one by one:
+so did this kernel when it was measured below (2.66 TB/s), where a one-tensor kernel of the same
+arithmetic, with 16-byte loads, read at 3.15 TB/s on an H100 the same day.
 
 **Cost.** One read of the bytes (no write), about ten integer ops per element for the
 fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
@@ -145,6 +147,14 @@ _MAX_CHUNK = 1 << 22
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _WORDS = {0: 2, 1: 1, 2: 1}  # 16-bit words per element
+_SIZE = {0: 4, 1: 2, 2: 2}  # bytes per element
+
+
+def _code(dtype_code: int, aligned: bool) -> int:
+    """The table's code of a tensor: its `_DTYPE_CODE`, plus 3 where the first element of each
+    of its blocks is 16-byte aligned (the kernels branch on it: 6 compiled branches, the upper 3
+    read full tiles in 16-byte vectors)."""
+    return dtype_code + 3 * aligned
 #: norm_type -> the kernels' NORM: 0 none, 1 sum |x|, 2 sum x**2, 3 max |x|.
 _NORM_MODE = {1.0: 1, 2.0: 2, math.inf: 3}
 _PRIME_LIMIT = 1 << 24
@@ -257,55 +267,56 @@ if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
 
 def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                  NORM: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
-                 INNER: tl.constexpr, DYNAMIC: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+                 INNER: tl.constexpr, DYNAMIC: tl.constexpr):  # fmt: skip
     """Grid: one program per block of ``chunk`` elements of one tensor. Writes ``part_s[b]``
     (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
-    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). ``ALIGNED``: every tensor's
-    address is a multiple of 16 bytes and every block's first element a multiple of ``BLOCK``
-    (the host checked, `_Tables.aligned`), stated to the compiler: full tiles in 16-byte vector
-    loads (the module docstring's Alignment); a tile is masked only where it passes the block's
-    end."""
+    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A compiled branch per dtype
+    and alignment (the table's code, `_code()`): where the host found the block's first element
+    16-byte aligned it says so to the compiler, and full tiles are read in 16-byte vectors (the
+    module docstring's Alignment); a tile is masked only where it passes the block's end."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
-    e0 = tl.load(blk + num_blocks + pid)  # int64: every offset below is
+    e0 = tl.load(blk + num_blocks + pid)  # int64, as the address arithmetic below
     addr = tl.load(tab + t)
-    if ALIGNED:  # the same value, stated so that the compiler can see its divisibility
-        e0 = tl.multiple_of(e0, BLOCK)
     numel = tl.load(tab + num_tensors + t)
-    dt = tl.load(tab + 2 * num_tensors + t)
-    end = tl.minimum(numel, e0 + chunk)
+    code = tl.load(tab + 2 * num_tensors + t)
+    n_left = tl.minimum(numel - e0, chunk).to(tl.int32)  # the block's elements (<= chunk)
     lane = tl.arange(0, BLOCK)
     span = INNER * BLOCK
-    p32 = addr.to(tl.pointer_type(tl.float32))
-    p16 = addr.to(tl.pointer_type(tl.int16))
-    if ALIGNED:  # 16-byte aligned (checked on the host): the loads become 16-byte vectors
-        p32 = tl.multiple_of(p32, 16)
-        p16 = tl.multiple_of(p16, 16)
-    num_flush = (end - e0 + (span - 1)) // span
-    for DT in tl.static_range(3):  # a compiled branch per dtype; the block takes its tensor's
-        if dt == DT:
+    num_flush = (n_left + (span - 1)) // span
+    for CODE in tl.static_range(6):  # a compiled branch per code; the block takes its tensor's
+        if code == CODE:
+            DT: tl.constexpr = CODE % 3
+            if DT == 0:  # the block's first element, addressed in int64
+                first32 = (addr + 4 * e0).to(tl.pointer_type(tl.float32))
+                if CODE >= 3:  # 16-byte aligned (checked on the host): 16-byte vector loads
+                    first32 = tl.multiple_of(first32, 16)
+            else:
+                first16 = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
+                if CODE >= 3:
+                    first16 = tl.multiple_of(first16, 16)
             s_acc = tl.full([BLOCK], 0, tl.float32)
             mx_acc = tl.full([BLOCK], 0, tl.int32)
             u_tot = tl.full([], 0, tl.int64)
             j_tot = tl.full([], 0, tl.int64)
             h_tot = tl.full([], 0, tl.int64)
             for f in range(num_flush):
-                base = e0 + f * span
+                base = f * span  # relative to the block's first element, as every offset below
                 w_acc = tl.full([BLOCK], 0, tl.int32)  # sum u        (|.| <= INNER * 2**16)
                 v_acc = tl.full([BLOCK], 0, tl.int32)  # sum it * u   (<= INNER**2 * 2**15)
                 h_acc = tl.full([BLOCK], 0, tl.int32)  # sum hi words (float32)
                 num_it = INNER
                 if DYNAMIC:  # the interpreter: skip the fully masked tiles of a short chunk
-                    num_it = tl.minimum((end - base + (BLOCK - 1)) // BLOCK, INNER)
+                    num_it = tl.minimum((n_left - base + (BLOCK - 1)) // BLOCK, INNER)
                 for it in range(num_it):
                     offs = base + it * BLOCK + lane
-                    full = base + it * BLOCK + BLOCK <= end  # a whole tile: no mask
+                    full = base + it * BLOCK + BLOCK <= n_left  # a whole tile: no mask
                     if DT == 0:
-                        ptr32 = p32 + offs
+                        ptr32 = first32 + offs
                         if full:
                             x = tl.load(ptr32)
                         else:
-                            x = tl.load(ptr32, mask=offs < end, other=0.0)
+                            x = tl.load(ptr32, mask=offs < n_left, other=0.0)
                         bits = x.to(tl.int32, bitcast=True)
                         if MOMENTS:
                             hi = bits >> 16  # arithmetic shift: the high word, signed
@@ -316,11 +327,11 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
                     else:
                         # 16-bit types read as their words (int16): bfloat16's float32 bits are
                         # the word shifted up (exact), float16's come from its conversion
-                        ptr16 = p16 + offs
+                        ptr16 = first16 + offs
                         if full:
                             word = tl.load(ptr16).to(tl.int32)
                         else:
-                            word = tl.load(ptr16, mask=offs < end, other=0).to(tl.int32)
+                            word = tl.load(ptr16, mask=offs < n_left, other=0).to(tl.int32)
                         if DT == 1:
                             bits = word.to(tl.int16).to(tl.float16, bitcast=True).to(
                                 tl.float32).to(tl.int32, bitcast=True)  # fmt: skip
@@ -392,7 +403,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
         t = pid - 1
         b0 = tl.load(tab + 4 * num_tensors + t)
         b1 = tl.load(tab + 4 * num_tensors + t + 1)
-        words = tl.where(tl.load(tab + 2 * num_tensors + t) == 0, 2, 1).to(tl.int64)
+        words = tl.where(tl.load(tab + 2 * num_tensors + t) % 3 == 0, 2, 1).to(tl.int64)
         s_acc = tl.full([RT], 0, tl.float32)
         mx_acc = tl.full([RT], 0, tl.int32)
         a1 = tl.full([RT], 0, tl.int64)
@@ -430,30 +441,34 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
 
 
 def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.constexpr,
-                  ROUND: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+                  ROUND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``
     (first rounded to the tensor's dtype where ``ROUND``), in float32, rounded once to the
-    tensor's dtype. ``ALIGNED`` as in `_read_kernel`; full tiles unmasked."""
+    tensor's dtype. A branch per dtype and alignment as in `_read_kernel`; full tiles unmasked."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)
     addr = tl.load(tab + t)
-    if ALIGNED:
-        e0 = tl.multiple_of(e0, BLOCK)
     numel = tl.load(tab + num_tensors + t)
-    dt = tl.load(tab + 2 * num_tensors + t)
-    end = tl.minimum(numel, e0 + chunk)
+    code = tl.load(tab + 2 * num_tensors + t)
+    n_left = tl.minimum(numel - e0, chunk).to(tl.int32)
     f = tl.load(factor)
     lane = tl.arange(0, BLOCK)
-    p32 = addr.to(tl.pointer_type(tl.float32))
-    p16 = addr.to(tl.pointer_type(tl.float16))
-    pw = addr.to(tl.pointer_type(tl.int16))
-    if ALIGNED:
-        p32 = tl.multiple_of(p32, 16)
-        p16 = tl.multiple_of(p16, 16)
-        pw = tl.multiple_of(pw, 16)
-    for DT in tl.static_range(3):
-        if dt == DT:
+    for CODE in tl.static_range(6):
+        if code == CODE:
+            DT: tl.constexpr = CODE % 3
+            if DT == 0:
+                first32 = (addr + 4 * e0).to(tl.pointer_type(tl.float32))
+                if CODE >= 3:
+                    first32 = tl.multiple_of(first32, 16)
+            elif DT == 1:
+                first16 = (addr + 2 * e0).to(tl.pointer_type(tl.float16))
+                if CODE >= 3:
+                    first16 = tl.multiple_of(first16, 16)
+            else:
+                first_w = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
+                if CODE >= 3:
+                    first_w = tl.multiple_of(first_w, 16)
             if ROUND:
                 if DT == 1:
                     f = f.to(tl.float16).to(tl.float32)
@@ -464,24 +479,24 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
                     fm = tl.where(fnan, 0x7FC00000, fm)
                     fm = tl.where(fnan, fm, fm + 0x7FFF + ((fm >> 16) & 1))
                     f = (((fm >> 16) << 16) | ((fb >> 31) << 31)).to(tl.float32, bitcast=True)
-            for start in range(0, end - e0, BLOCK):  # relative: int64 offsets from e0 on
-                offs = e0 + start + lane
-                mask = offs < end
-                full = e0 + start + BLOCK <= end  # a whole tile: no mask
+            for start in range(0, n_left, BLOCK):  # relative to the block's first element
+                offs = start + lane
+                mask = offs < n_left
+                full = start + BLOCK <= n_left  # a whole tile: no mask
                 if DT == 0:
-                    ptr = p32 + offs
+                    ptr = first32 + offs
                     if full:
                         x = tl.load(ptr)
                     else:
                         x = tl.load(ptr, mask=mask, other=0.0)
                 elif DT == 1:
-                    ptr = p16 + offs
+                    ptr = first16 + offs
                     if full:
                         x = tl.load(ptr).to(tl.float32)
                     else:
                         x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    ptr = pw + offs
+                    ptr = first_w + offs
                     if full:
                         word = tl.load(ptr).to(tl.int32)
                     else:
@@ -666,15 +681,15 @@ def _registers(compiled: Any) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class _Tables:
-    tab: torch.Tensor  # int64 (5n + 1 + 2 nb,): addr | numel | dtype | weight bits | first block
+    tab: torch.Tensor  # int64 (5n + 1 + 2 nb,): addr | numel | code | weight bits | first block
     blk: torch.Tensor  # a view of tab: block tensor (nb) | block first element (nb)
     num_blocks: int
     num_tensors: int
     chunk: int
     host: torch.Tensor  # the host copy (pinned where the copy is asynchronous)
-    #: Every address a multiple of 16 bytes and every block's first element a multiple of
-    #: ``BLOCK`` elements: the kernels' ``ALIGNED``.
-    aligned: bool = False
+    #: Per tensor: the first element of each of its blocks sits at a multiple of 16 bytes (the
+    #: kernels' vector branch, `_code()`).
+    aligned: tuple[bool, ...] = ()
 
 
 _TABLE_CACHE: collections.OrderedDict[tuple, _Tables] = collections.OrderedDict()
@@ -700,9 +715,16 @@ def _build_tables(
     device: torch.device,
     block_starts: Sequence[Sequence[int]] | None = None,
 ) -> _Tables:
-    """The int64 table on ``device`` (one copy). ``block_starts`` (tests only) lists each tensor's
-    block first elements instead of ``0, chunk, 2 chunk...``."""
+    """The int64 table on ``device`` (one copy). ``codes``: `_DTYPE_CODE`'s; the table holds
+    `_code()`'s. ``block_starts`` (tests only) lists each tensor's block first elements instead of
+    ``0, chunk, 2 chunk...``."""
     n = len(addrs)
+    if block_starts is None:  # chunk * size is a multiple of 16: the address decides
+        aligned = tuple(a % 16 == 0 for a in addrs)
+    else:
+        aligned = tuple(all((a + s * _SIZE[c]) % 16 == 0 for s in starts)
+                        for a, c, starts in zip(addrs, codes, block_starts))  # fmt: skip
+    codes = [_code(c, al) for c, al in zip(codes, aligned)]
     numel_t = torch.tensor(list(numels), dtype=torch.int64)
     if block_starts is None:
         nblk = (numel_t + (chunk - 1)) // chunk
@@ -737,11 +759,6 @@ def _build_tables(
         tab = host.to(device, non_blocking=True)
     else:
         tab = host
-    block = _CONFIG["BLOCK"]
-    aligned = all(a % 16 == 0 for a in addrs) and (
-        chunk % block == 0 if block_starts is None
-        else all(s % block == 0 for starts in block_starts for s in starts)
-    )  # fmt: skip
     return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host, aligned)
 
 
@@ -964,8 +981,7 @@ def _launch_pass(
         k._read_kernel[(nb,)](
             tables.tab, tables.blk, part_s, part_i, nb, n, tables.chunk,
             NORM=mode, MOMENTS=primes is not None, BLOCK=_CONFIG["BLOCK"],
-            INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", ALIGNED=tables.aligned,
-            num_warps=_CONFIG["num_warps"],
+            INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
     per_program = flags or primes is not None
     if finish is None:
@@ -1125,8 +1141,7 @@ def _launch_scale(
     if tables.num_blocks:
         k._scale_kernel[(tables.num_blocks,)](
             tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
-            DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], ALIGNED=tables.aligned,
-            num_warps=_CONFIG["num_warps"],
+            DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 # The checks a lent GPU is for, in one call, each under its own limit (about 8 minutes in all on
 # one H100), writing under DIR (default: $OUT where the device tool sets it, else runs/gpu-checks):
 #
-#   1. the kernels' PTX on this GPU's Triton (launch/kernel_ptx.py: 16-byte vector loads in the
-#      ALIGNED variant);
+#   1. the kernels' PTX on this GPU's Triton (launch/kernel_ptx.py: 16-byte vector loads where
+#      a block is 16-byte aligned; registers and the warps per SM they allow);
 #   2. pytest -m "cuda or multigpu" (the kernels against torch's bit for bit, launches, the whole
 #      phase's CUDA kernels, the sync-free fused step, CUDA graph capture; multigpu skips on one);
 #   3. launch/kernel_bench.py (the kernel beside torch's recipe and one read, queued; the sweep);

@@ -1,13 +1,13 @@
 """The fused pass's kernels compiled for an NVIDIA GPU, their global loads and stores counted.
 
-Compiles ``_read_kernel`` and ``_scale_kernel`` (``distscaler/_triton_pass.py``) in both variants,
-``ALIGNED`` (every address 16-byte aligned: vector loads for full tiles) and not, for compute
-capability ``--arch`` (default: this machine's GPU, else 90, an H100), and prints the PTX's
-``ld.global``/``st.global`` instructions by kind (``.v4.b32`` loads 16 bytes at a time), the
-registers per thread and bytes spilled (the cubin, through the ``cuobjdump`` Triton bundles), and
-the warps per SM those registers allow (65,536 registers and at most 64 warps per SM, as on
-sm_80 to sm_100; whole blocks of ``num_warps``). Needs no GPU: Triton's compiler and its bundled
-``ptxas`` run on the CPU.
+Compiles ``_read_kernel`` (with and without the replica fingerprint) and ``_scale_kernel``
+(``distscaler/_triton_pass.py``; each with its branches for 16-byte aligned blocks, which read
+full tiles in vectors, and for the others) for compute capability ``--arch`` (default: this
+machine's GPU, else 90, an H100), and prints the PTX's ``ld.global``/``st.global`` instructions
+by kind (``.v4.b32`` moves 16 bytes at a time), the registers per thread and bytes spilled (the
+cubin, through the ``cuobjdump`` Triton bundles), and the warps per SM those registers allow
+(65,536 registers and at most 64 warps per SM, as on sm_80 to sm_100; whole blocks of
+``num_warps``). Needs no GPU: Triton's compiler and its bundled ``ptxas`` run on the CPU.
 
     python launch/kernel_ptx.py                 # this GPU's architecture, or sm_90
     python launch/kernel_ptx.py --arch 100      # a B200
@@ -45,22 +45,20 @@ def main() -> None:
     cfg = tp._CONFIG
     print(f"Triton {triton.__version__}, sm_{arch}, BLOCK={cfg['BLOCK']}, "
           f"num_warps={cfg['num_warps']}, INNER={cfg['INNER']}")  # fmt: skip
-    print("| kernel | ALIGNED | registers | spilled bytes | warps per SM | global loads and stores |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | registers | spilled bytes | warps per SM | global loads and stores |")
+    print("|---|---|---|---|---|")
     cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"],
                                "INNER": cfg["INNER"], "DYNAMIC": False}, f"moments={m}")
              for m in (False, True)]  # fmt: skip
     cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
     for name, consts, what in cases:
-        for aligned in (True, False):
-            compiled = tp._compile_for_a_gpu(name, {**consts, "ALIGNED": aligned}, arch)
-            counts = tp._ptx_accesses(compiled)
-            res = tp._registers(compiled)
-            regs = res.get("REG")
-            shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-            print(f"| {name} ({what}) | {aligned} | {regs if regs else '?'} | "
-                  f"{res.get('STACK', '?')} | {warps_per_sm(regs, cfg['num_warps'])} | {shown} |")
-
+        compiled = tp._compile_for_a_gpu(name, consts, arch)
+        counts = tp._ptx_accesses(compiled)
+        res = tp._registers(compiled)
+        regs = res.get("REG")
+        shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        print(f"| {name} ({what}) | {regs if regs else '?'} | {res.get('STACK', '?')} | "
+              f"{warps_per_sm(regs, cfg['num_warps'])} | {shown} |")
 
 def warps_per_sm(regs: int | None, num_warps: int) -> str:
     """Resident warps per SM at ``regs`` registers per thread (allocated in units of 8 per
