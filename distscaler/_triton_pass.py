@@ -146,7 +146,6 @@ _TARGET_BLOCKS = 32768
 _MAX_CHUNK = 1 << 22
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_WORDS = {0: 2, 1: 1, 2: 1}  # 16-bit words per element
 _SIZE = {0: 4, 1: 2, 2: 2}  # bytes per element
 
 
