@@ -77,7 +77,8 @@ def _choose_kernels(setting: str, device: str) -> str:
         if not runs:
             raise ValueError(
                 f"kernels='triton' needs a CUDA device with triton importable (or the CPU under "
-                f"TRITON_INTERPRET=1), got: device={device!r}; use kernels='auto' or 'torch'"
+                f"TRITON_INTERPRET=1 with a Triton whose interpreter runs the kernels, 3.9), got: "
+                f"device={device!r}; use kernels='auto' or 'torch'"
             )
         return "triton"
     return "triton" if runs and device.startswith("cuda") else "torch"

@@ -238,14 +238,31 @@ def _triton_importable() -> bool:
 
 def available(device: torch.device | str) -> bool:
     """Whether the kernels run on ``device``: a CUDA device with Triton importable, or the CPU
-    with ``TRITON_INTERPRET=1`` set (Triton's interpreter, for tests: slow). Imports Triton on its
-    first call; never raises."""
+    with ``TRITON_INTERPRET=1`` set and an interpreter that runs them (Triton's, for tests: slow;
+    `_interpreter_runs()`: 3.9's does, 3.6's does not). Imports Triton on its first call; never
+    raises."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and _triton_importable()
     if device.type == "cpu":
-        return os.environ.get("TRITON_INTERPRET", "0") == "1" and _triton_importable()
+        return os.environ.get("TRITON_INTERPRET", "0") == "1" and _interpreter_runs()
     return False
+
+
+@functools.cache
+def _interpreter_runs() -> bool:
+    """Whether Triton's interpreter, here, runs the kernels: it must take a loop's bound loaded
+    from memory, as every kernel here does (Triton 3.9's does; 3.6's stops there with "only
+    0-dimensional arrays can be converted to Python scalars"). One tiny interpreted launch, once.
+    Tests use it to skip the CPU's runs."""
+    if not _triton_importable():
+        return False
+    try:
+        out = torch.zeros(1, dtype=torch.int64)
+        _kernels(True)._probe_kernel[(1,)](torch.tensor([4], dtype=torch.int64), out)
+        return int(out[0]) == 6
+    except Exception:  # the interpreter's error, whatever its type
+        return False
 
 
 # ---------------------------------------------------------------------- the kernels
@@ -549,6 +566,16 @@ def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.c
     tl.store(out + 2, tl.math.div_rn(norm, sc))
 
 
+def _probe_kernel(bound, out):
+    """Grid (1,): ``out[0] = 0 + 1 + ... + (bound[0] - 1)``, a loop over a bound loaded from
+    memory (`_interpreter_runs()`)."""
+    n = tl.load(bound)
+    acc = tl.full([], 0, tl.int64)
+    for i in range(n):
+        acc += i
+    tl.store(out, acc)
+
+
 def _add(a, b):
     return a + b
 
@@ -563,6 +590,7 @@ _RAW: dict[str, Callable[..., Any]] = {
     "_scale_kernel": _scale_kernel,
     "_finish_kernel": _finish_kernel,
     "_finish_values": _finish_values,
+    "_probe_kernel": _probe_kernel,
     "_add": _add,
     "_maximum": _maximum,
 }

@@ -43,6 +43,23 @@ FAULTS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 TARGETS = ("first", "last", "all")
 
 
+def interpreted_mark() -> Any:
+    """The mark of a test that runs the Triton pass's kernels in Triton's interpreter on the CPU:
+    skipped where that interpreter cannot run them (`distscaler._triton_pass._interpreter_runs`:
+    Triton 3.6's cannot, 3.9's can), as on a GPU machine whose torch brings an older Triton."""
+    import pytest
+
+    from distscaler import _triton_pass
+
+    reason = "Triton's interpreter here cannot run the kernels (a loop over a loaded bound)"
+    return pytest.mark.skipif(not _triton_pass._interpreter_runs(), reason=reason)
+
+
+def interpreted(test: Any) -> Any:
+    """`interpreted_mark()` as a decorator."""
+    return interpreted_mark()(test)
+
+
 def gpu_path(scaler: Any) -> Any:
     """``scaler`` (a ``distscaler.GradScaler``) set to run the step a GPU runs, on the CPU:
     ``found_inf`` never read on the host (the CPU's own path reads it, free there:

@@ -16,7 +16,7 @@ import math
 import _kernel_scenarios as S
 import pytest
 import torch
-from _common import gpu_path
+from _common import gpu_path, interpreted
 from _harness import spawn
 
 from distscaler import GradScaler, ScalerConfig
@@ -35,6 +35,7 @@ def test_triton_where_it_cannot_run_is_refused_before_anything(monkeypatch):
         GradScaler("cpu", kernels="triton")
 
 
+@interpreted
 def test_auto_is_torch_on_the_cpu_and_repr_shows_the_choice(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # even where the interpreter could run it
     assert "kernels='torch'" in repr(GradScaler("cpu"))
@@ -61,6 +62,7 @@ def _train(kernels, *, fused, clip, norm_type=2.0, inf_step=None, layers=2, flag
     return out, [p.detach().clone() for p in model.parameters()]
 
 
+@interpreted
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("clip", [None, 2.0, math.inf, 1.0], ids=["noclip", "p2", "pinf", "p1"])
 @pytest.mark.parametrize("inf_step", [None, 1], ids=["clean", "inf"])
@@ -95,6 +97,7 @@ def _count_launches(monkeypatch):
     return launched
 
 
+@interpreted
 @pytest.mark.parametrize("layers", [2, 60])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
@@ -125,6 +128,7 @@ def two(tmp_path_factory):
     return spawn(S.triton_beside_torch, 2, tmp_path_factory.mktemp("kernels2"))
 
 
+@interpreted
 @pytest.mark.parametrize("case", ["noclip-fused", "clip-fused", "clip-foreach", "noclip-foreach"])
 def test_two_ranks_agree_and_the_kernels_fingerprint_catches_a_flip(two, case):
     runs = [r[case] for r in two]

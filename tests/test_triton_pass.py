@@ -23,12 +23,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton pass needs triton (the test extra)")
 
+from _common import interpreted, interpreted_mark  # noqa: E402
+
 from distscaler import _triton_pass as tp  # noqa: E402
 from distscaler.replica_check import moduli  # noqa: E402
 
 PRIMES = moduli(2)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = [pytest.param("cpu", marks=interpreted_mark()),
+           pytest.param("cuda", marks=pytest.mark.cuda)]  # fmt: skip
 U = 2.0**-24
 
 
@@ -261,6 +264,7 @@ def test_no_tensors_empty_and_one_element(device):
     assert only_empty.stat.tolist() == [0.0, 0.0]
 
 
+@interpreted
 def test_many_tiny_tensors_in_two_launches(small_config):
     """2,000 tensors of 1 to 3 elements, more partials than the reduction's tiles (16 here): the
     tables, every program and the fixed-order totals. Not 10,000: the interpreter spends ~5 ms per
@@ -541,6 +545,7 @@ def _gradient_lists(draw):
     return grads
 
 
+@interpreted
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(grads=_gradient_lists(), factor=st.sampled_from([1 / 3, 0.7, 2.0**-14, 4096.0]))
@@ -592,6 +597,7 @@ def test_any_gradients_against_torch_and_python_integers(small_config, grads, fa
 # ---------------------------------------------------------------------- launches
 
 
+@interpreted
 def test_launches_per_call_on_the_cpu(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -687,6 +693,7 @@ def test_bad_arguments_are_named():
         tp.div_(g, torch.tensor(2.0, dtype=torch.float64))
 
 
+@interpreted
 def test_available(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not tp.available("cpu")
@@ -696,6 +703,7 @@ def test_available(monkeypatch):
     assert tp.available("cuda") == torch.cuda.is_available()
 
 
+@interpreted
 def test_custom_ops_trace_with_fullgraph():
     """A phase that reads, finishes and divides compiles with ``fullgraph=True`` (the ops are
     opaque to the compiler: their fake implementations give the shapes) and gives eager's bits."""
