@@ -27,11 +27,12 @@ optimizer (it divides by ``grad_scale``) 3. With no collective (one rank: `phase
 ``reduce=None``) the reduction computes `finish()`'s values itself: 3 and 2.
 
 **The tables.** Tensor addresses (``data_ptr``), element counts, dtype codes, weights (float32
-bits) and each tensor's first block in one int64 array; per block its tensor and first element
-(int64). A block covers ``chunk`` elements of one tensor (``chunk`` a multiple of ``BLOCK * INNER``,
-larger for larger totals so that the partials stay few: `_chunk_for()`). The tables are cached per
-(addresses, sizes, dtypes, weights, chunk): a step whose gradients sit where they sat at the last
-step launches the two kernels and nothing else.
+bits) and each tensor's first block in one int64 array; per block its tensor, first element,
+element count and whether it starts 16-byte aligned (int64). A block covers at most ``chunk``
+elements of one tensor (``chunk`` a multiple of ``BLOCK * INNER``, larger for larger totals so that
+the partials stay few: `_chunk_for()`; a head block fewer, the Alignment below). The tables are
+cached per (addresses, sizes, dtypes, weights, chunk): a step whose gradients sit where they sat at
+the last step launches the two kernels and nothing else.
 
 **int64 addressing.** A block's first element is addressed as ``address + e0 * element size``
 with ``e0`` loaded from the int64 table, so in int64 arithmetic, and every element of the block
@@ -67,16 +68,17 @@ own ``d``; the tests hold both to their bound against the float64 sum and to the
 bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 + 11 + 23 +
 10 + 2, a relative error below 5e-6.
 
-**Alignment.** The table's code of a tensor (`_code()`) carries, beside its dtype, whether the
-first element of each of its blocks sits at a multiple of 16 bytes (checked on the host:
-`_Tables.aligned`; a tensor's blocks start ``chunk`` elements apart, so its address decides). The
-kernels compile a branch per code, six in all, and a block takes its tensor's; the aligned
-branches state the alignment to the compiler (``tl.multiple_of`` on the block's first element's
-pointer), so every full tile there is read (and written) in 16-byte vectors without a mask, one
-``ld.global.v4.b32`` per 16 bytes a thread holds, and only a block's last, partial tile in scalar
-loads (``tests/test_triton_pass.py`` compiles the kernels for an H100 on the CPU and counts the
-PTX's accesses; ``launch/kernel_ptx.py`` shows them). Views at other offsets (a bucket's) take the
-unaligned branches, whatever the other tensors of the list. Without the statement the compiler
+**Alignment.** Each block's row in the table says whether its first element sits at a multiple
+of 16 bytes (the host computes it from the address). A tensor whose address is not such a
+multiple (a view at an odd offset: a bucket's, a flat buffer's) gets a *head* block of the
+elements before its first 16-byte boundary (fewer than 16 bytes), and its other blocks start
+from there, aligned. The kernels compile a branch per dtype and alignment, six in all, and a
+block takes its own; the aligned branches state the alignment to the compiler (``tl.multiple_of``
+on the block's first element's pointer, made in the branch, so nothing of it reaches the
+others), and every full tile there is read (and written) in 16-byte vectors without a mask, one
+``ld.global.v4.b32`` per 16 bytes a thread holds; heads and a block's last, partial tile take
+scalar loads (``tests/test_triton_pass.py`` compiles the kernels for an H100 on the CPU and counts
+the PTX's accesses; ``launch/kernel_ptx.py`` shows them). Without the statement the compiler
 cannot follow an address through the integer-to-pointer cast and loads 16-bit words one by one:
 so did this kernel when it was measured below (2.66 TB/s), where a one-tensor kernel of the same
 arithmetic, with 16-byte loads, read at 3.15 TB/s on an H100 the same day.
@@ -147,13 +149,6 @@ _MAX_CHUNK = 1 << 22
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _SIZE = {0: 4, 1: 2, 2: 2}  # bytes per element
-
-
-def _code(dtype_code: int, aligned: bool) -> int:
-    """The table's code of a tensor: its `_DTYPE_CODE`, plus 3 where the first element of each
-    of its blocks is 16-byte aligned (the kernels branch on it: 6 compiled branches, the upper 3
-    read full tiles in 16-byte vectors)."""
-    return dtype_code + 3 * aligned
 #: norm_type -> the kernels' NORM: 0 none, 1 sum |x|, 2 sum x**2, 3 max |x|.
 _NORM_MODE = {1.0: 1, 2.0: 2, math.inf: 3}
 _PRIME_LIMIT = 1 << 24
@@ -281,22 +276,22 @@ if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
 # ``triton.language`` (milliseconds), which made 10,000 tiny tensors take minutes.
 
 
-def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, chunk,
-                 NORM: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
-                 INNER: tl.constexpr, DYNAMIC: tl.constexpr):  # fmt: skip
-    """Grid: one program per block of ``chunk`` elements of one tensor. Writes ``part_s[b]``
-    (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits), ``part_i[nb + b]``
-    (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A compiled branch per dtype
-    and alignment (the table's code, `_code()`): where the host found the block's first element
-    16-byte aligned it says so to the compiler, and full tiles are read in 16-byte vectors (the
-    module docstring's Alignment); a tile is masked only where it passes the block's end."""
+def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.constexpr,
+                 MOMENTS: tl.constexpr, BLOCK: tl.constexpr, INNER: tl.constexpr,
+                 DYNAMIC: tl.constexpr):  # fmt: skip
+    """Grid: one program per block (at most ``chunk`` elements of one tensor). Writes
+    ``part_s[b]`` (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits),
+    ``part_i[nb + b]`` (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A
+    compiled branch per dtype and alignment: where the host found the block's first element
+    16-byte aligned (the block table says so) it is stated to the compiler, and full tiles are
+    read in 16-byte vectors (the module docstring's Alignment); a tile is masked only where it
+    passes the block's end."""
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)  # int64, as the address arithmetic below
+    n_left = tl.load(blk + 2 * num_blocks + pid).to(tl.int32)  # the block's elements (<= chunk)
     addr = tl.load(tab + t)
-    numel = tl.load(tab + num_tensors + t)
-    code = tl.load(tab + 2 * num_tensors + t)
-    n_left = tl.minimum(numel - e0, chunk).to(tl.int32)  # the block's elements (<= chunk)
+    code = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
     lane = tl.arange(0, BLOCK)
     span = INNER * BLOCK
     num_flush = (n_left + (span - 1)) // span
@@ -419,7 +414,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
         t = pid - 1
         b0 = tl.load(tab + 4 * num_tensors + t)
         b1 = tl.load(tab + 4 * num_tensors + t + 1)
-        words = tl.where(tl.load(tab + 2 * num_tensors + t) % 3 == 0, 2, 1).to(tl.int64)
+        words = tl.where(tl.load(tab + 2 * num_tensors + t) == 0, 2, 1).to(tl.int64)
         s_acc = tl.full([RT], 0, tl.float32)
         mx_acc = tl.full([RT], 0, tl.int32)
         a1 = tl.full([RT], 0, tl.int64)
@@ -456,7 +451,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
             tl.store(moments + 4 * t + 3, tl.reduce(c2, 0, _SUM) % p2)
 
 
-def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.constexpr,
+def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexpr,
                   ROUND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Grid: one program per block; multiplies (divides) its elements in place by ``factor[0]``
     (first rounded to the tensor's dtype where ``ROUND``), in float32, rounded once to the
@@ -464,10 +459,9 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, chunk, DIVIDE: tl.c
     pid = tl.program_id(0)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)
+    n_left = tl.load(blk + 2 * num_blocks + pid).to(tl.int32)
     addr = tl.load(tab + t)
-    numel = tl.load(tab + num_tensors + t)
-    code = tl.load(tab + 2 * num_tensors + t)
-    n_left = tl.minimum(numel - e0, chunk).to(tl.int32)
+    code = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
     f = tl.load(factor)
     lane = tl.arange(0, BLOCK)
     for CODE in tl.static_range(6):
@@ -708,15 +702,21 @@ def _registers(compiled: Any) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class _Tables:
-    tab: torch.Tensor  # int64 (5n + 1 + 2 nb,): addr | numel | code | weight bits | first block
-    blk: torch.Tensor  # a view of tab: block tensor (nb) | block first element (nb)
+    tab: torch.Tensor  # int64 (5n + 1 + 4 nb,): addr | numel | dtype code | weight bits |
+    #                    first block (n + 1) | the block rows
+    blk: torch.Tensor  # a view of tab: per block its tensor | first element | element count |
+    #                    aligned (1: its first element at a multiple of 16 bytes)
     num_blocks: int
     num_tensors: int
     chunk: int
     host: torch.Tensor  # the host copy (pinned where the copy is asynchronous)
-    #: Per tensor: the first element of each of its blocks sits at a multiple of 16 bytes (the
-    #: kernels' vector branch, `_code()`).
-    aligned: tuple[bool, ...] = ()
+
+    @property
+    def aligned(self) -> torch.Tensor:
+        """bool ``(num_blocks,)`` on the host: the block's first element sits at a multiple of 16
+        bytes (the kernels' vector branches)."""
+        nb = self.num_blocks
+        return self.host[len(self.host) - nb :].bool()
 
 
 _TABLE_CACHE: collections.OrderedDict[tuple, _Tables] = collections.OrderedDict()
@@ -742,24 +742,30 @@ def _build_tables(
     device: torch.device,
     block_starts: Sequence[Sequence[int]] | None = None,
 ) -> _Tables:
-    """The int64 table on ``device`` (one copy). ``codes``: `_DTYPE_CODE`'s; the table holds
-    `_code()`'s. ``block_starts`` (tests only) lists each tensor's block first elements instead of
-    ``0, chunk, 2 chunk...``."""
+    """The int64 table on ``device`` (one copy). A tensor's blocks: where its address is not a
+    multiple of 16 bytes, a *head* block of the elements before the first that is (fewer than 16
+    bytes), then blocks of ``chunk`` elements from there (the last one shorter), each aligned
+    where the address allows. ``block_starts`` (tests only) lists each tensor's block first
+    elements instead (a block ends at the next one, or after ``chunk`` elements)."""
     n = len(addrs)
-    if block_starts is None:  # chunk * size is a multiple of 16: the address decides
-        aligned = tuple(a % 16 == 0 for a in addrs)
-    else:
-        aligned = tuple(all((a + s * _SIZE[c]) % 16 == 0 for s in starts)
-                        for a, c, starts in zip(addrs, codes, block_starts))  # fmt: skip
-    codes = [_code(c, al) for c, al in zip(codes, aligned)]
     numel_t = torch.tensor(list(numels), dtype=torch.int64)
+    addr_t = torch.tensor(list(addrs), dtype=torch.int64)
+    size_t = torch.tensor([_SIZE[c] for c in codes], dtype=torch.int64)
     if block_starts is None:
-        nblk = (numel_t + (chunk - 1)) // chunk
+        off = addr_t % 16
+        head = torch.where((off != 0) & (off % size_t == 0), (16 - off) // size_t, 0)
+        head = torch.minimum(head, numel_t)
+        has_head = (head > 0).to(torch.int64)
+        nblk = has_head + (numel_t - head + (chunk - 1)) // chunk
         first = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(nblk, 0, out=first[1:])
         num_blocks = int(first[-1])
         blk_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), nblk)
-        blk_s = (torch.arange(num_blocks, dtype=torch.int64) - first[blk_t]) * chunk
+        k = torch.arange(num_blocks, dtype=torch.int64) - first[blk_t]  # the block's place
+        in_head = (has_head[blk_t] == 1) & (k == 0)
+        blk_s = torch.where(in_head, 0, head[blk_t] + (k - has_head[blk_t]) * chunk)
+        blk_n = torch.where(in_head, head[blk_t],
+                            torch.minimum(numel_t[blk_t] - blk_s, torch.tensor(chunk)))  # fmt: skip
     else:
         nblk = torch.tensor([len(s) for s in block_starts], dtype=torch.int64)
         first = torch.zeros(n + 1, dtype=torch.int64)
@@ -767,26 +773,31 @@ def _build_tables(
         num_blocks = int(first[-1])
         blk_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), nblk)
         blk_s = torch.tensor([s for starts in block_starts for s in starts], dtype=torch.int64)
+        ends = [e for starts, m in zip(block_starts, numels) for e in [*starts[1:], m]]
+        blk_n = torch.minimum(torch.tensor(ends, dtype=torch.int64) - blk_s, torch.tensor(chunk))
+    blk_a = ((addr_t[blk_t] + blk_s * size_t[blk_t]) % 16 == 0).to(torch.int64)
     w = (
         torch.ones(n, dtype=torch.float32)
         if weights is None
         else torch.tensor(list(weights), dtype=torch.float32)
     )
     host = torch.cat([
-        torch.tensor(list(addrs), dtype=torch.int64),
+        addr_t,
         numel_t,
         torch.tensor(list(codes), dtype=torch.int64),
         w.view(torch.int32).to(torch.int64),
         first,
         blk_t,
         blk_s,
+        blk_n,
+        blk_a,
     ])  # fmt: skip
     if device.type == "cuda":
         host = host.pin_memory()
         tab = host.to(device, non_blocking=True)
     else:
         tab = host
-    return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host, aligned)
+    return _Tables(tab, tab[5 * n + 1 :], num_blocks, n, chunk, host)
 
 
 def _tables(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> _Tables:
@@ -1006,7 +1017,7 @@ def _launch_pass(
     p1, p2 = primes if primes is not None else (3, 5)
     if nb:
         k._read_kernel[(nb,)](
-            tables.tab, tables.blk, part_s, part_i, nb, n, tables.chunk,
+            tables.tab, tables.blk, part_s, part_i, nb, n,
             NORM=mode, MOMENTS=primes is not None, BLOCK=_CONFIG["BLOCK"],
             INNER=_CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
@@ -1167,7 +1178,7 @@ def _launch_scale(
     k = _kernels(factor.device.type != "cuda")
     if tables.num_blocks:
         k._scale_kernel[(tables.num_blocks,)](
-            tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors, tables.chunk,
+            tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors,
             DIVIDE=divide, ROUND=in_dtype, BLOCK=_CONFIG["BLOCK"], num_warps=_CONFIG["num_warps"],
         )  # fmt: skip
 
@@ -1294,7 +1305,7 @@ def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
     ``sqrt`` (the norm itself: about half, plus ``u``)."""
     block, inner, rt = _CONFIG["BLOCK"], _CONFIG["INNER"], _CONFIG["RT"]
     chunk = _chunk_for(sum(numels), block, inner)
-    blocks = sum(-(-int(n) // chunk) for n in numels)
+    blocks = sum(-(-int(n) // chunk) + 1 for n in numels)  # + a head block at most
     depth = (chunk // block) + math.ceil(math.log2(block)) + 1
     depth += -(-max(blocks, 1) // rt) + math.ceil(math.log2(rt)) + 1
     u = 2.0**-24

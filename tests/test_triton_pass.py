@@ -78,6 +78,12 @@ def grads_mixed(seed: int, sizes=(0, 1, 3, 700, 2049, 5000)) -> list[torch.Tenso
     return out
 
 
+def block_rows(tables) -> list[list[int]]:
+    """The block table's rows: each block's tensor, first element, element count, aligned."""
+    nb = tables.num_blocks
+    return tables.host[len(tables.host) - 4 * nb :].view(4, nb).tolist()
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
 
@@ -466,27 +472,38 @@ def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_views_at_any_offset_take_the_unaligned_kernels(device):
-    """Gradients that are views at odd element offsets (a bucket's, a flat buffer's) are not
-    16-byte aligned: their tables say so (the kernels then read them without the alignment the
-    vector loads need), a list of both kinds is read by both branches, and the pass, the moments
-    and the write pass give what fresh tensors give."""
+def test_views_at_any_offset_read_aligned_after_a_head(device):
+    """Gradients that are views at odd element offsets (a bucket's, a flat buffer's): each gets
+    a head block of the elements before its first 16-byte boundary (read by the unaligned
+    branches), then aligned blocks; the pass, the moments and the write pass give what fresh
+    tensors give."""
     for dtype in DTYPES:
         source = (torch.randn(40_000, generator=torch.Generator().manual_seed(7)) * 5).to(dtype)
         buffer = source.to(device)
         views = [buffer[1:9001], buffer[9003:9006], buffer[9011:39_000]]
         fresh = [v.clone() for v in views]
-        assert tp._tables(views, None).aligned == (False, False, False)
-        assert tp._tables(fresh, None).aligned == (True, True, True)
-        mixed = tp._tables([fresh[0], views[0]], None)
-        assert mixed.aligned == (True, False)
-        assert mixed.host[2 * 2 : 3 * 2].tolist() == [tp._DTYPE_CODE[dtype] + 3,
-                                                    tp._DTYPE_CODE[dtype]]  # fmt: skip
+        tables = tp._tables(views, None)
+        nb, size = tables.num_blocks, source.element_size()
+        owners, starts, counts, _ = block_rows(tables)
+        for t, v in enumerate(views):
+            mine = [b for b in range(nb) if owners[b] == t]
+            head = (16 - v.data_ptr() % 16) % 16 // size
+            assert head > 0 and starts[mine[0]] == 0 and counts[mine[0]] == min(head, v.numel())
+            assert not tables.aligned[mine[0]] and all(tables.aligned[b] for b in mine[1:])
+            assert sum(counts[b] for b in mine) == v.numel()  # every element, once
+        assert bool(tp._tables(fresh, None).aligned.all())
         a = tp.grad_pass(views, norm_type=2.0, primes=PRIMES)
         b = tp.grad_pass(fresh, norm_type=2.0, primes=PRIMES)
         _sync(device)
-        assert torch.equal(bits(a.stat), bits(b.stat))
-        assert torch.equal(a.moments, b.moments) and torch.equal(a.per_tensor, b.per_tensor)
+        assert a.found.item() == 0.0 and torch.equal(a.moments, b.moments)
+        # other blocks, so other sums of the squares: each within the stated bound of the exact
+        exact = [exact_sumsq(v) for v in views]
+        bound = tp.norm_bound([v.numel() for v in views])
+        assert abs(a.norm_stat.item() - sum(exact)) <= bound * sum(exact)
+        for norm, e in zip(a.per_tensor.cpu().tolist(), exact):
+            assert abs(norm - math.sqrt(e)) <= (bound / 2 + 2 * U) * math.sqrt(e)
+        maxima = tp.grad_pass(views).per_tensor
+        assert torch.equal(maxima, tp.grad_pass(fresh).per_tensor)  # a max: the same bits
         factor = torch.tensor(1 / 3, device=device)
         tp.div_(views, factor)
         tp.div_(fresh, factor)
@@ -553,14 +570,15 @@ def test_any_gradients_against_torch_and_python_integers(small_config, grads, fa
     """Drawn gradient lists (mixed dtypes, sizes at and between the tiles' edges, views at any
     offset, inf/NaN/-0.0/denormals/extremes at drawn places) through the interpreter: ``found``
     and the per-tensor max exactly torch's, the fingerprint exactly Python's integers, the
-    2-norm within `norm_bound()`, the write pass bit for bit torch's CPU ``_foreach_div_``; and
-    for every block of a tensor the tables call aligned, what the kernels' aligned branches state
-    to the compiler holds (its first element at a multiple of 16 bytes)."""
+    2-norm within `norm_bound()`, the write pass bit for bit torch's CPU ``_foreach_div_``; the
+    blocks cover every element once, and for every block the tables call aligned, what the
+    kernels' aligned branches state to the compiler holds (its first element at a multiple of 16
+    bytes)."""
     nonfinite = any(not bool(g.isfinite().all()) for g in grads)
     tables = tp._tables(grads, None)
-    kinds = "all" if all(tables.aligned) else "some" if any(tables.aligned) else "none"
-    event(f"aligned: {kinds}, inf/NaN: {nonfinite}, blocks > tensors: "
-          f"{tables.num_blocks > len(grads)}")  # fmt: skip
+    heads = sum(g.numel() > 0 and g.data_ptr() % 16 != 0 for g in grads)
+    event(f"views with a head block: {min(heads, 2)}{'+' if heads > 2 else ''}, "
+          f"inf/NaN: {nonfinite}, blocks > tensors: {tables.num_blocks > len(grads)}")  # fmt: skip
     taken = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES)
     assert taken.found.item() == float(nonfinite)
     assert taken.moments.tolist() == [ref_moments(g, PRIMES) for g in grads]
@@ -580,11 +598,12 @@ def test_any_gradients_against_torch_and_python_integers(small_config, grads, fa
             assert exact * (1 + bound) > torch.finfo(torch.float32).max
         else:
             assert abs(ours - exact) <= bound * exact + 2 * sum(numels) * 2.0**-149
-    owners = tables.blk[: tables.num_blocks].tolist()
-    starts = tables.blk[tables.num_blocks :].tolist()
-    for t, start in zip(owners, starts):  # what the aligned branches state to the compiler
-        if tables.aligned[t]:
+    owners, starts, counts, aligned = block_rows(tables)
+    for t, start, is_aligned in zip(owners, starts, aligned):  # what the kernels state holds
+        if is_aligned:
             assert (grads[t].data_ptr() + start * grads[t].element_size()) % 16 == 0
+    for t, g in enumerate(grads):  # every element in one block, once
+        assert sum(c for o, c in zip(owners, counts) if o == t) == g.numel()
     f = torch.tensor(factor)
     ours = [g.clone() for g in grads]
     theirs = [g.clone() for g in grads]
