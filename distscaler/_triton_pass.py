@@ -272,7 +272,7 @@ if TYPE_CHECKING:  # bound by `_kernels()` in the kernels' own namespace
 # Triton and the compiled and the interpreted set live in one process. The annotations stay strings (``from __future__ import annotations``); Triton
 # reads "constexpr" in them. Reductions call ``tl.reduce`` with Triton's own combine functions
 # (``_SUM``, ``_MAX``: what ``tl.sum``/``tl.max`` call), ``tl.full`` stands for ``tl.zeros`` and
-# the bodies are inlined (one branch per dtype, ``tl.static_range``): under the interpreter every call of a jit function re-patches
+# the bodies are inlined (a branch per dtype and alignment, ``tl.static_range``): under the interpreter every call of a jit function re-patches
 # ``triton.language`` (milliseconds), which made 10,000 tiny tensors take minutes.
 
 
@@ -295,7 +295,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
     lane = tl.arange(0, BLOCK)
     span = INNER * BLOCK
     num_flush = (n_left + (span - 1)) // span
-    for CODE in tl.static_range(6):  # a compiled branch per code; the block takes its tensor's
+    for CODE in tl.static_range(6):  # a branch per dtype and alignment: the block takes its own
         if code == CODE:
             DT: tl.constexpr = CODE % 3
             if DT == 0:  # the block's first element, addressed in int64
