@@ -231,7 +231,8 @@ class _Collective:
         their slots after ``buffer``; a SUM of the joint buffer (a MAX of flags clamped to 1 after
         it: one ``clamp_``), or, beside a MAX of values, one ``all_gather`` reduced here (amax of
         ``buffer``'s part, sum of the contributions', in rank order); one ``copy_`` back; then
-        each contribution reads its reduced slots. ``moments``: the gradients' fingerprint moments
+        each contribution reads its reduced slots (a deferred one also takes this rank's flag
+        from before the reduce: one ``clone``). ``moments``: the gradients' fingerprint moments
         where the pass computed them (the Triton kernel), for the contributions. Returns
         ``buffer``."""
         plan = self.plan
@@ -246,6 +247,9 @@ class _Collective:
                  for c in plan.contributions]  # fmt: skip
         n = buffer.numel()
         joint = torch.cat([buffer.reshape(-1), *parts])
+        # a deferred reading keeps this rank's flag, which the reduce overwrites (one op)
+        keep = any(getattr(c, "deferred", False) for c in plan.contributions)
+        local = joint[:1].clone() if keep else None
         if plan.collective_op == "gather":
             rows = joint.new_empty(world.size * joint.numel())
             dist.all_gather_into_tensor(rows, joint, group=world.group)
@@ -260,7 +264,8 @@ class _Collective:
             reduced = joint[n:]
         start = 0
         for c in plan.contributions:
-            self.readings[c.name] = c.read(reduced[start : start + c.numel])
+            part = reduced[start : start + c.numel]
+            self.readings[c.name] = c.read(part, local) if keep else c.read(part)
             start += c.numel
         return buffer
 

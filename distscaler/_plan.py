@@ -111,8 +111,11 @@ class Contribution(Protocol):
         (in ``params``' order); ``moments``: their fingerprint where the pass computed it."""
         ...
 
-    def read(self, reduced: torch.Tensor) -> Any:
-        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say."""
+    def read(self, reduced: torch.Tensor, local: torch.Tensor | None = None) -> Any:
+        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say. ``local``:
+        this rank's part of the buffer before the reduce (its non-finite flag first), given to a
+        contribution whose ``deferred`` attribute is True (its reading waits: the flag is gone
+        once the buffer is reduced in place)."""
         ...
 
 

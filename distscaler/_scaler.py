@@ -252,6 +252,8 @@ class GradScaler(torch.amp.GradScaler):
         self._collapse = CollapseWatch()
         #: (host update count, cause, report) of the last skip only the host knows the cause of.
         self._last_host_skip: tuple[int, str, Any] | None = None
+        #: A deferred replica mismatch's error (``"raise"``), raised when its update completes.
+        self._deferred_error: Exception | None = None
         #: The most recent collapse report (``collapse_window``), or None.
         self.last_collapse: CollapseReport | None = None
 
@@ -368,7 +370,7 @@ class GradScaler(torch.amp.GradScaler):
         record = self._records.setdefault(id(optimizer), StepRecord())
         record.keep(optimizer, result)
         assert result.found_inf is not None
-        found = state.one if record.replica_mismatch else result.found_inf
+        found = record.step_flag(result.found_inf, state.one)
         return {found.device: found}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -430,7 +432,7 @@ class GradScaler(torch.amp.GradScaler):
             assert result.found_inf is not None
             # A replica mismatch skips the step (found_inf 1.0 for the kernel) without being an
             # overflow: the update still sees the agreed found_inf.
-            found = state.one if record.replica_mismatch else result.found_inf
+            found = record.step_flag(result.found_inf, state.one)
             retval = fused_step(optimizer, record.grad_scale, found, args, kwargs)
         elif result.skipped or record.replica_mismatch:
             retval = None
@@ -493,12 +495,23 @@ class GradScaler(torch.amp.GradScaler):
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
-            self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps)
+            # A deferred replica check: its verdict skips and holds the update on the device;
+            # the host reads it later (`_read`, the periodic read).
+            pending = [r.replica_pending for r in records if r.replica_pending is not None]
+            held = None
+            if pending:
+                held = pending[0].verdict
+                for reading in pending[1:]:
+                    held = torch.fmax(held, reading.verdict)
+                self._replicas.defer(self._state.num_host_updates + 1, pending, found_inf)
+            self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps,
+                        held)  # fmt: skip
         if not torch.compiler.is_compiling():  # (an int a compiled update wrote would recompile it)
             self._replicas.end_iteration(mismatch, self._optimizers())
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
+        self._raise_deferred()
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         # The optimizers of this iteration (their records keep them), for the parameter check.
@@ -515,6 +528,7 @@ class GradScaler(torch.amp.GradScaler):
         if not torch.compiler.is_compiling():
             self._replicas.end_iteration(False, self._optimizers())
         self._records.clear()
+        self._raise_deferred()
 
     # ------------------------------------------------------------------ the parts, used
 
@@ -540,16 +554,51 @@ class GradScaler(torch.amp.GradScaler):
         return self._config.skip_log_interval > 0
 
     def _apply(
-        self, found_inf: torch.Tensor, counters: NextCounters | None, lerps: Sequence = ()
+        self,
+        found_inf: torch.Tensor,
+        counters: NextCounters | None,
+        lerps: Sequence = (),
+        held: torch.Tensor | None = None,
     ) -> None:
-        if self._state.update(found_inf, counters, self._config, lerps):
+        if self._state.update(found_inf, counters, self._config, lerps, held):
             self._periodic()
 
     def _periodic(self) -> None:
-        # The periodic read (the same update on every rank): the skip log, the overflow report,
-        # the collapse watch.
+        # The periodic read (the same update on every rank): the skip log, the replica mismatches
+        # a deferred check found (named here, where every rank is), the overflow report, the
+        # collapse watch.
         _, values, totals = self._read()
+        self._name_deferred()
         self._report(totals, values.scale)
+
+    def _count_deferred(self) -> None:
+        # The deferred replica checks' verdicts read on the host (nothing when none wait; no
+        # collective): each mismatch whose values were finite is a skip of its own cause.
+        for update, overflow in self._replicas.count():
+            if overflow:
+                continue  # an overflow too: the update backed off, the record counts it as one
+            self._state.skips.note_cause("replica_mismatch")
+            last = self._last_host_skip
+            if last is None or last[0] <= update:
+                self._last_host_skip = (update, "replica_mismatch", None)
+
+    def _name_deferred(self) -> None:
+        # The deferred mismatches counted so far, named (every rank together); a "raise" waits
+        # for `_raise_deferred` at the end of the update.
+        named, error = self._replicas.name()
+        for update, mismatch in named:
+            last = self._last_host_skip
+            if last is not None and last[0] == update:
+                self._last_host_skip = (update, last[1], mismatch)
+        if error is not None:
+            self._deferred_error = error
+
+    def _raise_deferred(self) -> None:
+        # ``on_replica_mismatch="raise"`` for a mismatch named by the periodic read, once the
+        # update is complete (its step was skipped and the update held on the device).
+        error, self._deferred_error = self._deferred_error, None
+        if error is not None:
+            raise error
 
     def _watch_collapse(self, totals: SkipTotals, scale: float) -> None:
         # Every rank sees the same totals at the same update, so every rank reports (or raises)
@@ -601,6 +650,7 @@ class GradScaler(torch.amp.GradScaler):
             replica = self._replicas.contribution(
                 self._layouts, optimizer, group=world.group, world_size=world.size,
                 dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
+                deferrable=plan.fused and self._kernels == "triton",
             )  # fmt: skip
             if replica is not None:
                 plan = dataclasses.replace(plan, contributions=(replica,))
@@ -615,6 +665,7 @@ class GradScaler(torch.amp.GradScaler):
         # iterations (no check pending) the device's counts fold into the host's. Never asks the
         # process group (safe on another thread: torchft's quorum calls state_dict there).
         fold = not self._records
+        self._count_deferred()
         return self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
 
     def _report(self, totals: SkipTotals, scale: float | None = None) -> None:
@@ -795,10 +846,11 @@ class GradScaler(torch.amp.GradScaler):
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
+        found = self._read(flag)[0][0]  # (counts a deferred replica check's verdict too)
         host = self._last_host_skip  # a skip whose cause only the host knows (no inf found)
         if host is not None and host[0] == self._state.num_host_updates:
             return True
-        return bool(self._read(flag)[0][0])
+        return bool(found)
 
     @property
     def skip_totals(self) -> SkipTotals:
@@ -928,6 +980,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._records:
             raise CallOrderError("report_skip() must be called after update().")
         totals = self._read()[2]
+        self._name_deferred()
+        self._raise_deferred()
         if not totals.last_skipped:
             return None
         host = self._host_skip(totals)
@@ -996,6 +1050,7 @@ class GradScaler(torch.amp.GradScaler):
             state.update(_state=self._state.portable(values, totals), _scale=None)
             state["_growth_tracker"] = None
         state["_records"] = {}
+        state["_deferred_error"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1003,6 +1058,7 @@ class GradScaler(torch.amp.GradScaler):
         state.setdefault("_records", {})
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
         state.setdefault("_kernels", "torch")
+        state.setdefault("_deferred_error", None)
         self.__dict__.update(state)
 
     # ------------------------------------------------------------------ settings

@@ -258,13 +258,60 @@ class DeviceState:
         counters: NextCounters,
         raise_at_minimum: bool,
         extra: Sequence[Lerp] = (),
+        held: torch.Tensor | None = None,
     ) -> None:
         """The skip record (with ``extra`` lerps) and the policy's update, after `prepare()`
-        (``counters``: `next_counters()` of the counters as they are now)."""
+        (``counters``: `next_counters()` of the counters as they are now).
+
+        ``held``: 0-dim float32, exactly 1.0 or 0.0, a verdict read on no host (a deferred replica
+        check): where it is 1.0 the record counts the update as skipped, and where ``found_inf``
+        is 0.0 too the scale, the growth tracker and the policy's counters stay as they were (a
+        copy of each before, one ``_foreach_lerp_`` back for the float ones, a ``where`` and a
+        ``copy_`` for each integer one): `ScalerState.skip()` without a host read."""
+        skipped = found_inf
+        kept: list[torch.Tensor] = []
+        saved: list[torch.Tensor] = []
+        if held is not None:
+            skipped = torch.fmax(found_inf, held)
+            kept = self._held_tensors()
+            saved = [t.clone() for t in kept]
+        self._update_(found_inf, skipped, counters, raise_at_minimum, extra)
+        if held is not None:
+            hold = held > found_inf  # a mismatch with every value finite: not an overflow
+            weight = hold.to(torch.float32)
+            floats = [(t, s) for t, s in zip(kept, saved) if t.is_floating_point()]
+            torch._foreach_lerp_([t for t, _ in floats], [s for _, s in floats],
+                                 [weight] * len(floats))  # fmt: skip
+            for t, s in zip(kept, saved):
+                if not t.is_floating_point():
+                    t.copy_(torch.where(hold, s, t))
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        # What an update moves besides the record: the scale, the growth tracker, the packed
+        # counters or every tensor the policy holds (its counters, its own, as DeepSpeed's count).
+        tensors = [self.scale, self.growth_tracker]
+        if self.packed is not None:
+            tensors += self.packed.tensors()
+        elif self.policy is not None:
+            found = [*self.policy.counters.values(), *vars(self.policy).values()]
+            tensors += [t for t in found if isinstance(t, torch.Tensor)]
+        unique: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            unique.setdefault(id(t), t)
+        return list(unique.values())
+
+    def _update_(
+        self,
+        found_inf: torch.Tensor,
+        skipped: torch.Tensor,
+        counters: NextCounters,
+        raise_at_minimum: bool,
+        extra: Sequence[Lerp],
+    ) -> None:
         if self.packed is not None:
 
             def record(lerps: list[Lerp]) -> None:
-                self.record_(found_inf, counters, [*extra, *lerps])
+                self.record_(skipped, counters, [*extra, *lerps])
 
             packed_update_(
                 self.packed,
@@ -282,7 +329,7 @@ class DeviceState:
         assert policy is not None
         if raise_at_minimum:
             policy.rule.check_minimum(found_inf, policy.scale, policy.exhausted())
-        self.record_(found_inf, counters, extra)
+        self.record_(skipped, counters, extra)
         policy.update_(found_inf)
 
     # ------------------------------------------------------------------ host reads
@@ -392,12 +439,15 @@ class ScalerState:
         counters: NextCounters | None,
         config: ScalerConfig,
         extra: Sequence[Lerp] = (),
+        held: torch.Tensor | None = None,
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
         record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on the
         device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus the
         clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
-        `DeviceState.counter_terms()`, else one more op makes them). Returns whether the periodic
+        `DeviceState.counter_terms()`, else one more op makes them); ``held``: a deferred replica
+        check's verdict, which skips and holds the update on the device
+        (`DeviceState.update_()`). Returns whether the periodic
         host read is due (every ``skip_log_interval`` and `FOLD_EVERY` updates, the same update on
         every rank; never inside CUDA graph capture).
 
@@ -416,7 +466,7 @@ class ScalerState:
         state.prepare(get_policy(config.policy), rule)
         if counters is None or not state.counters_valid(counters):
             counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
-        state.update_(found_inf, counters, config.raise_error_at_min_scale, extra)
+        state.update_(found_inf, counters, config.raise_error_at_min_scale, extra, held)
         self.last_found_inf = found_inf
         return self._tick(config)
 

@@ -22,6 +22,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .attribution import StepFlags, TensorFlags
+from .replica_check import DeferredReading
 
 if TYPE_CHECKING:
     from ._state import NextCounters
@@ -51,6 +52,9 @@ class StepRecord:
     flags: StepFlags | None = None
     #: The replica check found replicas that differ: the step is skipped (not an overflow).
     replica_mismatch: bool = False
+    #: The replica check's reading where it waits (`DeferredReading`): its verdict, on the
+    #: device, skips the step and holds the update.
+    replica_pending: DeferredReading | None = None
     #: The optimizer of the record (its parameters, for the parameter check).
     optimizer: torch.optim.Optimizer | None = None
 
@@ -78,9 +82,23 @@ class StepRecord:
             self.stage = stage
         if clipped:
             self.clipped = True
-        if result.readings.get("replica") is not None:  # the replica check's reading
+        reading = result.readings.get("replica")  # the replica check's
+        if isinstance(reading, DeferredReading):
+            self.replica_pending = reading
+        elif reading is not None:
             self.replica_mismatch = True
         self.keep_flags(optimizer, result)
+
+    def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        """What the optimizer's step takes as ``found_inf``: 1.0 (``one``) after a replica
+        mismatch read on the host, the maximum of ``found_inf`` and a deferred reading's verdict
+        (one op, on the device), else ``found_inf``. A mismatch is not an overflow: the update
+        still takes the agreed ``found_inf``."""
+        if self.replica_mismatch:
+            return one
+        if self.replica_pending is not None:
+            return torch.fmax(found_inf, self.replica_pending.verdict)
+        return found_inf
 
     def keep_flags(self, optimizer: torch.optim.Optimizer, result: StepResult) -> None:
         """Keep the per-tensor flags ``result`` took, if it took them (an iteration whose check

@@ -358,6 +358,25 @@ def mismatched(reduced: Sequence[float], primes: tuple[int, int]) -> bool:
     return any(int(v) % primes[i % 2] != 0 for i, v in enumerate(reduced))
 
 
+_MODS: dict[tuple, torch.Tensor] = {}
+
+
+def device_verdict(reduced: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+    """`mismatched()` on the device, no host read: 0-dim float32 on ``reduced``'s device,
+    exactly 1.0 when some slot of ``reduced`` (float32 ``(4,)`` or ``(8,)``, pairs for ``primes``)
+    is not a multiple of its prime, else 0.0. Three ops (``fmod``, ``amax``, ``clamp_``); exact,
+    as each slot is a non-negative integer below 2**24."""
+    key = (primes, reduced.numel(), reduced.device)
+    mods = _MODS.get(key)
+    if mods is None:
+        if len(_MODS) > 8:
+            _MODS.clear()
+        mods = _MODS[key] = torch.tensor(
+            [float(primes[i % 2]) for i in range(reduced.numel())], device=reduced.device
+        )
+    return torch.fmod(reduced, mods).amax().clamp_(max=1.0)
+
+
 # ---------------------------------------------------------------------- replica sets
 
 
@@ -516,7 +535,8 @@ class ReplicaSlots:
 
     Made by `ReplicaCheck.contribution()` when the plan is built; the pass computes `local()`
     from the gradients it reads, and `read()` takes the reduced slots (one host read; on a
-    mismatch one ``all_gather_object`` on every rank together)."""
+    mismatch one ``all_gather_object`` on every rank together), or, ``deferred``, keeps them with
+    their verdict on the device for `ReplicaCheck.count()` and `ReplicaCheck.name()`."""
 
     name: str = "replica"
     combine: Literal["sum", "max"] = "sum"
@@ -532,8 +552,11 @@ class ReplicaSlots:
         device: torch.device,
         with_grads: bool,
         with_params: bool,
+        deferred: bool = False,
     ) -> None:
         self.check = check
+        #: The reading waits for `ReplicaCheck.count()` (`DeferredReading`): no host read.
+        self.deferred = deferred
         self.sets = sets
         self.optimizer = optimizer
         self.group = group
@@ -603,49 +626,92 @@ class ReplicaSlots:
 
     # -- the reading
 
-    def read(self, reduced: torch.Tensor) -> ReplicaMismatch | None:
-        """The mismatch the reduced slots show (one host read), counted in the ledger and acted
-        on (``"raise"``: `ReplicaMismatchError`; a callable is called); None when the replicas
-        agree. Every rank reads the same slots, so every rank returns the same."""
+    def read(
+        self, reduced: torch.Tensor, local: torch.Tensor | None = None
+    ) -> ReplicaMismatch | DeferredReading | None:
+        """What the reduced slots show, counted in the ledger. At once (one host read): the
+        mismatch (or None when the replicas agree), acted on (``"raise"``:
+        `ReplicaMismatchError`; a callable is called); every rank reads the same slots, so every
+        rank returns the same. Where the check is ``deferred``: a `DeferredReading` holding the
+        verdict on the device (no host read; ``local``: this rank's buffer before the reduce, its
+        non-finite flag first), read by `ReplicaCheck.count()` and named by
+        `ReplicaCheck.name()` later."""
         check = self.check
-        values = reduced.tolist()
         step = check.iteration + 1
         ledger = check.ledger
         ledger.checks += self.with_grads
         ledger.param_checks += self.with_params
         if self.with_params:
             ledger.param_checks_at = step
-        parts = [("gradients", values[0:SLOTS]), ("parameters", values[SLOTS : 2 * SLOTS])]
-        bad = [what for what, slots in parts if slots and mismatched(slots, self.primes)]
+        if self.deferred:
+            assert local is not None
+            self._grads = ()  # nothing is read again: the flag before the reduce says it
+            return DeferredReading(self, step, reduced, device_verdict(reduced, self.primes),
+                                   local.reshape(-1)[:1])  # fmt: skip
+        values = reduced.tolist()
         if self.param_nonfinite is not None and bool(self.param_nonfinite):
             check.nonfinite_parameters = True  # for the collapse report at the next read
-        if not bad:
+        if not self.differs(values):
             return None
-        what = bad[0]
         local_nonfinite = any(
             not bool(g.isfinite().all()) for g in self._grads if g.is_floating_point()
         )  # a mismatch's one more read: an inf/NaN makes it an overflow too
+        ledger.skipped += 1
+        mismatch = self.settle(step, values, local_nonfinite)
+        if check.on_mismatch == "raise":
+            raise ReplicaMismatchError(mismatch)
+        return mismatch
+
+    def differs(self, values: Sequence[float]) -> list[str]:
+        """What the reduced slots (host floats) show differing: ``"gradients"``, ``"parameters"``
+        or both, in that order; empty when the replicas agree."""
+        parts = [("gradients", values[0:SLOTS]), ("parameters", values[SLOTS : 2 * SLOTS])]
+        return [what for what, slots in parts if slots and mismatched(slots, self.primes)]
+
+    def settle(self, step: int, values: Sequence[float], local_nonfinite: bool) -> ReplicaMismatch:
+        """The mismatch the reduced slots (``values``, host floats, some differing) show at update
+        ``step``: the ranks named (one ``all_gather_object`` on every rank together), noted in the
+        ledger, logged on rank 0; a callable ``on_mismatch`` is called. ``local_nonfinite``: this
+        rank's checked tensors held inf/NaN."""
+        check = self.check
+        what = self.differs(values)[0]
         ranks, sets, nonfinite = _name_ranks(self._global[what], self.primes, self.group,
                                              local_nonfinite)  # fmt: skip
         on_mismatch = check.on_mismatch
         action = on_mismatch if isinstance(on_mismatch, str) else "callback"
         mismatch = ReplicaMismatch(step, what, ranks, sets, action, nonfinite)  # type: ignore[arg-type]
-        ledger.note_mismatch(mismatch)
-        ledger.skipped += 1
+        check.ledger.note_mismatch(mismatch)
         _warn_rank0("replica mismatch at %s; the step is skipped on every rank",
                     mismatch.describe())  # fmt: skip
-        if on_mismatch == "raise":
-            raise ReplicaMismatchError(mismatch)
         if callable(on_mismatch):
             on_mismatch(mismatch)
         return mismatch
 
 
+class DeferredReading(NamedTuple):
+    """A replica check whose reading waits (a fused step on CUDA with the Triton kernels, the
+    default cadence): the verdict on the device, which the step and the update take without a
+    host read, and what the later reading needs. Made by `ReplicaSlots.read()`."""
+
+    #: The check's part of the step (its fingerprints, for naming the ranks).
+    slots: ReplicaSlots
+    #: The 1-based update the check belongs to (as `ReplicaMismatch.step`).
+    step: int
+    #: The reduced slots, float32 ``(numel,)`` on the device.
+    reduced: torch.Tensor
+    #: `device_verdict()` of ``reduced``: 0-dim float32, 1.0 where the replicas differ.
+    verdict: torch.Tensor
+    #: This rank's non-finite flag before the reduce, float32 ``(1,)`` (1.0: it held inf/NaN).
+    local_found: torch.Tensor
+
+
 # ---------------------------------------------------------------------- the scaler's part
 
 
-#: ``replica_check_interval=None``: every update where a host read is free (the CPU), else every
-#: this many (on a GPU a checked step costs a read pass and a host sync).
+#: ``replica_check_interval=None``: every update where a host read is free (the CPU) or where the
+#: reading can wait (a fused step with the Triton kernels: the fingerprint rides in the kernel's
+#: read, the verdict stays on the device), else every this many (a checked step costs a read pass
+#: and a host sync there).
 GPU_INTERVAL = 32
 
 
@@ -674,6 +740,12 @@ class ReplicaCheck:
         self.nonfinite_parameters = False
         self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
+        #: Deferred readings of updates done, with the update's number and agreed found_inf
+        #: (`defer()`), not read on the host yet.
+        self.pending: list[tuple[int, DeferredReading, torch.Tensor]] = []
+        #: Mismatches counted by `count()`, to be named by `name()`: (update, reading, the
+        #: reduced slots as host floats, whether this rank held inf/NaN).
+        self.unnamed: list[tuple[int, DeferredReading, list[float], bool]] = []
 
     def configure(
         self, enabled: bool, interval: int | None, param_interval: int, on_mismatch: OnMismatch
@@ -685,13 +757,14 @@ class ReplicaCheck:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_terms"], state["_sets"] = {}, {}
+        state["pending"], state["unnamed"] = [], []  # device tensors and a process group
         if not isinstance(self.on_mismatch, str):
             state["on_mismatch"] = "skip"  # a callable is not copied
         return state
 
     def interval(self, host_reads: bool) -> int:
-        """Updates between two gradient checks: the setting, or 1 where a host read is free (the
-        CPU) and `GPU_INTERVAL` elsewhere."""
+        """Updates between two gradient checks: the setting, or 1 where a check costs no host
+        sync (``host_reads``: the CPU, or a reading that waits) and `GPU_INTERVAL` elsewhere."""
         if self.interval_setting is not None:
             return self.interval_setting
         return 1 if host_reads else GPU_INTERVAL
@@ -717,11 +790,16 @@ class ReplicaCheck:
         dynamic: bool,
         host_reads: bool,
         device: torch.device,
+        deferrable: bool = False,
     ) -> ReplicaSlots | None:
         """The check's part of this step's collective, or None when it is not due or nothing of
         ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
-        TP, pipeline stages each replicated or none, which the collective's size relies on)."""
-        with_grads, with_params = self.due(world_size, dynamic, host_reads)
+        TP, pipeline stages each replicated or none, which the collective's size relies on).
+        ``deferrable``: the step takes the verdict on the device (a fused step with the Triton
+        kernels where host reads cost a sync); with the default interval the check then runs
+        every update and its reading waits (`DeferredReading`)."""
+        deferred = deferrable and not host_reads and self.interval_setting is None
+        with_grads, with_params = self.due(world_size, dynamic, host_reads or deferred)
         if not (with_grads or with_params):
             return None
         params = tuple(p for g in optimizer.param_groups for p in g["params"])
@@ -729,7 +807,59 @@ class ReplicaCheck:
         if all(s is None for s in sets.values()):
             return None
         return ReplicaSlots(self, sets, optimizer, group=group, world_size=world_size,
-                            device=device, with_grads=with_grads, with_params=with_params)  # fmt: skip
+                            device=device, with_grads=with_grads, with_params=with_params,
+                            deferred=deferred)  # fmt: skip
+
+    # -- deferred readings
+
+    def defer(self, update: int, readings: Sequence[DeferredReading], found_inf: torch.Tensor) -> None:
+        """Keep the deferred ``readings`` of update ``update`` (1-based, the host's count) and its
+        agreed ``found_inf`` for `count()`. Not under CUDA graph capture: a replay runs no Python
+        (its verdict still skips the step and holds the update on the device)."""
+        if found_inf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self.pending += [(update, r, found_inf) for r in readings]
+
+    def count(self) -> list[tuple[int, bool]]:
+        """Read the pending verdicts on the host (one transfer; nothing when none are pending, no
+        collective: safe on one rank): each mismatch is counted in the ledger as a skipped step
+        and kept for `name()`. Returns ``(update, overflow)`` per mismatch, ``overflow`` where
+        some rank also held inf/NaN (the agreed ``found_inf``: the update backed off)."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        parts = []
+        for _, r, found in pending:
+            nonfinite = r.slots.param_nonfinite
+            parts += [r.verdict.reshape(1), found.reshape(1).to(r.verdict.dtype), r.local_found,
+                      (r.verdict if nonfinite is None else nonfinite).reshape(1).to(torch.float32),
+                      r.reduced]  # fmt: skip
+        values = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+        events, i = [], 0
+        for update, r, _ in pending:
+            verdict, found, local, param_nonfinite = values[i : i + 4]
+            slots = values[i + 4 : i + 4 + r.reduced.numel()]
+            i += 4 + r.reduced.numel()
+            if r.slots.param_nonfinite is not None and param_nonfinite:
+                self.nonfinite_parameters = True
+            if verdict:
+                self.ledger.skipped += 1
+                self.unnamed.append((update, r, slots, bool(local)))
+                events.append((update, bool(found)))
+        return events
+
+    def name(self) -> tuple[list[tuple[int, ReplicaMismatch]], ReplicaMismatchError | None]:
+        """Name the ranks of each mismatch `count()` kept (one ``all_gather_object`` each, on
+        every rank together: call it where every rank is, the periodic read), note them in the
+        ledger, log them, call a callable ``on_mismatch``. Returns ``(update, mismatch)`` for each
+        and, for ``"raise"``, the error to raise (the first mismatch's) once the caller's update
+        is complete."""
+        unnamed, self.unnamed = self.unnamed, []
+        named = [(u, r.slots.settle(r.step, slots, local)) for u, r, slots, local in unnamed]
+        error = None
+        if named and self.on_mismatch == "raise":
+            error = ReplicaMismatchError(named[0][1])
+        return named, error
 
     def _replica_sets(
         self, layouts: Any, params: tuple[torch.Tensor, ...], group: Any, world_size: int
