@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from _common import gpu_path
-from _replica_scenarios import flip_bit_
+from _replica_scenarios import digest, flip_bit_
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -83,4 +83,98 @@ def triton_beside_torch(rank: int, world_size: int) -> dict[str, Any]:
     for clip, fused in ((None, True), (1.0, True), (1.0, False), (None, False)):
         key = f"{'clip' if clip else 'noclip'}-{'fused' if fused else 'foreach'}"
         results[key] = {k: _run(rank, k, clip, fused) for k in ("torch", "triton")}
+    return results
+
+
+# ------------------------------------------------------------- the deferred replica check
+
+#: The deferred check's run: a flip after the reduce (a finite mismatch) at update 2, an inf
+#: before the reduce (an overflow) at update 4, an inf after the reduce on rank 1 only (a mismatch
+#: that is an overflow too) at update 5; the periodic read every 3 updates (3, 6).
+DEFER_FLIP, DEFER_INF, DEFER_MIXED, DEFER_STEPS, DEFER_LOG = 1, 3, 4, 7, 3
+#: (clip, policy, counters packed): every rule's counters held through a finite mismatch.
+DEFER_CASES = {
+    "noclip-torch": (None, "torch", True),
+    "clip-torch": (1.0, "torch", True),
+    "noclip-deepspeed": (None, "deepspeed", True),
+    "clip-deepspeed-plain": (1.0, "deepspeed", False),
+    "noclip-megatron": (None, "megatron", True),
+}
+
+
+def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed: bool,
+                  on_mismatch: str = "skip") -> dict[str, Any]:  # fmt: skip
+    """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
+    kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
+    read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
+    the CPU's path)."""
+    from common.probes import DispatchCounter, HostReadSpy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    settings: dict[str, Any] = {"replica_check_interval": 1} if mode == "immediate" else {}
+    if mode == "off":
+        settings["replica_check"] = False
+    if policy != "torch":
+        settings["hysteresis"] = 2
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy,
+                        kernels="torch" if mode == "cpu" else "triton",
+                        skip_log_interval=DEFER_LOG, on_replica_mismatch=on_mismatch,
+                        **settings).register_model(ddp)  # fmt: skip
+    scaler._state.pack_counters = packed
+    if mode != "cpu":
+        gpu_path(scaler)
+    out: dict[str, Any] = {"scales": [], "params": [], "named": [], "reads": [], "raised": []}
+    scales = []
+    for step in range(DEFER_STEPS):
+        opt.zero_grad()
+        torch.manual_seed(100 + 10 * step + rank)
+        x = torch.randn(4, 8)
+        if step == DEFER_INF and rank == 0:
+            x[0, 0] = float("inf")  # before the reduce: every replica sees it (an overflow)
+        scaler.scale(ddp(x).square().mean()).backward()
+        if step == DEFER_FLIP and rank == 1:
+            flip_bit_(model[0].weight.grad, 5, 30)  # after the reduce: this replica only
+        if step == DEFER_MIXED and rank == 1:
+            model[0].weight.grad.view(-1)[3] = float("inf")  # this replica only, an inf
+        spy = HostReadSpy()
+        spy.exclude_optimizer(opt)
+        with DispatchCounter() as counter, spy:
+            if clip is not None:
+                scaler.clip_grad_norm_(opt, clip)
+            scaler.step(opt)
+            try:
+                scaler.update()
+            except Exception as e:  # noqa: BLE001 - "raise": which update raised, and what
+                out["raised"].append([step, type(e).__name__, list(e.mismatch.ranks),
+                                      e.mismatch.step])  # fmt: skip
+        out["reads"].append(list(spy.reads))
+        if step == DEFER_STEPS - 1:  # a clean update between two periodic reads
+            out["ops"] = dict(counter.ops)
+        scales.append(scaler._scale.clone())  # no host read: read after the run
+        out["params"].append(digest(model.parameters()))
+        last = scaler.last_replica_mismatch
+        out["named"].append(None if last is None else [last.step, list(last.ranks),
+                                                       list(last.nonfinite)])  # fmt: skip
+    out["scales"] = [float(s) for s in scales]
+    totals = scaler.skip_totals
+    out["causes"] = totals.causes
+    out["skipped"] = totals.num_skipped
+    out["state"] = {k: v for k, v in scaler.state_dict().items() if not isinstance(v, dict)}
+    out["ledger"] = scaler.replica_ledger.as_dict()
+    out["report"] = repr(scaler.report_skip())
+    return out
+
+
+def deferred_beside_immediate(rank: int, world_size: int) -> dict[str, Any]:
+    """The deferred replica check (Triton kernels, the GPU's path, the default cadence) beside
+    the check read at the step and beside torch's kernels on the CPU's path, on the same data."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    results: dict[str, Any] = {}
+    for key, (clip, policy, packed) in DEFER_CASES.items():
+        results[key] = {m: _deferred_run(rank, m, clip, policy, packed)
+                        for m in ("deferred", "immediate", "off", "cpu")}  # fmt: skip
+    results["raise"] = _deferred_run(rank, "deferred", None, "torch", True, on_mismatch="raise")
     return results

@@ -152,6 +152,82 @@ def test_two_ranks_agree_and_the_kernels_fingerprint_catches_a_flip(two, case):
     assert runs[0]["triton"]["params"] == runs[1]["triton"]["params"]
 
 
+@pytest.fixture(scope="module")
+def deferred(tmp_path_factory):
+    return spawn(S.deferred_beside_immediate, 2, tmp_path_factory.mktemp("deferred2"))
+
+
+@interpreted
+@pytest.mark.parametrize("case", list(S.DEFER_CASES))
+def test_a_deferred_replica_check_skips_and_holds_as_the_check_read_at_the_step(deferred, case):
+    """The GPU's path with the Triton kernels and a fused optimizer checks every update by
+    default and reads the verdict later; every step, scale, growth tracker, policy counter, skip
+    count and ledger entry is the one of the check read at the step (and of torch's kernels on
+    the CPU's path), through a finite mismatch, an overflow, and a mismatch that is an overflow."""
+    for r in deferred:
+        runs = r[case]
+        ours, at_step, cpu, off = (runs[m] for m in ("deferred", "immediate", "cpu", "off"))
+        assert ours["ledger"]["replica_checks"] == S.DEFER_STEPS  # every update, by default
+        for ref in (at_step, cpu):
+            assert ours["scales"] == ref["scales"]
+            assert ours["params"] == ref["params"]  # every step's parameters, bit for bit
+            assert ours["state"] == ref["state"]  # scale, growth tracker, the policy's counters
+            assert ours["causes"] == ref["causes"] and ours["skipped"] == ref["skipped"]
+            assert ours["ledger"] == ref["ledger"]
+            assert ours["report"] == ref["report"]
+        assert ours["causes"]["replica_mismatch"] == 1 and ours["causes"]["overflow"] == 2
+        flip, mixed = S.DEFER_FLIP, S.DEFER_MIXED
+        assert ours["params"][flip] == ours["params"][flip - 1]  # the flipped step was skipped
+        assert off["params"][flip] != ours["params"][flip]  # which the flip alone would not be
+        assert ours["params"][mixed] == ours["params"][mixed - 1]
+        # a finite mismatch holds the scale where an overflow backs off
+        assert ours["scales"][mixed] < ours["scales"][mixed - 1]
+    assert deferred[0][case]["deferred"]["params"] == deferred[1][case]["deferred"]["params"]
+
+
+@interpreted
+def test_a_deferred_check_reads_nothing_at_the_step_and_names_at_the_periodic_read(deferred):
+    for r in deferred:
+        ours, at_step, off = (r["noclip-torch"][m] for m in ("deferred", "immediate", "off"))
+        periodic = {u - 1 for u in range(S.DEFER_LOG, S.DEFER_STEPS + 1, S.DEFER_LOG)}
+        for i in range(S.DEFER_STEPS):
+            if i not in periodic:  # the step and the update read what they read without it
+                assert ours["reads"][i] == off["reads"][i], i
+        assert len(at_step["reads"][0]) > len(off["reads"][0])  # the check read at the step
+        # named at the first periodic read after it, on every rank; the check read at the step
+        # names it at once
+        flip_update, mixed_update = S.DEFER_FLIP + 1, S.DEFER_MIXED + 1
+        assert ours["named"][: S.DEFER_LOG - 1] == [None] * (S.DEFER_LOG - 1)
+        assert ours["named"][S.DEFER_LOG - 1] == [flip_update, [0, 1], []]
+        assert at_step["named"][S.DEFER_FLIP] == [flip_update, [0, 1], []]
+        assert ours["named"][-1] == at_step["named"][-1] == [mixed_update, [0, 1], [1]]
+        # What deferring adds to a clean step: the verdict (fmod, amax, clamp_), this rank's flag
+        # kept (clone), the step's found_inf (fmax), and the held update: the skip weight (fmax),
+        # the scale and growth tracker kept (2 clones), the hold (gt, to), put back (lerp_; where,
+        # copy_)
+        extra = {k: ours["ops"].get(k, 0) - at_step["ops"].get(k, 0)
+                 for k in set(ours["ops"]) | set(at_step["ops"])}  # fmt: skip
+        assert {k: v for k, v in extra.items() if v} == {
+            "aten.fmod.Tensor": 1, "aten.amax.default": 1, "aten.clamp_.default": 1,
+            "aten.clone.default": 3, "aten.fmax.default": 2, "aten.gt.Tensor": 1,
+            "aten._to_copy.default": 1, "aten._foreach_lerp_.List": 1, "aten.where.self": 1,
+            "aten.copy_.default": 1,
+        }  # fmt: skip
+
+
+@interpreted
+def test_raise_comes_at_the_periodic_read_once_the_update_is_complete(deferred):
+    for r in deferred:
+        got, skip = r["raise"], r["noclip-torch"]["immediate"]
+        flip_update, mixed_update = S.DEFER_FLIP + 1, S.DEFER_MIXED + 1
+        assert got["raised"] == [
+            [S.DEFER_LOG - 1, "ReplicaMismatchError", [0, 1], flip_update],
+            [2 * S.DEFER_LOG - 1, "ReplicaMismatchError", [0, 1], mixed_update],
+        ]
+        # the step skipped and the update held before it raised: training goes on unchanged
+        assert got["params"] == skip["params"] and got["scales"] == skip["scales"]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_the_phase_kernels_on_a_gpu(fused):
