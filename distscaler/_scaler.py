@@ -145,13 +145,19 @@ class GradScaler(torch.amp.GradScaler):
             step's collective, and a mismatch skips the step on every rank
             ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
         replica_check_interval (int | None): keyword-only, updates between two gradient checks
-            (at least 1); default None: every update where a host read is free (the CPU), every 32 on a
-            GPU (a checked step there costs one read pass over the gradients and one host read).
+            (at least 1); default None: every update where a host read is free (the CPU), and on
+            CUDA with ``kernels="triton"``, a fused optimizer and ``skip_log_interval > 0``, where
+            the fingerprint rides in the kernel's read and the check's reading waits for the
+            periodic read (its verdict skips the step and holds the update on the device: no host
+            read; see [`distscaler.replica_check`][distscaler.replica_check]); every 32 elsewhere
+            on a GPU (a checked step there costs one read pass over the gradients and one host
+            read). An int reads every check at its step.
         param_check_interval (int): keyword-only, updates between two comparisons of the
             replicated parameters and their optimizer state, default 1000 (0: never).
         on_replica_mismatch ("skip" | "raise" | callable): keyword-only, default
             ``"skip"``; ``"raise"`` raises `ReplicaMismatchError` on every rank before the
-            optimizer steps; a callable is called with the
+            optimizer steps (where the reading waits: from the ``update()`` of the periodic read
+            that names it, once that update is complete); a callable is called with the
             [`ReplicaMismatch`][distscaler.replica_check.ReplicaMismatch] on every rank and the
             step is skipped.
 
@@ -650,7 +656,8 @@ class GradScaler(torch.amp.GradScaler):
             replica = self._replicas.contribution(
                 self._layouts, optimizer, group=world.group, world_size=world.size,
                 dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
-                deferrable=plan.fused and self._kernels == "triton",
+                # the verdict stays on the device where a periodic read will name it
+                deferrable=plan.fused and self._kernels == "triton" and self._attributing,
             )  # fmt: skip
             if replica is not None:
                 plan = dataclasses.replace(plan, contributions=(replica,))

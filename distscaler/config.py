@@ -105,7 +105,8 @@ class ScalerConfig:
     the step on every rank ([`distscaler.replica_check`][distscaler.replica_check])."""
     replica_check_interval: int | None = None
     """Updates between two gradient comparisons (>= 1); None: every update where a host read is
-    free (the CPU), every 32 on a GPU."""
+    free (the CPU) or where the check's reading can wait (CUDA, the Triton kernels, a fused
+    optimizer, ``skip_log_interval > 0``), every 32 elsewhere on a GPU."""
     param_check_interval: int = 1000
     """Updates between two comparisons of the replicated parameters and their optimizer state
     (>= 0; 0: never)."""
@@ -227,7 +228,7 @@ def settings_problems(s: Mapping[str, Any]) -> list[tuple[type[Exception], str]]
     if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
                                  or interval < 1):  # fmt: skip
         problems.append((ValueError, "replica_check_interval must be an int >= 1 or None "
-                                     f"(every update on the CPU, every 32 on a GPU), got: {interval!r}"))  # fmt: skip
+                                     f"(None: chosen per device), got: {interval!r}"))  # fmt: skip
     on_mismatch = s["on_replica_mismatch"]
     if not (on_mismatch in ("skip", "raise") or callable(on_mismatch)):
         problems.append((ValueError, "on_replica_mismatch must be 'skip', 'raise' or a callable "

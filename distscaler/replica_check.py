@@ -60,10 +60,29 @@ see it); a corruption after the check (between the scaler's pass and the optimiz
 replicas on different kinds of GPU, whose kernels may not produce bit-equal gradients (detected at
 the first checked step: turn the check off with ``replica_check=False``).
 
+**When the reading waits** (a *deferred reading*): on CUDA with the Triton kernels
+(``kernels="triton"``), a fused optimizer, the default ``replica_check_interval`` and a periodic
+read (``skip_log_interval > 0``), the fingerprint is computed in the kernel's one read of the
+gradients, and the reading is not taken on the host at the step: `device_verdict()` (3 ops) gives
+1.0 or 0.0 on the device, the fused step takes ``max(found_inf, verdict)``, and the update counts a
+skip and, where ``found_inf`` is 0.0, puts the scale, the growth tracker and the policy's counters
+back as they were (`DeferredReading`; the same result as a reading at the step, bit for bit, as
+the tests check). So the check runs at every update with no host read and no sync. The host
+takes the verdicts at its next read of the scaler (``skip_totals``, ``state_dict``, ``metrics``,
+``step_was_skipped``, the periodic read: `ReplicaCheck.count()`, no collective), which counts the
+skips by cause and the ledger's ``skipped``; the ranks are named at the next periodic read, every
+``skip_log_interval`` updates, where every rank is (`ReplicaCheck.name()`: the ledger's
+mismatches, `ReplicaMismatch`, the log line, the callback, and ``"raise"`` from that update once it
+is complete). Under CUDA graph capture the replays skip and hold alike on the device; the skip
+record counts them, under the cause ``overflow`` (the host never learns theirs: a replay runs no
+Python), and they are not named.
+
 **Cost** on a clean checked step, torch's kernels (the CPU and other devices): one copy of the
 checked gradients' words (a ``cat`` to ``int32`` rows), two row reductions, a dozen small ops on
 per-row and per-tensor sums (1/128 of the words), one host read of the four reduced slots; the
-collective grows by 16 bytes (32 with the parameter check).
+collective grows by 16 bytes (32 with the parameter check). With the Triton kernels the words are
+summed in the kernel's read (no pass of their own); a deferred reading adds 13 small ops to the
+step and the update (counted on the CPU, `tests/test_kernels.py`) and no host read.
 """
 
 from __future__ import annotations

@@ -103,15 +103,15 @@ DEFER_CASES = {
 
 
 def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed: bool,
-                  on_mismatch: str = "skip") -> dict[str, Any]:  # fmt: skip
+                  on_mismatch: str = "skip", device: str = "cpu") -> dict[str, Any]:  # fmt: skip
     """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
     kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
     read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
-    the CPU's path)."""
+    the CPU's path). ``device="cuda"``: every rank on the one GPU (gloo), the kernels compiled."""
     from common.probes import DispatchCounter, HostReadSpy
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     settings: dict[str, Any] = {"replica_check_interval": 1} if mode == "immediate" else {}
@@ -119,12 +119,12 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
         settings["replica_check"] = False
     if policy != "torch":
         settings["hysteresis"] = 2
-    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=2, policy=policy,
+    scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2, policy=policy,
                         kernels="torch" if mode == "cpu" else "triton",
                         skip_log_interval=DEFER_LOG, on_replica_mismatch=on_mismatch,
                         **settings).register_model(ddp)  # fmt: skip
     scaler._state.pack_counters = packed
-    if mode != "cpu":
+    if mode != "cpu" and device == "cpu":
         gpu_path(scaler)
     out: dict[str, Any] = {"scales": [], "params": [], "named": [], "reads": [], "raised": []}
     scales = []
@@ -134,7 +134,7 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
         x = torch.randn(4, 8)
         if step == DEFER_INF and rank == 0:
             x[0, 0] = float("inf")  # before the reduce: every replica sees it (an overflow)
-        scaler.scale(ddp(x).square().mean()).backward()
+        scaler.scale(ddp(x.to(device)).square().mean()).backward()
         if step == DEFER_FLIP and rank == 1:
             flip_bit_(model[0].weight.grad, 5, 30)  # after the reduce: this replica only
         if step == DEFER_MIXED and rank == 1:
@@ -154,7 +154,7 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
         if step == DEFER_STEPS - 1:  # a clean update between two periodic reads
             out["ops"] = dict(counter.ops)
         scales.append(scaler._scale.clone())  # no host read: read after the run
-        out["params"].append(digest(model.parameters()))
+        out["params"].append(digest([p.cpu() for p in model.parameters()]))
         last = scaler.last_replica_mismatch
         out["named"].append(None if last is None else [last.step, list(last.ranks),
                                                        list(last.nonfinite)])  # fmt: skip
@@ -178,3 +178,12 @@ def deferred_beside_immediate(rank: int, world_size: int) -> dict[str, Any]:
                         for m in ("deferred", "immediate", "off", "cpu")}  # fmt: skip
     results["raise"] = _deferred_run(rank, "deferred", None, "torch", True, on_mismatch="raise")
     return results
+
+
+def deferred_on_a_gpu(rank: int, world_size: int) -> dict[str, Any]:
+    """The deferred check with the compiled kernels: both ranks on the one GPU over gloo, beside
+    the check read at the step and beside no check."""
+    torch.cuda.set_device(0)
+    return {key: {m: _deferred_run(rank, m, *DEFER_CASES[key], device="cuda")
+                  for m in ("deferred", "immediate", "off")}
+            for key in ("noclip-torch", "clip-deepspeed-plain")}  # fmt: skip

@@ -229,6 +229,27 @@ def test_raise_comes_at_the_periodic_read_once_the_update_is_complete(deferred):
 
 
 @pytest.mark.cuda
+def test_a_deferred_replica_check_on_a_gpu(tmp_path):
+    """The same checks with the kernels compiled for the GPU: two gloo ranks on it, the deferred
+    check beside the check read at the step (the same kernels: the same bits)."""
+    results = spawn(S.deferred_on_a_gpu, 2, tmp_path)
+    for r in results:
+        for key, runs in r.items():
+            ours, at_step, off = (runs[m] for m in ("deferred", "immediate", "off"))
+            assert ours["ledger"]["replica_checks"] == S.DEFER_STEPS, key
+            for name in ("scales", "params", "state", "causes", "ledger", "report"):
+                assert ours[name] == at_step[name], (key, name)
+            assert ours["causes"]["replica_mismatch"] == 1, key
+            assert ours["params"][S.DEFER_FLIP] == ours["params"][S.DEFER_FLIP - 1], key
+            periodic = {u - 1 for u in range(S.DEFER_LOG, S.DEFER_STEPS + 1, S.DEFER_LOG)}
+            for i in set(range(S.DEFER_STEPS)) - periodic:
+                assert ours["reads"][i] == off["reads"][i], (key, i)
+            assert ours["named"][S.DEFER_LOG - 1] == [S.DEFER_FLIP + 1, [0, 1], []], key
+    for key in results[0]:  # the replicas bit-identical after
+        assert results[0][key]["deferred"]["params"] == results[1][key]["deferred"]["params"]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 def test_the_phase_kernels_on_a_gpu(fused):
     """The kernels ``clip_grad_norm_`` launches on a GPU, counted by torch's profiler: read +
