@@ -38,7 +38,7 @@ step pytest 150 python3 -m pytest -m "cuda or multigpu" -q -p no:cacheprovider t
 grep -E "^(FAILED|ERROR) " "$out/pytest.log" | head -n 15
 tail -n 1 "$out/pytest.log"
 step kernel_bench 150 python3 launch/kernel_bench.py --out "$out/kernel-bench" --iters 10
-grep -E "1.536e9|500 mixed|2 GB|sweep" "$out/kernel_bench.log" | cut -c1-300 | head -n 20
+grep -E "1.536e9|500 mixed|2 GB|sweep|update" "$out/kernel_bench.log" | cut -c1-300 | head -n 24
 step bench 90 python3 launch/bench.py --device cuda --sweeps bytes --contenders distscaler \
   distscaler-torch-kernels distscaler-graph torch --max-params 134217728 --rounds 11 \
   --out "$out/bench"

@@ -21,7 +21,9 @@ a training loop) for the torch recipe, the kernel and the read.
 
 Cases: one bf16 and one fp32 tensor of 1 MB to 2 GB, 500 mixed-dtype matrices of 225M elements in
 all (bf16/fp32/fp16), one 1.536e9-element bf16 tensor. Also the kernel launches of one iteration
-of each recipe (torch.profiler) and a sweep of the kernel's tile size and warps.
+of each recipe (torch.profiler) and a sweep of the kernel's tile size and warps. Last, what a
+deferred replica reading adds to an update (its verdict and the held update: a handful of 0-dim
+ops), alone and queued, its kernels counted.
 
     python launch/kernel_bench.py --out runs/kernel_bench          # about 2 minutes on an H100
     python launch/kernel_bench.py --quick                           # smaller sizes
@@ -208,6 +210,50 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
     return record
 
 
+def deferred_reading_ops(device: torch.device):
+    """(plain, deferred): one update as the scaler runs it without a deferred replica reading, and
+    with one (`distscaler.replica_check.device_verdict` of the reduced slots, this rank's flag
+    kept, the step's ``fmax``, the update held by the verdict: `DeviceState.update_(held=)`),
+    the torch rule, agreeing replicas (the verdict 0.0)."""
+    from distscaler._state import DeviceState, HostValues
+    from distscaler.config import ScalerConfig
+    from distscaler.policies import get_policy
+    from distscaler.replica_check import device_verdict
+
+    config = ScalerConfig()
+    state = DeviceState(device, HostValues(2.0**16, 0))
+    state.prepare(get_policy(config.policy), config.rule())
+    found = state.zero
+    joint = torch.zeros(6, device=device)
+    reduced = joint[2:]
+    primes = (16777213, 16777199)
+
+    def plain():
+        counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
+        state.update_(found, counters, False)
+
+    def deferred():
+        joint[:1].clone()
+        verdict = device_verdict(reduced, primes)
+        torch.fmax(found, verdict)
+        counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
+        state.update_(found, counters, False, held=verdict)
+
+    return plain, deferred
+
+
+def deferred_reading(args) -> dict[str, Any]:
+    """What a deferred replica reading adds to an update on the GPU: timed alone (the host's
+    time to issue the ops, which bounds them) and queued (the device's), kernels counted."""
+    plain, deferred = deferred_reading_ops(torch.device("cuda"))
+    record: dict[str, Any] = {}
+    for name, fn in (("update", plain), ("update+deferred", deferred)):
+        record[name] = {"ms": timed(fn, args.warmup, max(args.iters, 50)),
+                        "queued_ms": queued(fn, args.warmup, max(args.iters, 50)),
+                        "kernels": kernels_per_call(fn)}  # fmt: skip
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/kernel_bench")
@@ -263,7 +309,10 @@ def main() -> None:
         grads = [torch.randn(1_536_000_000, device=dev, dtype=torch.bfloat16)]
         records.append(run_case("1 x 1.536e9 bf16", grads, args, sweep=True, launches=True))
         del grads
-    (out / "kernel_bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    deferred = deferred_reading(args)
+    (out / "kernel_bench.json").write_text(
+        json.dumps({"meta": meta, "records": records, "deferred_reading": deferred}, indent=1)
+    )
     lines = [f"# kernel_bench: {meta['gpu']}, {meta['date']}, torch {meta['torch']}, "
              f"triton {meta['triton']}", "",
              "| case | " + " | ".join(records[0]["ms"]) + " |",
@@ -271,6 +320,9 @@ def main() -> None:
     for r in records:
         cells = [f"{r['ms'][k]:.3f} ms ({r['GBps'][k]:.0f} GB/s)" for k in r["ms"]]
         lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    lines += ["", "| deferred replica reading | alone | queued | kernels |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['ms']:.4f} ms | {v['queued_ms']:.4f} ms | {v['kernels']} |"
+              for k, v in deferred.items()]  # fmt: skip
     (out / "kernel_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
