@@ -146,12 +146,13 @@ class GradScaler(torch.amp.GradScaler):
             ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
         replica_check_interval (int | None): keyword-only, updates between two gradient checks
             (at least 1); default None: every update where a host read is free (the CPU), and on
-            CUDA with ``kernels="triton"``, a fused optimizer and ``skip_log_interval > 0``, where
-            the fingerprint rides in the kernel's read and the check's reading waits for the
+            CUDA with ``kernels="triton"`` (the fingerprint rides in the kernel's read): with a
+            fused optimizer and ``skip_log_interval > 0`` the check's reading waits for the
             periodic read (its verdict skips the step and holds the update on the device: no host
-            read; see [`distscaler.replica_check`][distscaler.replica_check]); every 32 elsewhere
-            on a GPU (a checked step there costs one read pass over the gradients and one host
-            read). An int reads every check at its step.
+            read; see [`distscaler.replica_check`][distscaler.replica_check]), with another
+            optimizer it is read beside the ``found_inf`` its step reads anyway; every 32
+            elsewhere on a GPU (a checked step there costs one read pass over the gradients and
+            one host read). An int reads every check at its step.
         param_check_interval (int): keyword-only, updates between two comparisons of the
             replicated parameters and their optimizer state, default 1000 (0: never).
         on_replica_mismatch ("skip" | "raise" | callable): keyword-only, default
@@ -648,16 +649,21 @@ class GradScaler(torch.amp.GradScaler):
         # fingerprint when due) and the kernels; then the gradients (the layouts) and the pass
         # with its collective (the runner). Nothing runs where the optimizer drives the scaler
         # itself (torch's deprecated contract: a DRIVEN plan).
-        plan = plan_for(self._group.world(), step_contract(optimizer))
+        contract = step_contract(optimizer)
+        plan = plan_for(self._group.world(), contract)
         if plan.grad_pass is GradPass.DRIVEN:
             return plan, StepResult(None)
         world = plan.world
         if state is not None and plan.carries_contributions:
+            # With the Triton kernels the fingerprint rides in the kernel's read, so a check costs
+            # only its reading: nothing where a fused step keeps the verdict on the device (and a
+            # periodic read will name it), a host read beside the one a non-fused step makes.
+            triton = self._kernels == "triton"
             replica = self._replicas.contribution(
                 self._layouts, optimizer, group=world.group, world_size=world.size,
-                dynamic=world.dynamic, host_reads=self._host_reads, device=state.device,
-                # the verdict stays on the device where a periodic read will name it
-                deferrable=plan.fused and self._kernels == "triton" and self._attributing,
+                dynamic=world.dynamic, device=state.device,
+                host_reads=self._host_reads or (triton and contract is not StepContract.FUSED),
+                deferrable=plan.fused and triton and self._attributing,
             )  # fmt: skip
             if replica is not None:
                 plan = dataclasses.replace(plan, contributions=(replica,))

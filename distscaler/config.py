@@ -105,8 +105,9 @@ class ScalerConfig:
     the step on every rank ([`distscaler.replica_check`][distscaler.replica_check])."""
     replica_check_interval: int | None = None
     """Updates between two gradient comparisons (>= 1); None: every update where a host read is
-    free (the CPU) or where the check's reading can wait (CUDA, the Triton kernels, a fused
-    optimizer, ``skip_log_interval > 0``), every 32 elsewhere on a GPU."""
+    free (the CPU) or where the Triton kernels read the fingerprint (CUDA: with a fused optimizer
+    and ``skip_log_interval > 0`` the reading waits, with another it rides on the step's own host
+    read), every 32 elsewhere on a GPU."""
     param_check_interval: int = 1000
     """Updates between two comparisons of the replicated parameters and their optimizer state
     (>= 0; 0: never)."""

@@ -727,10 +727,10 @@ class DeferredReading(NamedTuple):
 # ---------------------------------------------------------------------- the scaler's part
 
 
-#: ``replica_check_interval=None``: every update where a host read is free (the CPU) or where the
-#: reading can wait (a fused step with the Triton kernels: the fingerprint rides in the kernel's
-#: read, the verdict stays on the device), else every this many (a checked step costs a read pass
-#: and a host sync there).
+#: ``replica_check_interval=None``: every update where a host read is free (the CPU) or the Triton
+#: kernels read the fingerprint (a fused step keeps the verdict on the device, another reads it
+#: beside its own ``found_inf``), else every this many (a checked step costs a read pass and a host
+#: sync there).
 GPU_INTERVAL = 32
 
 
@@ -814,7 +814,9 @@ class ReplicaCheck:
         """The check's part of this step's collective, or None when it is not due or nothing of
         ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
         TP, pipeline stages each replicated or none, which the collective's size relies on).
-        ``deferrable``: the step takes the verdict on the device (a fused step with the Triton
+        ``host_reads``: reading the check at its step costs no sync of its own (the CPU; with the
+        Triton kernels, a step that reads ``found_inf`` on the host anyway); with the default
+        interval it then runs every update. ``deferrable``: the step takes the verdict on the device (a fused step with the Triton
         kernels where host reads cost a sync); with the default interval the check then runs
         every update and its reading waits (`DeferredReading`)."""
         deferred = deferrable and not host_reads and self.interval_setting is None

@@ -103,7 +103,8 @@ DEFER_CASES = {
 
 
 def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed: bool,
-                  on_mismatch: str = "skip", device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+                  on_mismatch: str = "skip", device: str = "cpu",
+                  fused: bool = True) -> dict[str, Any]:  # fmt: skip
     """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
     kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
     read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
@@ -113,7 +114,7 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
     ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
     settings: dict[str, Any] = {"replica_check_interval": 1} if mode == "immediate" else {}
     if mode == "off":
         settings["replica_check"] = False
@@ -177,6 +178,9 @@ def deferred_beside_immediate(rank: int, world_size: int) -> dict[str, Any]:
         results[key] = {m: _deferred_run(rank, m, clip, policy, packed)
                         for m in ("deferred", "immediate", "off", "cpu")}  # fmt: skip
     results["raise"] = _deferred_run(rank, "deferred", None, "torch", True, on_mismatch="raise")
+    # a foreach AdamW (its step reads found_inf on the host): checked every update, read at once
+    results["foreach"] = {m: _deferred_run(rank, m, None, "torch", True, fused=False)
+                          for m in ("deferred", "cpu")}  # fmt: skip
     return results
 
 

@@ -228,6 +228,16 @@ def test_raise_comes_at_the_periodic_read_once_the_update_is_complete(deferred):
         assert got["params"] == skip["params"] and got["scales"] == skip["scales"]
 
 
+@interpreted
+def test_a_non_fused_step_with_the_kernels_checks_every_update_at_its_own_host_read(deferred):
+    for r in deferred:
+        ours, cpu = r["foreach"]["deferred"], r["foreach"]["cpu"]  # the GPU's path; the CPU's
+        assert ours["ledger"]["replica_checks"] == S.DEFER_STEPS  # every update, by default
+        assert ours["named"][S.DEFER_FLIP] == [S.DEFER_FLIP + 1, [0, 1], []]  # read at the step
+        for name in ("scales", "params", "state", "causes", "ledger"):
+            assert ours[name] == cpu[name], name
+
+
 @pytest.mark.cuda
 def test_a_deferred_replica_check_on_a_gpu(tmp_path):
     """The same checks with the kernels compiled for the GPU: two gloo ranks on it, the deferred
