@@ -104,7 +104,7 @@ DEFER_CASES = {
 
 def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed: bool,
                   on_mismatch: str = "skip", device: str = "cpu",
-                  fused: bool = True) -> dict[str, Any]:  # fmt: skip
+                  fused: bool = True, param_flip: int | None = None) -> dict[str, Any]:  # fmt: skip
     """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
     kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
     read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
@@ -118,6 +118,8 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
     settings: dict[str, Any] = {"replica_check_interval": 1} if mode == "immediate" else {}
     if mode == "off":
         settings["replica_check"] = False
+    if param_flip is not None:  # the parameters compared every other update
+        settings["param_check_interval"] = 2
     if policy != "torch":
         settings["hysteresis"] = 2
     scaler = GradScaler(device, init_scale=2.0**8, growth_interval=2, policy=policy,
@@ -152,6 +154,9 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
                 out["raised"].append([step, type(e).__name__, list(e.mismatch.ranks),
                                       e.mismatch.step])  # fmt: skip
         out["reads"].append(list(spy.reads))
+        if step == param_flip and rank == 1:  # a parameter of this replica only, after its update
+            with torch.no_grad():
+                flip_bit_(model[2].bias, 1, 20)
         if step == DEFER_STEPS - 1:  # a clean update between two periodic reads
             out["ops"] = dict(counter.ops)
         scales.append(scaler._scale.clone())  # no host read: read after the run
@@ -178,6 +183,10 @@ def deferred_beside_immediate(rank: int, world_size: int) -> dict[str, Any]:
         results[key] = {m: _deferred_run(rank, m, clip, policy, packed)
                         for m in ("deferred", "immediate", "off", "cpu")}  # fmt: skip
     results["raise"] = _deferred_run(rank, "deferred", None, "torch", True, on_mismatch="raise")
+    # a parameter flipped on rank 1 after update 3: the parameter check at update 4 (and every
+    # later one: the replicas stay apart) sees it, read later as at once
+    results["params"] = {m: _deferred_run(rank, m, None, "torch", True, param_flip=2)
+                         for m in ("deferred", "immediate")}  # fmt: skip
     # a foreach AdamW (its step reads found_inf on the host): checked every update, read at once
     results["foreach"] = {m: _deferred_run(rank, m, None, "torch", True, fused=False)
                           for m in ("deferred", "cpu")}  # fmt: skip

@@ -229,6 +229,20 @@ def test_raise_comes_at_the_periodic_read_once_the_update_is_complete(deferred):
 
 
 @interpreted
+def test_a_deferred_parameter_check_reads_as_the_check_read_at_the_step(deferred):
+    for r in deferred:
+        ours, at_step = r["params"]["deferred"], r["params"]["immediate"]
+        assert ours["ledger"]["replica_param_checks"] == S.DEFER_STEPS // 2
+        for name in ("scales", "params", "state", "causes", "ledger"):
+            assert ours[name] == at_step[name], name
+        # seen at update 4 and 6 (the replicas stay apart), named at the periodic read of 6
+        assert ours["named"][-1] == at_step["named"][-1] == [6, [0, 1], []]
+        # the gradient flip at 2, the parameters at 6 (at 4 an inf too: an overflow)
+        assert ours["causes"]["replica_mismatch"] == 2
+        assert ours["ledger"]["replica_mismatches"] == 4  # updates 2, 4, 5 and 6
+
+
+@interpreted
 def test_a_non_fused_step_with_the_kernels_checks_every_update_at_its_own_host_read(deferred):
     for r in deferred:
         ours, cpu = r["foreach"]["deferred"], r["foreach"]["cpu"]  # the GPU's path; the CPU's
