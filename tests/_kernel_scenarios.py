@@ -41,6 +41,21 @@ class _launches:
         return self.names
 
 
+def _faulty_backward(rank: int, step: int, ddp: DDP, scaler: GradScaler, *, inf_step: int,
+                     flip_step: int, device: str = "cpu") -> None:  # fmt: skip
+    """One step's batch (each rank its own: DDP averages) and scaled backward, with an inf in rank
+    0's input at ``inf_step`` (before the reduce: every replica sees it, an overflow) and bit 30
+    of one gradient element flipped on rank 1 at ``flip_step`` (after the reduce: this replica
+    only)."""
+    torch.manual_seed(100 + 10 * step + rank)
+    x = torch.randn(4, 8)
+    if step == inf_step and rank == 0:
+        x[0, 0] = float("inf")
+    scaler.scale(ddp(x.to(device)).square().mean()).backward()
+    if step == flip_step and rank == 1:
+        flip_bit_(ddp.module[0].weight.grad, 5, 30)
+
+
 def _run(rank: int, kernels: str, clip: float | None, fused: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -51,13 +66,7 @@ def _run(rank: int, kernels: str, clip: float | None, fused: bool) -> dict[str, 
     out: dict[str, Any] = {"scales": [], "skipped": [], "norms": [], "mismatch_steps": []}
     for step in range(STEPS):
         opt.zero_grad()
-        torch.manual_seed(100 + 10 * step + rank)
-        x = torch.randn(4, 8)
-        if step == INF_STEP and rank == 0:
-            x[0, 0] = float("inf")  # before the reduce: every replica sees it (an overflow)
-        scaler.scale(ddp(x).square().mean()).backward()
-        if step == FLIP_STEP and rank == 1:
-            flip_bit_(model[0].weight.grad, 5, 30)  # after the reduce: this replica only
+        _faulty_backward(rank, step, ddp, scaler, inf_step=INF_STEP, flip_step=FLIP_STEP)
         launched = _launches() if kernels == "triton" and step == STEPS - 1 else None
         try:
             norm = scaler.clip_grad_norm_(opt, clip) if clip is not None else None
@@ -133,13 +142,8 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
     scales = []
     for step in range(DEFER_STEPS):
         opt.zero_grad()
-        torch.manual_seed(100 + 10 * step + rank)
-        x = torch.randn(4, 8)
-        if step == DEFER_INF and rank == 0:
-            x[0, 0] = float("inf")  # before the reduce: every replica sees it (an overflow)
-        scaler.scale(ddp(x.to(device)).square().mean()).backward()
-        if step == DEFER_FLIP and rank == 1:
-            flip_bit_(model[0].weight.grad, 5, 30)  # after the reduce: this replica only
+        _faulty_backward(rank, step, ddp, scaler, inf_step=DEFER_INF, flip_step=DEFER_FLIP,
+                         device=device)  # fmt: skip
         if step == DEFER_MIXED and rank == 1:
             model[0].weight.grad.view(-1)[3] = float("inf")  # this replica only, an inf
         spy = HostReadSpy()
