@@ -481,6 +481,15 @@ class GradScaler(torch.amp.GradScaler):
             # too: the agreed found_inf is 1.0 and every rank backs off alike.
             last = self._replicas.ledger.last_mismatch
             mismatch = last is None or not last.nonfinite
+        # A deferred replica check: its verdict skipped the step and holds the update on the
+        # device; the host reads it later (`_read`, the periodic read). Where this update does
+        # not run on found_inf (a new scale, a mismatch read at the step), it is read for the
+        # ledger only: the skip is counted as that branch counts it.
+        pending = [r.replica_pending for r in self._records.values()
+                   if r.replica_pending is not None]  # fmt: skip
+        if pending and (new_scale is not None or mismatch):
+            self._replicas.defer(self._state.num_host_updates + 1, pending, state.zero,
+                                 counted=False)  # fmt: skip
         if new_scale is not None:
             self._state.set_scale(new_scale, self._device)
         elif mismatch:
@@ -502,9 +511,6 @@ class GradScaler(torch.amp.GradScaler):
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
-            # A deferred replica check: its verdict skips and holds the update on the device;
-            # the host reads it later (`_read`, the periodic read).
-            pending = [r.replica_pending for r in records if r.replica_pending is not None]
             held = None
             if pending:
                 held = pending[0].verdict

@@ -759,9 +759,9 @@ class ReplicaCheck:
         self.nonfinite_parameters = False
         self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
-        #: Deferred readings of updates done, with the update's number and agreed found_inf
-        #: (`defer()`), not read on the host yet.
-        self.pending: list[tuple[int, DeferredReading, torch.Tensor]] = []
+        #: Deferred readings of updates done, with the update's number, its agreed found_inf and
+        #: whether its verdict held the update (`defer()`), not read on the host yet.
+        self.pending: list[tuple[int, DeferredReading, torch.Tensor, bool]] = []
         #: Mismatches counted by `count()`, to be named by `name()`: (update, reading, the
         #: reduced slots as host floats, whether this rank held inf/NaN).
         self.unnamed: list[tuple[int, DeferredReading, list[float], bool]] = []
@@ -833,13 +833,22 @@ class ReplicaCheck:
 
     # -- deferred readings
 
-    def defer(self, update: int, readings: Sequence[DeferredReading], found_inf: torch.Tensor) -> None:
+    def defer(
+        self,
+        update: int,
+        readings: Sequence[DeferredReading],
+        found_inf: torch.Tensor,
+        *,
+        counted: bool = True,
+    ) -> None:
         """Keep the deferred ``readings`` of update ``update`` (1-based, the host's count) and its
-        agreed ``found_inf`` for `count()`. Not under CUDA graph capture: a replay runs no Python
-        (its verdict still skips the step and holds the update on the device)."""
+        agreed ``found_inf`` for `count()`; ``counted``: their verdict held the update (False:
+        the update did not run on it, ``update(new_scale)`` or a mismatch read at the step: the
+        ledger takes them, no skip is reported). Not under CUDA graph capture: a replay runs no
+        Python (its verdict still skips the step and holds the update on the device)."""
         if found_inf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        self.pending += [(update, r, found_inf) for r in readings]
+        self.pending += [(update, r, found_inf, counted) for r in readings]
 
     def count(self) -> list[tuple[int, bool]]:
         """Read the pending verdicts on the host (one transfer; nothing when none are pending, no
@@ -850,14 +859,14 @@ class ReplicaCheck:
             return []
         pending, self.pending = self.pending, []
         parts = []
-        for _, r, found in pending:
+        for _, r, found, _ in pending:
             nonfinite = r.slots.param_nonfinite
             parts += [r.verdict.reshape(1), found.reshape(1).to(r.verdict.dtype), r.local_found,
                       (r.verdict if nonfinite is None else nonfinite).reshape(1).to(torch.float32),
                       r.reduced]  # fmt: skip
         values = torch.cat([p.to(torch.float64) for p in parts]).tolist()
         events, i = [], 0
-        for update, r, _ in pending:
+        for update, r, _, counted in pending:
             verdict, found, local, param_nonfinite = values[i : i + 4]
             slots = values[i + 4 : i + 4 + r.reduced.numel()]
             i += 4 + r.reduced.numel()
@@ -866,7 +875,8 @@ class ReplicaCheck:
             if verdict:
                 self.ledger.skipped += 1
                 self.unnamed.append((update, r, slots, bool(local)))
-                events.append((update, bool(found)))
+                if counted:
+                    events.append((update, bool(found)))
         return events
 
     def name(self) -> tuple[list[tuple[int, ReplicaMismatch]], ReplicaMismatchError | None]:

@@ -113,7 +113,8 @@ DEFER_CASES = {
 
 def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed: bool,
                   on_mismatch: str = "skip", device: str = "cpu",
-                  fused: bool = True, param_flip: int | None = None) -> dict[str, Any]:  # fmt: skip
+                  fused: bool = True, param_flip: int | None = None,
+                  new_scale_at: int | None = None) -> dict[str, Any]:  # fmt: skip
     """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
     kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
     read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
@@ -153,7 +154,7 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
                 scaler.clip_grad_norm_(opt, clip)
             scaler.step(opt)
             try:
-                scaler.update()
+                scaler.update(2.0**6 if step == new_scale_at else None)
             except Exception as e:  # noqa: BLE001 - "raise": which update raised, and what
                 out["raised"].append([step, type(e).__name__, list(e.mismatch.ranks),
                                       e.mismatch.step])  # fmt: skip
@@ -191,6 +192,9 @@ def deferred_beside_immediate(rank: int, world_size: int) -> dict[str, Any]:
     # later one: the replicas stay apart) sees it, read later as at once
     results["params"] = {m: _deferred_run(rank, m, None, "torch", True, param_flip=2)
                          for m in ("deferred", "immediate")}  # fmt: skip
+    # update(new_scale) at the flipped step: the ledger still takes the mismatch
+    results["new_scale"] = {m: _deferred_run(rank, m, None, "torch", True, new_scale_at=DEFER_FLIP)
+                            for m in ("deferred", "immediate")}  # fmt: skip
     # a foreach AdamW (its step reads found_inf on the host): checked every update, read at once
     results["foreach"] = {m: _deferred_run(rank, m, None, "torch", True, fused=False)
                           for m in ("deferred", "cpu")}  # fmt: skip

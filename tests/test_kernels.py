@@ -243,6 +243,16 @@ def test_a_deferred_parameter_check_reads_as_the_check_read_at_the_step(deferred
 
 
 @interpreted
+def test_a_new_scale_at_a_deferred_mismatch_keeps_it_in_the_ledger(deferred):
+    for r in deferred:
+        ours, at_step = r["new_scale"]["deferred"], r["new_scale"]["immediate"]
+        assert ours["scales"][S.DEFER_FLIP] == 2.0**6  # the scale given
+        for name in ("scales", "params", "state", "causes", "ledger"):
+            assert ours[name] == at_step[name], name
+        assert ours["ledger"]["replica_skipped"] == 2  # the flip (its update set the scale), 5
+
+
+@interpreted
 def test_a_non_fused_step_with_the_kernels_checks_every_update_at_its_own_host_read(deferred):
     for r in deferred:
         ours, cpu = r["foreach"]["deferred"], r["foreach"]["cpu"]  # the GPU's path; the CPU's
