@@ -1053,6 +1053,7 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
         self._configure_checks()
+        self._replicas.forget_deferred()  # of the run the loaded state replaces
         self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped,
                          loaded.skip_causes)  # fmt: skip
         self._prepare_counters()

@@ -879,6 +879,11 @@ class ReplicaCheck:
                     events.append((update, bool(found)))
         return events
 
+    def forget_deferred(self) -> None:
+        """Drop the deferred readings not yet counted or named (a loaded state replaces the run
+        they belong to)."""
+        self.pending, self.unnamed = [], []
+
     def name(self) -> tuple[list[tuple[int, ReplicaMismatch]], ReplicaMismatchError | None]:
         """Name the ranks of each mismatch `count()` kept (one ``all_gather_object`` each, on
         every rank together: call it where every rank is, the periodic read), note them in the
