@@ -446,10 +446,9 @@ class ScalerState:
         device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus the
         clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
         `DeviceState.counter_terms()`, else one more op makes them); ``held``: a deferred replica
-        check's verdict, which skips and holds the update on the device
-        (`DeviceState.update_()`). Returns whether the periodic
-        host read is due (every ``skip_log_interval`` and `FOLD_EVERY` updates, the same update on
-        every rank; never inside CUDA graph capture).
+        check's verdict, which skips and holds the update on the device (`DeviceState.update_()`).
+        Returns whether the periodic host read is due (every ``skip_log_interval`` and
+        `FOLD_EVERY` updates, the same update on every rank; never inside CUDA graph capture).
 
         Raises:
             LossScaleAtMinimumError: ``raise_error_at_min_scale`` and the overflow would lower a

@@ -816,9 +816,10 @@ class ReplicaCheck:
         TP, pipeline stages each replicated or none, which the collective's size relies on).
         ``host_reads``: reading the check at its step costs no sync of its own (the CPU; with the
         Triton kernels, a step that reads ``found_inf`` on the host anyway); with the default
-        interval it then runs every update. ``deferrable``: the step takes the verdict on the device (a fused step with the Triton
-        kernels where host reads cost a sync); with the default interval the check then runs
-        every update and its reading waits (`DeferredReading`)."""
+        interval it then runs every update. ``deferrable``: the step takes the verdict on the
+        device (a fused step with the Triton kernels where host reads cost a sync); with the
+        default interval the check then runs every update and its reading waits
+        (`DeferredReading`)."""
         deferred = deferrable and not host_reads and self.interval_setting is None
         with_grads, with_params = self.due(world_size, dynamic, host_reads or deferred)
         if not (with_grads or with_params):
