@@ -210,13 +210,15 @@ class _Collective:
     and each contribution's reading kept in ``readings``. Every rank of ``plan.world`` calls
     `reduce_()` once per pass (when ``plan.world.collective``)."""
 
-    __slots__ = ("grads", "params", "plan", "readings")
+    __slots__ = ("grads", "params", "plan", "readings", "summed_by")
 
     def __init__(self, plan: StepPlan, grads: GradGroups, params: tuple[torch.Tensor, ...]):
         self.plan = plan
         self.grads = grads
         self.params = params
         self.readings: dict[str, Any] = {}
+        #: The contribution whose slots the pass summed in its reduction (its `kernel_terms`).
+        self.summed_by: Any = None
 
     @property
     def active(self) -> bool:
@@ -224,7 +226,12 @@ class _Collective:
         return self.plan.world.collective
 
     def reduce_(
-        self, buffer: torch.Tensor, moments: torch.Tensor | None = None, *, op: Any
+        self,
+        buffer: torch.Tensor,
+        moments: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+        *,
+        op: Any,
     ) -> torch.Tensor:
         """``buffer`` reduced in place with ``op`` over the plan's group (the MAX callers ask for
         is over 0/1 flags, or over a p = inf norm's statistic). With contributions: one ``cat`` of
@@ -233,8 +240,8 @@ class _Collective:
         ``buffer``'s part, sum of the contributions', in rank order); one ``copy_`` back; then
         each contribution reads its reduced slots (a deferred one also takes this rank's flag
         from before the reduce: one ``clone``). ``moments``: the gradients' fingerprint moments
-        where the pass computed them (the Triton kernel), for the contributions. Returns
-        ``buffer``."""
+        where the pass computed them (the Triton kernel), for the contributions; ``sums``: the
+        slot sums the pass made for ``summed_by`` (its ``kernel_terms``). Returns ``buffer``."""
         plan = self.plan
         world = plan.world
         if not world.collective:
@@ -243,8 +250,11 @@ class _Collective:
             dist.all_reduce(buffer, op=op, group=world.group)
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
-        parts = [c.local(self.params, flat, moments).to(buffer.device, non_blocking=True)
-                 for c in plan.contributions]  # fmt: skip
+        parts = [
+            (c.local(self.params, flat, moments, sums) if sums is not None and c is self.summed_by
+             else c.local(self.params, flat, moments)).to(buffer.device, non_blocking=True)
+            for c in plan.contributions
+        ]  # fmt: skip
         n = buffer.numel()
         joint = torch.cat([buffer.reshape(-1), *parts])
         # a deferred reading keeps this rank's flag, which the reduce overwrites (one op)
@@ -303,10 +313,16 @@ def _run_triton(
         weights = [key.weight for key, gs in grads.items() for _ in gs]
     max_of = norm_type is None or norm_type == math.inf
     op = dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM
+    primes = next((getattr(c, "primes", None) for c in plan.contributions), None)
+    # a contribution that gives its terms has its slots summed in the kernel's reduction
+    coll.summed_by = next((c for c in plan.contributions if hasattr(c, "kernel_terms")), None)
+    terms = None
+    if coll.summed_by is not None and primes is not None and coll.active:
+        terms = coll.summed_by.kernel_terms(params, flat)
     taken, done = kernels.phase(
         flat, state.scale, functools.partial(coll.reduce_, op=op) if coll.active else None,
         weights=weights, validate=False, norm_type=norm_type, flags=plan.per_tensor_flags,
-        primes=next((getattr(c, "primes", None) for c in plan.contributions), None),
+        primes=primes, terms=terms,
         unscale=_inv_scale(state.scale) if grad_pass is GradPass.UNSCALE else None,
         max_norm=max_norm_t if norm_type else None,
         # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first

@@ -108,7 +108,10 @@ class Contribution(Protocol):
         moments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's slots, float32 ``(numel,)``, from the gradients as the pass reads them
-        (in ``params``' order); ``moments``: their fingerprint where the pass computed it."""
+        (in ``params``' order); ``moments``: their fingerprint where the pass computed it. A
+        contribution with a ``kernel_terms(params, grads)`` method (int64 ``(n, 6)`` or None) has
+        its slot sums made by the Triton pass's reduction and gets them as a fourth argument,
+        ``sums``."""
         ...
 
     def read(self, reduced: torch.Tensor, local: torch.Tensor | None = None) -> Any:

@@ -377,13 +377,16 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                 tl.store(part_i + 2 * num_blocks + pid, j_tot)
 
 
-def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_blocks, num_tensors,
-                   p1, p2, scale, max_norm, out, NORM: tl.constexpr, PER_TENSOR: tl.constexpr,
-                   MOMENTS: tl.constexpr, RT: tl.constexpr, FINISH: tl.constexpr,
-                   CLIP: tl.constexpr):  # fmt: skip
+def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, slots, num_blocks,
+                   num_tensors, p1, p2, scale, max_norm, out, NORM: tl.constexpr,
+                   PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr, SLOTS: tl.constexpr,
+                   RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
     """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
-    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments. Fixed order: tiles
-    of ``RT`` partials in sequence, lanes by the reduction's tree."""
+    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments, and with
+    ``SLOTS`` its terms of the replica check's four slots (``terms``: its coefficient, word
+    offset and shift modulo each prime), added into ``slots`` (int64 atomics: integers, exact in
+    any order). Fixed order: tiles of ``RT`` partials in sequence, lanes by the reduction's
+    tree."""
     pid = tl.program_id(0)
     lane = tl.arange(0, RT)
     if pid == 0:
@@ -445,10 +448,25 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, num_bloc
                 mx_t = tl.reduce(mx_acc, 0, _MAX)
                 tl.store(per_tensor + t, mx_t.to(tl.float32, bitcast=True))
         if MOMENTS:
-            tl.store(moments + 4 * t, tl.reduce(a1, 0, _SUM) % p1)
-            tl.store(moments + 4 * t + 1, tl.reduce(a2, 0, _SUM) % p2)
-            tl.store(moments + 4 * t + 2, tl.reduce(c1, 0, _SUM) % p1)
-            tl.store(moments + 4 * t + 3, tl.reduce(c2, 0, _SUM) % p2)
+            ra1 = tl.reduce(a1, 0, _SUM) % p1
+            ra2 = tl.reduce(a2, 0, _SUM) % p2
+            rc1 = tl.reduce(c1, 0, _SUM) % p1
+            rc2 = tl.reduce(c2, 0, _SUM) % p2
+            tl.store(moments + 4 * t, ra1)
+            tl.store(moments + 4 * t + 1, ra2)
+            tl.store(moments + 4 * t + 2, rc1)
+            tl.store(moments + 4 * t + 3, rc2)
+            if SLOTS:  # replica_check.fingerprint_slots' terms of this tensor; products < 2**48
+                k1 = tl.load(terms + 6 * t)
+                k2 = tl.load(terms + 6 * t + 1)
+                b1 = (rc1 + tl.load(terms + 6 * t + 2) * ra1) % p1  # positions made global
+                b2 = (rc2 + tl.load(terms + 6 * t + 3) * ra2) % p2
+                g1 = k1 * ((b1 + tl.load(terms + 6 * t + 4) * ra1) % p1) % p1
+                g2 = k2 * ((b2 + tl.load(terms + 6 * t + 5) * ra2) % p2) % p2
+                tl.atomic_add(slots, k1 * ra1 % p1, sem="relaxed")
+                tl.atomic_add(slots + 1, k2 * ra2 % p2, sem="relaxed")
+                tl.atomic_add(slots + 2, g1, sem="relaxed")
+                tl.atomic_add(slots + 3, g2, sem="relaxed")
 
 
 def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexpr,
@@ -960,9 +978,11 @@ def _grad_pass_impl(
     flags: bool,
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
+    slots: _Slots | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
-    ``finish.out`` by the reduction (no collective between them: one launch fewer)."""
+    ``finish.out`` by the reduction (no collective between them: one launch fewer); with
+    ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``."""
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
@@ -971,6 +991,8 @@ def _grad_pass_impl(
         stat, per_tensor, moments = _torch_pass(tensors, device, weights, mode, n_flags, primes)
         if finish is not None:
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+        if slots is not None and primes is not None:
+            slots.sums.add_(slot_sums(moments, slots.terms, primes))
         return stat, per_tensor, moments
     if not contiguous:
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -983,8 +1005,34 @@ def _grad_pass_impl(
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         return stat, per_tensor, moments
     tables = _tables_of(tensors, dtypes, weights)
-    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish)
+    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots)
     return stat, per_tensor, moments
+
+
+@dataclass(frozen=True, slots=True)
+class _Slots:
+    """The replica check's slot sums, for a reduction that adds them (`phase()`'s ``terms``)."""
+
+    terms: torch.Tensor  # int64 (n, 6)
+    sums: torch.Tensor  # int64 (4,), zeros, added into
+
+
+def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+    """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
+    ``t``, ``k A``, and ``k ((B + o A) + s A)``, each term reduced modulo its prime, for
+    ``P1, P2, P1, P2`` (`distscaler.replica_check.fingerprint_slots()` with the coefficients as
+    residues; the sums modulo the primes are its slots). ``moments``: int64 ``(n, 4)``,
+    `grad_pass()`'s; ``terms``: int64 ``(n, 6)``, per tensor ``[k mod P1, k mod P2, o mod P1,
+    o mod P2, s mod P1, s mod P2]`` (its coefficient, word offset and shift). torch's int64 ops:
+    what the reduction's atomics add, exactly (the reference of the tests, and float64
+    gradients' path)."""
+    p = torch.tensor(primes, dtype=torch.int64, device=moments.device)
+    a, b_local = moments[:, :2], moments[:, 2:]
+    k, o, sh = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6]
+    b = (b_local + o * a).remainder(p)
+    g0 = (k * a).remainder(p).sum(0)
+    g1 = (k * (b + sh * a).remainder(p)).remainder(p).sum(0)
+    return torch.cat([g0, g1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1006,9 +1054,10 @@ def _launch_pass(
     flags: bool,
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
+    slots: _Slots | None = None,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place; with ``finish``, the
-    reduction writes `finish()`'s ``out`` too)."""
+    reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums)."""
     k = _kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
@@ -1027,10 +1076,12 @@ def _launch_pass(
     else:
         scale, out = finish.scale, finish.out
         max_norm = stat if finish.max_norm is None else finish.max_norm
+    with_slots = slots is not None and primes is not None
+    terms, sums = (slots.terms, slots.sums) if slots is not None else (moments, moments)
     k._reduce_kernel[(1 + (n if per_program else 0),)](
-        tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, nb, n, p1, p2,
-        scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
-        RT=_CONFIG["RT"], FINISH=finish is not None,
+        tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, terms, sums, nb, n,
+        p1, p2, scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
+        SLOTS=with_slots, RT=_CONFIG["RT"], FINISH=finish is not None,
         CLIP=finish is not None and finish.max_norm is not None, num_warps=4,
     )  # fmt: skip
 
@@ -1226,12 +1277,13 @@ def finish(
 def phase(
     tensors: Sequence[torch.Tensor],
     scale: torch.Tensor,
-    reduce: Callable[[torch.Tensor, torch.Tensor | None], object] | None,
+    reduce: Callable[..., object] | None,
     *,
     weights: Sequence[float] | None = None,
     norm_type: float | None = None,
     flags: bool = True,
     primes: Sequence[int] | None = None,
+    terms: torch.Tensor | None = None,
     unscale: torch.Tensor | None = None,
     max_norm: torch.Tensor | None = None,
     clip: bool = False,
@@ -1249,6 +1301,9 @@ def phase(
     values itself, one launch fewer. Arguments as in those functions; ``validate=False`` skips
     their checks of the arguments (the scaler's own call: its gradients are checked where they
     are gathered, and the Python passes over the list are the host's cost of a small step).
+    ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
+    tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
+    into a fresh int64 ``(4,)``, which ``reduce`` gets third: ``reduce(stat, moments, sums)``.
     Returns the pass's and the finish's results.
     """
     checked = validate or (torch.compiler.is_compiling() and _OPS is not None)
@@ -1256,9 +1311,12 @@ def phase(
     write: Callable[[Any, torch.Tensor, bool, bool], None]
     write = _write_checked if checked else _scale_impl
     done = None
+    sums = None
     if checked:
         taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags, primes=primes,
                           device=device)  # fmt: skip
+        if terms is not None and taken.moments is not None and primes is not None:
+            sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
     else:
         mode = _NORM_MODE[float(norm_type)] if norm_type is not None else 0
         ps = None if primes is None else (int(primes[0]), int(primes[1]))
@@ -1268,11 +1326,18 @@ def phase(
             nt = None if norm_type is None else float(norm_type)
             fin = _Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev))
             done = FinishResult(fin.out)
-        stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin)
+        slots = None
+        if terms is not None and ps is not None:
+            slots = _Slots(terms, torch.zeros(4, dtype=torch.int64, device=dev))
+            sums = slots.sums
+        stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots)
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:
-        reduce(taken.stat, taken.moments)
+        if sums is not None:
+            reduce(taken.stat, taken.moments, sums)
+        else:
+            reduce(taken.stat, taken.moments)
     if unscale is not None:
         write(ts, unscale, False, False)
     if done is None:

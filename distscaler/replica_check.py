@@ -88,6 +88,7 @@ step and the update (counted on the CPU, `tests/test_kernels.py`) and no host re
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -261,6 +262,24 @@ def primes_tensor(primes: tuple[int, int], device: torch.device) -> torch.Tensor
     if cached is None:
         cached = _PRIMES[key] = torch.tensor(primes, dtype=torch.int64, device=device)
     return cached
+
+
+def moduli_tensor(primes: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """``[P1, P2, P1, P2]`` as int64 ``(4,)`` on ``device`` (the four slots' moduli), made once
+    per device."""
+    key = (primes, device, 4)
+    cached = _PRIMES.get(key)
+    if cached is None:
+        cached = _PRIMES[key] = torch.tensor(primes * 2, dtype=torch.int64, device=device)
+    return cached
+
+
+def global_rows(moments: torch.Tensor, offsets: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
+    """Each tensor's global fingerprint, int64 ``(n, 4)``: ``A``, and ``B`` at positions global
+    over the checked tensors (`fingerprint_slots()`' second result), from `word_moments()` and
+    the word offsets of `layout_terms()`."""
+    a, b_local = moments[:, :2], moments[:, 2:]
+    return torch.cat([a, (b_local + offsets * a).remainder(primes)], 1)
 
 
 def _rows(sizes: tuple[int, ...], primes_t: tuple[int, int], device: torch.device) -> _Rows:
@@ -586,25 +605,48 @@ class ReplicaSlots:
         #: Slots in the collective: the gradients' four, then the parameters' four (zeros when
         #: not checked this step: the slots' places stay fixed).
         self.numel = SLOTS * (2 if with_params else 1)
-        self._global: dict[str, tuple[torch.Tensor, list[ReplicaSet | None]]] = {}
+        #: Per checked kind, each tensor's global fingerprint rows (or what makes them, on a
+        #: mismatch only) and its replica set, for naming the ranks.
+        self._global: dict[str, tuple[Any, list[ReplicaSet | None]]] = {}
         self._grads: Sequence[torch.Tensor] = ()
         self.param_nonfinite: torch.Tensor | None = None
 
     # -- the local part
 
+    def kernel_terms(
+        self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The gradients' terms for a pass that sums this check's four slots in its own
+        reduction (`distscaler._triton_pass.slot_sums()`): int64 ``(len(grads), 6)`` on the
+        device, per tensor its coefficient, word offset and shift modulo each prime; made once
+        per layout. None where the gradients are not compared at this step. ``grads`` in the
+        order of ``params``; the pass gives the sums to `local()`."""
+        if not self.with_grads:
+            return None
+        sets = [self.sets.get(id(p)) for p in params]
+        primes = primes_tensor(self.primes, self.device)
+        return self.check.kernel_terms(grads, sets, self.primes, primes)
+
     def local(
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
-        moments: torch.Tensor | None = None,
+        moments: torch.Tensor | None = None, sums: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """This rank's slots, float32 ``(numel,)`` on the device. ``grads``: the gathered
         gradients in the order of ``params`` (as the pass reads them); ``moments``: their
         `word_moments()` when the pass computed them in its read (the Triton kernel), else
-        computed here."""
+        computed here; ``sums``: the gradients' four slots before their last residue, int64
+        ``(4,)``, where the pass summed them from `kernel_terms()` (then two ops make the slots,
+        and each tensor's global fingerprint is made only on a mismatch)."""
         primes = primes_tensor(self.primes, self.device)
         sets = [self.sets.get(id(p)) for p in params]
         self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
         parts: list[torch.Tensor] = []
-        if self.with_grads:
+        if self.with_grads and sums is not None and moments is not None:
+            _, offsets, _ = self.check.layout_terms("gradients", grads, sets, self.primes, primes)
+            parts.append(sums.remainder(moduli_tensor(self.primes, self.device)).to(torch.float32))
+            self._global["gradients"] = (functools.partial(global_rows, moments, offsets, primes),
+                                         list(sets))  # fmt: skip
+        elif self.with_grads:
             if moments is None:
                 moments = word_moments(grads, self.primes, self.device)
             parts.append(self._slots("gradients", moments, grads, sets, primes))
@@ -694,7 +736,10 @@ class ReplicaSlots:
         rank's checked tensors held inf/NaN."""
         check = self.check
         what = self.differs(values)[0]
-        ranks, sets, nonfinite = _name_ranks(self._global[what], self.primes, self.group,
+        rows, owners = self._global[what]
+        if callable(rows):
+            rows = rows()
+        ranks, sets, nonfinite = _name_ranks((rows, owners), self.primes, self.group,
                                              local_nonfinite)  # fmt: skip
         on_mismatch = check.on_mismatch
         action = on_mismatch if isinstance(on_mismatch, str) else "callback"
@@ -758,6 +803,7 @@ class ReplicaCheck:
         #: The parameter check saw a non-finite parameter (the collapse watch takes it).
         self.nonfinite_parameters = False
         self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._kernel_terms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
         #: Deferred readings of updates done, with the update's number, its agreed found_inf and
         #: whether its verdict held the update (`defer()`), not read on the host yet.
@@ -775,11 +821,18 @@ class ReplicaCheck:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_terms"], state["_sets"] = {}, {}
+        state["_terms"], state["_sets"], state["_kernel_terms"] = {}, {}, {}
         state["pending"], state["unnamed"] = [], []  # device tensors and a process group
         if not isinstance(self.on_mismatch, str):
             state["on_mismatch"] = "skip"  # a callable is not copied
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a check pickled before deferred readings and kernel terms existed)
+        state.setdefault("_kernel_terms", {})
+        state.setdefault("pending", [])
+        state.setdefault("unnamed", [])
+        self.__dict__.update(state)
 
     def interval(self, host_reads: bool) -> int:
         """Updates between two gradient checks: the setting, or 1 where a check costs no host
@@ -928,6 +981,26 @@ class ReplicaCheck:
                 self._terms.clear()
             cached = self._terms[key] = layout_terms(sizes, sets, primes, primes_t.device)
         return cached
+
+    def kernel_terms(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sets: Sequence[ReplicaSet | None],
+        primes: tuple[int, int],
+        primes_t: torch.Tensor,
+    ) -> torch.Tensor:
+        """`layout_terms()` of the gradients as one int64 ``(n, 6)`` for a kernel: per tensor
+        ``[c mod P1, c mod P2, offset mod P1, offset mod P2, shift mod P1, shift mod P2]``, the
+        coefficient as a residue; cached per layout (the ops once)."""
+        coefs, offsets, shift = self.layout_terms("gradients", tensors, sets, primes, primes_t)
+        key = (id(coefs), primes)
+        cached = self._kernel_terms.get(key)
+        if cached is None or cached[0] is not coefs:
+            residues = coefs.unsqueeze(1).remainder(primes_t)
+            if len(self._kernel_terms) > 4:
+                self._kernel_terms.clear()
+            cached = self._kernel_terms[key] = (coefs, torch.cat([residues, offsets, shift], 1))
+        return cached[1]
 
     def take_nonfinite_parameters(self) -> bool:
         """Whether the parameter check saw a non-finite parameter since the last call."""

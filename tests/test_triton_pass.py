@@ -472,6 +472,57 @@ def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
+    """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
+    ops (`slot_sums`), whose residues are `replica_check.fingerprint_slots()`' slots, for replica
+    sets of 2 to 5 ranks at every position (negative coefficients among them) and unchecked
+    tensors; the checked phase and float64 gradients (torch's pass) give the same."""
+    from distscaler.replica_check import (
+        ReplicaCheck,
+        ReplicaSet,
+        fingerprint_slots,
+        global_rows,
+        layout_terms,
+        moduli_tensor,
+        primes_tensor,
+        word_moments,
+    )
+
+    dev = torch.device(device)
+    primes_t = primes_tensor(PRIMES, dev)
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        grads = [g.to(device) for g in grads_mixed(40 + trial, sizes=(0, 1, 3, 700, 2049, 64))]
+        if trial == 5:
+            grads.append(torch.randn(33, dtype=torch.float64, device=device))
+        sets = []
+        for _ in grads:
+            replicas = int(torch.randint(1, 6, (1,), generator=gen))
+            position = int(torch.randint(0, max(replicas, 1), (1,), generator=gen))
+            sets.append(None if replicas == 1 else ReplicaSet(tuple(range(replicas)), position))
+        terms = ReplicaCheck(True, None, 1000, "skip").kernel_terms(grads, sets, PRIMES, primes_t)
+        words = [g.numel() * g.element_size() // 2 for g in grads]
+        coefs, offsets, shift = layout_terms(words, sets, PRIMES, dev)
+        slots, rows = fingerprint_slots(word_moments(grads, PRIMES, dev), offsets, coefs, shift,
+                                        primes_t)  # fmt: skip
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for validate in (False, True):
+            tp.phase(
+                [g.clone() for g in grads], torch.tensor(1.0, device=device),
+                lambda stat, moments, sums, seen=seen: seen.append((moments, sums)),
+                norm_type=2.0, primes=PRIMES, terms=terms, validate=validate, device=device,
+            )  # fmt: skip
+        _sync(device)
+        assert len(seen) == 2
+        (moments, sums), (_, checked_sums) = seen
+        assert torch.equal(sums, tp.slot_sums(moments, terms, PRIMES)), trial
+        assert torch.equal(sums, checked_sums), trial
+        assert torch.equal(sums.remainder(moduli_tensor(PRIMES, dev)).float(), slots), trial
+        assert torch.equal(global_rows(moments, offsets, primes_t), rows), trial
+    assert any(s is not None and s.coefficient < 0 for s in sets)  # the case was there
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_views_at_any_offset_read_aligned_after_a_head(device):
     """Gradients that are views at odd element offsets (a bucket's, a flat buffer's): each gets
     a head block of the elements before its first 16-byte boundary (read by the unaligned
