@@ -81,8 +81,12 @@ Python), and they are not named.
 checked gradients' words (a ``cat`` to ``int32`` rows), two row reductions, a dozen small ops on
 per-row and per-tensor sums (1/128 of the words), one host read of the four reduced slots; the
 collective grows by 16 bytes (32 with the parameter check). With the Triton kernels the words are
-summed in the kernel's read (no pass of their own); a deferred reading adds 13 small ops to the
-step and the update (counted on the CPU, `tests/test_kernels.py`) and no host read.
+summed in the kernel's read (no pass of their own) and the four slots in its reduction
+(`ReplicaSlots.kernel_terms()`: each tensor's coefficient, offset and shift as residues; integer
+atomics, the same sum in any order), so a checked step adds 6 small ops (the sums' zeros, their
+residues in float32, the collective's ``cat``, copy back and clamp) and each tensor's global
+fingerprint is made only on a mismatch; a deferred reading adds 13 more and no host read (counted
+on the CPU, `tests/test_kernels.py`).
 """
 
 from __future__ import annotations
