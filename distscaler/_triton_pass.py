@@ -1303,7 +1303,8 @@ def phase(
     are gathered, and the Python passes over the list are the host's cost of a small step).
     ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
     tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
-    into a fresh int64 ``(4,)``, which ``reduce`` gets third: ``reduce(stat, moments, sums)``.
+    into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
+    ``reduce(stat, moments, sums)``.
     Returns the pass's and the finish's results.
     """
     checked = validate or (torch.compiler.is_compiling() and _OPS is not None)
