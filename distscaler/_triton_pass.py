@@ -656,7 +656,7 @@ def _can_compile_for_a_gpu() -> bool:
 
 
 def _compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any:
-    """Kernel ``name`` (``"_read_kernel"``, ``"_scale_kernel"``) compiled with the constexprs
+    """Kernel ``name`` (``"_read_kernel"``, ``"_reduce_kernel"``, ``"_scale_kernel"``) compiled with the constexprs
     ``consts`` for an NVIDIA GPU of compute capability ``arch`` (90: H100), on any machine
     (Triton's compiler and its bundled ``ptxas``; no GPU): Triton's compiled kernel, whose
     ``asm`` holds the PTX and the cubin. Pointer arguments are declared 16-byte aligned (as
@@ -675,7 +675,9 @@ def _compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any
             sig[arg] = "constexpr"
         elif arg in ("num_blocks", "num_tensors", "chunk"):
             sig[arg] = "i32"
-        elif arg in ("part_s", "factor"):
+        elif arg in ("p1", "p2"):
+            sig[arg] = "i64"
+        elif arg in ("part_s", "factor", "stat", "per_tensor", "scale", "max_norm", "out"):
             sig[arg] = "*fp32"
         else:
             sig[arg] = "*i64"
@@ -686,11 +688,12 @@ def _compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any
 
 
 def _ptx_accesses(compiled: Any) -> collections.Counter:
-    """The global loads and stores of a `_compile_for_a_gpu()` kernel, counted by PTX instruction
-    (``ld.global.v4.b32``: 16 bytes in one load)."""
+    """The global loads, stores, atomics and reductions of a `_compile_for_a_gpu()` kernel,
+    counted by PTX instruction (``ld.global.v4.b32``: 16 bytes in one load)."""
     import re
 
-    return collections.Counter(re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"]))
+    found = re.findall(r"\b(?:ld|st|red|atom)\.global[\w.]*", compiled.asm["ptx"])
+    return collections.Counter(found)
 
 
 def _registers(compiled: Any) -> dict[str, int]:

@@ -586,6 +586,21 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     assert found["st.global.b16"] > 0 and found["st.global.b32"] > 0, found
 
 
+def test_the_slot_sums_compile_to_relaxed_integer_reductions():
+    """The reduction's replica slots (``SLOTS``), compiled for an H100 on the CPU: four 64-bit
+    integer reductions without a return value or ordering (``red.global.gpu.relaxed.add.u64``),
+    none without them."""
+    if not tp._can_compile_for_a_gpu():
+        pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
+    consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": tp._CONFIG["RT"],
+              "FINISH": False, "CLIP": False}  # fmt: skip
+    with_slots = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
+    without = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
+    reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
+    assert reductions == {"red.global.gpu.relaxed.add.u64": 4}, with_slots
+    assert not {a for a in without if a.startswith(("red.", "atom."))}, without
+
+
 # ---------------------------------------------------------------------- any gradients
 
 _SPECIALS = (float("inf"), -float("inf"), float("nan"), -0.0, 1e-40, 3e38, -65504.0)
