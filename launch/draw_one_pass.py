@@ -35,8 +35,9 @@ STAGES = [
     ),
     (
         "reduce kernel (1 launch)",
-        "per-block partials summed\nin a fixed order (no atomics:\nthe same bits every run)\n"
-        "-> [found, norm_stat],\nper-tensor flags, moments",
+        "per-block partials summed\nin a fixed order (no float\natomics: the same bits\n"
+        "every run) -> [found, norm_stat],\nper-tensor flags, moments,\n"
+        "replica slots (integer sums)",
         "#cfe2f3",
     ),
     (
