@@ -656,12 +656,12 @@ def _can_compile_for_a_gpu() -> bool:
 
 
 def _compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any:
-    """Kernel ``name`` (``"_read_kernel"``, ``"_reduce_kernel"``, ``"_scale_kernel"``) compiled with the constexprs
-    ``consts`` for an NVIDIA GPU of compute capability ``arch`` (90: H100), on any machine
-    (Triton's compiler and its bundled ``ptxas``; no GPU): Triton's compiled kernel, whose
-    ``asm`` holds the PTX and the cubin. Pointer arguments are declared 16-byte aligned (as
-    Triton's launcher specializes torch's allocations), integers int32; ``num_warps`` is
-    `_CONFIG`'s. A diagnostic (`_ptx_accesses()`, `_registers()`)."""
+    """Kernel ``name`` (``"_read_kernel"``, ``"_reduce_kernel"``, ``"_scale_kernel"``) compiled
+    with the constexprs ``consts`` for an NVIDIA GPU of compute capability ``arch`` (90: H100), on
+    any machine (Triton's compiler and its bundled ``ptxas``; no GPU): Triton's compiled kernel,
+    whose ``asm`` holds the PTX and the cubin. Pointer arguments are declared 16-byte aligned (as
+    Triton's launcher specializes torch's allocations), integers int32 (the primes int64);
+    ``num_warps`` is `_CONFIG`'s. A diagnostic (`_ptx_accesses()`, `_registers()`)."""
     import inspect
 
     import triton
