@@ -180,7 +180,8 @@ def test_a_deferred_replica_check_skips_and_holds_as_the_check_read_at_the_step(
         assert ours["params"][flip] == ours["params"][flip - 1]  # the flipped step was skipped
         assert off["params"][flip] != ours["params"][flip]  # which the flip alone would not be
         assert ours["params"][mixed] == ours["params"][mixed - 1]
-        # a finite mismatch holds the scale where an overflow backs off
+        # a mismatch with an inf on one replica is an overflow too: the scale backs off (the
+        # finite one's held scale and counters are the state compared above)
         assert ours["scales"][mixed] < ours["scales"][mixed - 1]
     assert deferred[0][case]["deferred"]["params"] == deferred[1][case]["deferred"]["params"]
 
