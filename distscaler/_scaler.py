@@ -148,11 +148,11 @@ class GradScaler(torch.amp.GradScaler):
             (at least 1); default None: every update where a host read is free (the CPU), and on
             CUDA with ``kernels="triton"`` (the fingerprint rides in the kernel's read): with a
             fused optimizer and ``skip_log_interval > 0`` the check's reading waits for the
-            periodic read (its verdict skips the step and holds the update on the device: no host
-            read; see [`distscaler.replica_check`][distscaler.replica_check]), with another
-            optimizer it is read beside the ``found_inf`` its step reads anyway; every 32
-            elsewhere on a GPU (a checked step there costs one read pass over the gradients and
-            one host read). An int reads every check at its step.
+            periodic read (its mismatch flag skips the step and holds the update on the device: no
+            host read; see [`distscaler.replica_check`][distscaler.replica_check]), with another
+            optimizer it is read beside the ``found_inf`` its step reads anyway; every 32 elsewhere
+            on a GPU (a checked step there costs one read pass over the gradients and one host
+            read). An int reads every check at its step.
         param_check_interval (int): keyword-only, updates between two comparisons of the
             replicated parameters and their optimizer state, default 1000 (0: never).
         on_replica_mismatch ("skip" | "raise" | callable): keyword-only, default
@@ -481,7 +481,7 @@ class GradScaler(torch.amp.GradScaler):
             # too: the agreed found_inf is 1.0 and every rank backs off alike.
             last = self._replicas.ledger.last_mismatch
             mismatch = last is None or not last.nonfinite
-        # A deferred replica check: its verdict skipped the step and holds the update on the
+        # A deferred replica check: its mismatch flag skipped the step and holds the update on the
         # device; the host reads it later (`_read`, the periodic read). Where this update does
         # not run on found_inf (a new scale, a mismatch read at the step), it is read for the
         # ledger only: the skip is counted as that branch counts it.
@@ -513,9 +513,9 @@ class GradScaler(torch.amp.GradScaler):
                 self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
             held = None
             if pending:
-                held = pending[0].verdict
+                held = pending[0].mismatch
                 for reading in pending[1:]:
-                    held = torch.fmax(held, reading.verdict)
+                    held = torch.fmax(held, reading.mismatch)
                 self._replicas.defer(self._state.num_host_updates + 1, pending, found_inf)
             self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps,
                         held)  # fmt: skip
@@ -585,7 +585,7 @@ class GradScaler(torch.amp.GradScaler):
         self._report(totals, values.scale)
 
     def _count_deferred(self) -> None:
-        # The deferred replica checks' verdicts read on the host (nothing when none wait; no
+        # The deferred replica checks' mismatch flags read on the host (nothing when none wait; no
         # collective): each mismatch whose values were finite is a skip of its own cause.
         for update, overflow in self._replicas.count():
             if overflow:
@@ -662,8 +662,9 @@ class GradScaler(torch.amp.GradScaler):
         world = plan.world
         if state is not None and plan.carries_contributions:
             # With the Triton kernels the fingerprint rides in the kernel's read, so a check costs
-            # only its reading: nothing where a fused step keeps the verdict on the device (and a
-            # periodic read will name it), a host read beside the one a non-fused step makes.
+            # only its reading: nothing where a fused step keeps the mismatch flag on the device
+            # (and a periodic read will name it), a host read beside the one a non-fused step
+            # makes.
             triton = self._kernels == "triton"
             replica = self._replicas.contribution(
                 self._layouts, optimizer, group=world.group, world_size=world.size,
@@ -865,7 +866,7 @@ class GradScaler(torch.amp.GradScaler):
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
-        found = self._read(flag)[0][0]  # (counts a deferred replica check's verdict too)
+        found = self._read(flag)[0][0]  # (counts a deferred replica check's mismatch flag too)
         host = self._last_host_skip  # a skip whose cause only the host knows (no inf found)
         if host is not None and host[0] == self._state.num_host_updates:
             return True

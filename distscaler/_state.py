@@ -263,11 +263,12 @@ class DeviceState:
         """The skip record (with ``extra`` lerps) and the policy's update, after `prepare()`
         (``counters``: `next_counters()` of the counters as they are now).
 
-        ``held``: 0-dim float32, exactly 1.0 or 0.0, a verdict read on no host (a deferred replica
-        check): where it is 1.0 the record counts the update as skipped, and where ``found_inf``
-        is 0.0 too the scale, the growth tracker and the policy's counters stay as they were (a
-        copy of each before, one ``_foreach_lerp_`` back for the float ones, a ``where`` and a
-        ``copy_`` for each integer one): `ScalerState.skip()` without a host read."""
+        ``held``: 0-dim float32, exactly 1.0 or 0.0, a mismatch flag read on no host (a deferred
+        replica check): where it is 1.0 the record counts the update as skipped, and where
+        ``found_inf`` is 0.0 too the scale, the growth tracker and the policy's counters stay as
+        they were (a copy of each before, one ``_foreach_lerp_`` back for the float ones, a
+        ``where`` and a ``copy_`` for each integer one): `ScalerState.skip()` without a host
+        read."""
         skipped = found_inf
         kept: list[torch.Tensor] = []
         saved: list[torch.Tensor] = []
@@ -442,13 +443,14 @@ class ScalerState:
         held: torch.Tensor | None = None,
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
-        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on the
-        device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus the
-        clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
+        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
+        the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
+        the clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
         `DeviceState.counter_terms()`, else one more op makes them); ``held``: a deferred replica
-        check's verdict, which skips and holds the update on the device (`DeviceState.update_()`).
-        Returns whether the periodic host read is due (every ``skip_log_interval`` and
-        `FOLD_EVERY` updates, the same update on every rank; never inside CUDA graph capture).
+        check's mismatch flag, which skips and holds the update on the device
+        (`DeviceState.update_()`). Returns whether the periodic host read is due (every
+        ``skip_log_interval`` and `FOLD_EVERY` updates, the same update on every rank; never inside
+        CUDA graph capture).
 
         Raises:
             LossScaleAtMinimumError: ``raise_error_at_min_scale`` and the overflow would lower a

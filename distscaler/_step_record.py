@@ -52,7 +52,7 @@ class StepRecord:
     flags: StepFlags | None = None
     #: The replica check found replicas that differ: the step is skipped (not an overflow).
     replica_mismatch: bool = False
-    #: The replica check's reading where it waits (`DeferredReading`): its verdict, on the
+    #: The replica check's reading where it waits (`DeferredReading`): its mismatch flag, on the
     #: device, skips the step and holds the update.
     replica_pending: DeferredReading | None = None
     #: The optimizer of the record (its parameters, for the parameter check).
@@ -90,14 +90,14 @@ class StepRecord:
         self.keep_flags(optimizer, result)
 
     def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
-        """What the optimizer's step takes as ``found_inf``: 1.0 (``one``) after a replica
-        mismatch read on the host, the maximum of ``found_inf`` and a deferred reading's verdict
-        (one op, on the device), else ``found_inf``. A mismatch is not an overflow: the update
-        still takes the agreed ``found_inf``."""
+        """What the optimizer's step takes as ``found_inf``: 1.0 (``one``) after a replica mismatch
+        read on the host, the maximum of ``found_inf`` and a deferred reading's mismatch flag (one
+        op, on the device), else ``found_inf``. A mismatch is not an overflow: the update still
+        takes the agreed ``found_inf``."""
         if self.replica_mismatch:
             return one
         if self.replica_pending is not None:
-            return torch.fmax(found_inf, self.replica_pending.verdict)
+            return torch.fmax(found_inf, self.replica_pending.mismatch)
         return found_inf
 
     def keep_flags(self, optimizer: torch.optim.Optimizer, result: StepResult) -> None:

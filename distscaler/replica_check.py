@@ -63,15 +63,15 @@ the first checked step: turn the check off with ``replica_check=False``).
 **When the reading waits** (a *deferred reading*): on CUDA with the Triton kernels
 (``kernels="triton"``), a fused optimizer, the default ``replica_check_interval`` and a periodic
 read (``skip_log_interval > 0``), the fingerprint is computed in the kernel's one read of the
-gradients, and the reading is not taken on the host at the step: `device_verdict()` (3 ops) gives
-1.0 or 0.0 on the device, the fused step takes ``max(found_inf, verdict)``, and the update counts a
-skip and, where ``found_inf`` is 0.0, puts the scale, the growth tracker and the policy's counters
-back as they were (`DeferredReading`; the same result as a reading at the step, bit for bit, as
-the tests check). So the check runs at every update with no host read and no sync. The host
-takes the verdicts at its next read of the scaler (``skip_totals``, ``state_dict``, ``metrics``,
-``step_was_skipped``, the periodic read: `ReplicaCheck.count()`, no collective), which counts the
-skips by cause and the ledger's ``skipped``; the ranks are named at the next periodic read, every
-``skip_log_interval`` updates, where every rank is (`ReplicaCheck.name()`: the ledger's
+gradients, and the reading is not taken on the host at the step: `mismatch_flag()` (3 ops) gives
+1.0 or 0.0 on the device, the fused step takes ``max(found_inf, mismatch flag)``, and the update
+counts a skip and, where ``found_inf`` is 0.0, puts the scale, the growth tracker and the policy's
+counters back as they were (`DeferredReading`; the same result as a reading at the step, bit for
+bit, as the tests check). So the check runs at every update with no host read and no sync. The host
+takes the mismatch flags at its next read of the scaler (``skip_totals``, ``state_dict``,
+``metrics``, ``step_was_skipped``, the periodic read: `ReplicaCheck.count()`, no collective), which
+counts the skips by cause and the ledger's ``skipped``; the ranks are named at the next periodic
+read, every ``skip_log_interval`` updates, where every rank is (`ReplicaCheck.name()`: the ledger's
 mismatches, `ReplicaMismatch`, the log line, the callback, and ``"raise"`` from that update once it
 is complete). Under CUDA graph capture the replays skip and hold alike on the device; the skip
 record counts them, under the cause ``overflow`` (the host never learns theirs: a replay runs no
@@ -268,13 +268,19 @@ def primes_tensor(primes: tuple[int, int], device: torch.device) -> torch.Tensor
     return cached
 
 
-def moduli_tensor(primes: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """``[P1, P2, P1, P2]`` as int64 ``(4,)`` on ``device`` (the four slots' moduli), made once
-    per device."""
-    key = (primes, device, 4)
+def moduli_tensor(
+    primes: tuple[int, int],
+    device: torch.device,
+    numel: int = SLOTS,
+    dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """The slots' moduli ``[P1, P2, P1, P2, ...]``, ``(numel,)`` of ``dtype`` on ``device``,
+    made once per device."""
+    key = (primes, device, numel, dtype)
     cached = _PRIMES.get(key)
     if cached is None:
-        cached = _PRIMES[key] = torch.tensor(primes * 2, dtype=torch.int64, device=device)
+        values = [primes[i % 2] for i in range(numel)]
+        cached = _PRIMES[key] = torch.tensor(values, dtype=dtype, device=device)
     return cached
 
 
@@ -302,7 +308,7 @@ def _rows(sizes: tuple[int, ...], primes_t: tuple[int, int], device: torch.devic
     weights = torch.arange(ROW_WORDS, dtype=torch.int32, device=device)
     if len(_ROWS) > 8:
         _ROWS.clear()
-    _ROWS[key] = rows = _Rows(owners, starts, weights, primes.repeat(2))
+    _ROWS[key] = rows = _Rows(owners, starts, weights, moduli_tensor(primes_t, device))
     return rows
 
 
@@ -361,12 +367,12 @@ def fingerprint_slots(
         shift: int64 ``(n, 2)``: each tensor's replica shift, mod P1 and P2.
         primes: int64 ``(2,)``.
     """
-    a, b_local = moments[:, :2], moments[:, 2:]
-    b = (b_local + offsets * a).remainder(primes)
+    rows = global_rows(moments, offsets, primes)
+    a, b = rows[:, :2], rows[:, 2:]
     c = coefs.unsqueeze(1)
     g0 = (c * a).sum(0).remainder(primes)
     g1 = (c * (b + shift * a).remainder(primes)).sum(0).remainder(primes)
-    return torch.cat([g0, g1]).to(torch.float32), torch.cat([a, b], 1)
+    return torch.cat([g0, g1]).to(torch.float32), rows
 
 
 def layout_terms(
@@ -400,22 +406,12 @@ def mismatched(reduced: Sequence[float], primes: tuple[int, int]) -> bool:
     return any(int(v) % primes[i % 2] != 0 for i, v in enumerate(reduced))
 
 
-_MODS: dict[tuple, torch.Tensor] = {}
-
-
-def device_verdict(reduced: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+def mismatch_flag(reduced: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
     """`mismatched()` on the device, no host read: 0-dim float32 on ``reduced``'s device,
     exactly 1.0 when some slot of ``reduced`` (float32 ``(4,)`` or ``(8,)``, pairs for ``primes``)
-    is not a multiple of its prime, else 0.0. Three ops (``fmod``, ``amax``, ``clamp_``); exact,
-    as each slot is a non-negative integer below 2**24."""
-    key = (primes, reduced.numel(), reduced.device)
-    mods = _MODS.get(key)
-    if mods is None:
-        if len(_MODS) > 8:
-            _MODS.clear()
-        mods = _MODS[key] = torch.tensor(
-            [float(primes[i % 2]) for i in range(reduced.numel())], device=reduced.device
-        )
+    is not a multiple of its prime (the replicas differ), else 0.0. Three ops (``fmod``,
+    ``amax``, ``clamp_``); exact, as each slot is a non-negative integer below 2**24."""
+    mods = moduli_tensor(primes, reduced.device, reduced.numel(), torch.float32)
     return torch.fmod(reduced, mods).amax().clamp_(max=1.0)
 
 
@@ -578,7 +574,7 @@ class ReplicaSlots:
     Made by `ReplicaCheck.contribution()` when the plan is built; the pass computes `local()`
     from the gradients it reads, and `read()` takes the reduced slots (one host read; on a
     mismatch one ``all_gather_object`` on every rank together), or, ``deferred``, keeps them with
-    their verdict on the device for `ReplicaCheck.count()` and `ReplicaCheck.name()`."""
+    their mismatch flag on the device for `ReplicaCheck.count()` and `ReplicaCheck.name()`."""
 
     name: str = "replica"
     combine: Literal["sum", "max"] = "sum"
@@ -695,12 +691,11 @@ class ReplicaSlots:
         self, reduced: torch.Tensor, local: torch.Tensor | None = None
     ) -> ReplicaMismatch | DeferredReading | None:
         """What the reduced slots show, counted in the ledger. At once (one host read): the
-        mismatch (or None when the replicas agree), acted on (``"raise"``:
-        `ReplicaMismatchError`; a callable is called); every rank reads the same slots, so every
-        rank returns the same. Where the check is ``deferred``: a `DeferredReading` holding the
-        verdict on the device (no host read; ``local``: this rank's buffer before the reduce, its
-        non-finite flag first), read by `ReplicaCheck.count()` and named by
-        `ReplicaCheck.name()` later."""
+        mismatch (or None when the replicas agree), acted on (``"raise"``: `ReplicaMismatchError`;
+        a callable is called); every rank reads the same slots, so every rank returns the same.
+        Where the check is ``deferred``: a `DeferredReading` holding the mismatch flag on the
+        device (no host read; ``local``: this rank's buffer before the reduce, its non-finite flag
+        first), read by `ReplicaCheck.count()` and named by `ReplicaCheck.name()` later."""
         check = self.check
         step = check.iteration + 1
         ledger = check.ledger
@@ -711,7 +706,7 @@ class ReplicaSlots:
         if self.deferred:
             assert local is not None
             self._grads = ()  # nothing is read again: the flag before the reduce says it
-            return DeferredReading(self, step, reduced, device_verdict(reduced, self.primes),
+            return DeferredReading(self, step, reduced, mismatch_flag(reduced, self.primes),
                                    local.reshape(-1)[:1])  # fmt: skip
         values = reduced.tolist()
         if self.param_nonfinite is not None and bool(self.param_nonfinite):
@@ -758,7 +753,7 @@ class ReplicaSlots:
 
 class DeferredReading(NamedTuple):
     """A replica check whose reading waits (a fused step on CUDA with the Triton kernels, the
-    default cadence): the verdict on the device, which the step and the update take without a
+    default cadence): the mismatch flag on the device, which the step and the update take without a
     host read, and what the later reading needs. Made by `ReplicaSlots.read()`."""
 
     #: The check's part of the step (its fingerprints, for naming the ranks).
@@ -767,8 +762,8 @@ class DeferredReading(NamedTuple):
     step: int
     #: The reduced slots, float32 ``(numel,)`` on the device.
     reduced: torch.Tensor
-    #: `device_verdict()` of ``reduced``: 0-dim float32, 1.0 where the replicas differ.
-    verdict: torch.Tensor
+    #: `mismatch_flag()` of ``reduced``: 0-dim float32, 1.0 where the replicas differ.
+    mismatch: torch.Tensor
     #: This rank's non-finite flag before the reduce, float32 ``(1,)`` (1.0: it held inf/NaN).
     local_found: torch.Tensor
 
@@ -777,9 +772,9 @@ class DeferredReading(NamedTuple):
 
 
 #: ``replica_check_interval=None``: every update where a host read is free (the CPU) or the Triton
-#: kernels read the fingerprint (a fused step keeps the verdict on the device, another reads it
-#: beside its own ``found_inf``), else every this many (a checked step costs a read pass and a host
-#: sync there).
+#: kernels read the fingerprint (a fused step keeps the mismatch flag on the device, another reads
+#: it beside its own ``found_inf``), else every this many (a checked step costs a read pass and a
+#: host sync there).
 GPU_INTERVAL = 32
 
 
@@ -810,7 +805,7 @@ class ReplicaCheck:
         self._kernel_terms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
         #: Deferred readings of updates done, with the update's number, its agreed found_inf and
-        #: whether its verdict held the update (`defer()`), not read on the host yet.
+        #: whether its mismatch flag held the update (`defer()`), not read on the host yet.
         self.pending: list[tuple[int, DeferredReading, torch.Tensor, bool]] = []
         #: Mismatches counted by `count()`, to be named by `name()`: (update, reading, the
         #: reduced slots as host floats, whether this rank held inf/NaN).
@@ -873,7 +868,7 @@ class ReplicaCheck:
         TP, pipeline stages each replicated or none, which the collective's size relies on).
         ``host_reads``: reading the check at its step costs no sync of its own (the CPU; with the
         Triton kernels, a step that reads ``found_inf`` on the host anyway); with the default
-        interval it then runs every update. ``deferrable``: the step takes the verdict on the
+        interval it then runs every update. ``deferrable``: the step takes the mismatch flag on the
         device (a fused step with the Triton kernels where host reads cost a sync); with the
         default interval the check then runs every update and its reading waits
         (`DeferredReading`)."""
@@ -900,37 +895,38 @@ class ReplicaCheck:
         counted: bool = True,
     ) -> None:
         """Keep the deferred ``readings`` of update ``update`` (1-based, the host's count) and its
-        agreed ``found_inf`` for `count()`; ``counted``: their verdict held the update (False:
-        the update did not run on it, ``update(new_scale)`` or a mismatch read at the step: the
-        ledger takes them, no skip is reported). Not under CUDA graph capture: a replay runs no
-        Python (its verdict still skips the step and holds the update on the device)."""
+        agreed ``found_inf`` for `count()`; ``counted``: their mismatch flag held the update
+        (False: the update did not run on it, ``update(new_scale)`` or a mismatch read at the step:
+        the ledger takes them, no skip is reported). Not under CUDA graph capture: a replay runs no
+        Python (its mismatch flag still skips the step and holds the update on the device)."""
         if found_inf.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         self.pending += [(update, r, found_inf, counted) for r in readings]
 
     def count(self) -> list[tuple[int, bool]]:
-        """Read the pending verdicts on the host (one transfer; nothing when none are pending, no
-        collective: safe on one rank): each mismatch is counted in the ledger as a skipped step
-        and kept for `name()`. Returns ``(update, overflow)`` per mismatch, ``overflow`` where
-        some rank also held inf/NaN (the agreed ``found_inf``: the update backed off)."""
+        """Read the pending mismatch flags on the host (one transfer; nothing when none are
+        pending, no collective: safe on one rank): each mismatch is counted in the ledger as a
+        skipped step and kept for `name()`. Returns ``(update, overflow)`` per mismatch,
+        ``overflow`` where some rank also held inf/NaN (the agreed ``found_inf``: the update backed
+        off)."""
         if not self.pending:
             return []
         pending, self.pending = self.pending, []
         parts = []
         for _, r, found, _ in pending:
             nonfinite = r.slots.param_nonfinite
-            parts += [r.verdict.reshape(1), found.reshape(1).to(r.verdict.dtype), r.local_found,
-                      (r.verdict if nonfinite is None else nonfinite).reshape(1).to(torch.float32),
+            parts += [r.mismatch.reshape(1), found.reshape(1).to(r.mismatch.dtype), r.local_found,
+                      (r.mismatch if nonfinite is None else nonfinite).reshape(1).to(torch.float32),
                       r.reduced]  # fmt: skip
         values = torch.cat([p.to(torch.float64) for p in parts]).tolist()
         events, i = [], 0
         for update, r, _, counted in pending:
-            verdict, found, local, param_nonfinite = values[i : i + 4]
+            mismatch, found, local, param_nonfinite = values[i : i + 4]
             slots = values[i + 4 : i + 4 + r.reduced.numel()]
             i += 4 + r.reduced.numel()
             if r.slots.param_nonfinite is not None and param_nonfinite:
                 self.nonfinite_parameters = True
-            if verdict:
+            if mismatch:
                 self.ledger.skipped += 1
                 self.unnamed.append((update, r, slots, bool(local)))
                 if counted:

@@ -20,10 +20,10 @@ Each call is timed alone (the host's time to issue it counts where it exceeds th
 a training loop) for the torch recipe, the kernel and the read.
 
 Cases: one bf16 and one fp32 tensor of 1 MB to 2 GB, 500 mixed-dtype matrices of 225M elements in
-all (bf16/fp32/fp16), one 1.536e9-element bf16 tensor. Also the kernel launches of one iteration
-of each recipe (torch.profiler) and a sweep of the kernel's tile size and warps. Last, what a
-deferred replica reading adds to an update (its verdict and the held update: a handful of 0-dim
-ops), alone and queued, its kernels counted.
+all (bf16/fp32/fp16), one 1.536e9-element bf16 tensor. Also the kernel launches of one iteration of
+each recipe (torch.profiler) and a sweep of the kernel's tile size and warps. Last, what a deferred
+replica reading adds to an update (its mismatch flag and the held update: a handful of 0-dim ops),
+alone and queued, its kernels counted.
 
     python launch/kernel_bench.py --out runs/kernel_bench          # about 2 minutes on an H100
     python launch/kernel_bench.py --quick                           # smaller sizes
@@ -212,13 +212,13 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
 
 def deferred_reading_ops(device: torch.device):
     """(plain, deferred): one update as the scaler runs it without a deferred replica reading, and
-    with one (`distscaler.replica_check.device_verdict` of the reduced slots, this rank's flag
-    kept, the step's ``fmax``, the update held by the verdict: `DeviceState.update_(held=)`),
-    the torch rule, agreeing replicas (the verdict 0.0)."""
+    with one (`distscaler.replica_check.mismatch_flag` of the reduced slots, this rank's flag
+    kept, the step's ``fmax``, the update held by the mismatch flag: `DeviceState.update_(held=)`),
+    the torch rule, agreeing replicas (the mismatch flag 0.0)."""
     from distscaler._state import DeviceState, HostValues
     from distscaler.config import ScalerConfig
     from distscaler.policies import get_policy
-    from distscaler.replica_check import device_verdict
+    from distscaler.replica_check import mismatch_flag
 
     config = ScalerConfig()
     state = DeviceState(device, HostValues(2.0**16, 0))
@@ -234,10 +234,10 @@ def deferred_reading_ops(device: torch.device):
 
     def deferred():
         joint[:1].clone()
-        verdict = device_verdict(reduced, primes)
-        torch.fmax(found, verdict)
+        mismatch = mismatch_flag(reduced, primes)
+        torch.fmax(found, mismatch)
         counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
-        state.update_(found, counters, False, held=verdict)
+        state.update_(found, counters, False, held=mismatch)
 
     return plain, deferred
 

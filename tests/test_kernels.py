@@ -160,10 +160,10 @@ def deferred(tmp_path_factory):
 @interpreted
 @pytest.mark.parametrize("case", list(S.DEFER_CASES))
 def test_a_deferred_replica_check_skips_and_holds_as_the_check_read_at_the_step(deferred, case):
-    """The GPU's path with the Triton kernels and a fused optimizer checks every update by
-    default and reads the verdict later; every step, scale, growth tracker, policy counter, skip
-    count and ledger entry is the one of the check read at the step (and of torch's kernels on
-    the CPU's path), through a finite mismatch, an overflow, and a mismatch that is an overflow."""
+    """The GPU's path with the Triton kernels and a fused optimizer checks every update by default
+    and reads the mismatch flag later; every step, scale, growth tracker, policy counter, skip
+    count and ledger entry is the one of the check read at the step (and of torch's kernels on the
+    CPU's path), through a finite mismatch, an overflow, and a mismatch that is an overflow."""
     for r in deferred:
         runs = r[case]
         ours, at_step, cpu, off = (runs[m] for m in ("deferred", "immediate", "cpu", "off"))
@@ -214,10 +214,10 @@ def test_a_deferred_check_reads_nothing_at_the_step_and_names_at_the_periodic_re
             "aten.cat.default": 1, "aten.copy_.default": 1 + 2, "aten.clamp_.default": 1,
             "aten.set_.source_Storage": 4, "aten.empty.memory_format": 4,
         }  # fmt: skip
-        # What deferring adds to a clean step: the verdict (fmod, amax, clamp_), this rank's flag
-        # kept (clone), the step's found_inf (fmax), and the held update: the skip weight (fmax),
-        # the scale and growth tracker kept (2 clones), the hold (gt, to), put back (lerp_; where,
-        # copy_)
+        # What deferring adds to a clean step: the mismatch flag (fmod, amax, clamp_), this rank's
+        # flag kept (clone), the step's found_inf (fmax), and the held update: the skip weight
+        # (fmax), the scale and growth tracker kept (2 clones), the hold (gt, to), put back (lerp_;
+        # where, copy_)
         extra = {k: ours["ops"].get(k, 0) - at_step["ops"].get(k, 0)
                  for k in set(ours["ops"]) | set(at_step["ops"])}  # fmt: skip
         assert {k: v for k, v in extra.items() if v} == {
