@@ -41,19 +41,24 @@ addressed without wrapping (``tests/test_triton_pass.py`` runs the kernels over 
 tensor starts 2**33 elements before real memory and whose blocks start past 2**31, 2**32 and
 2**33). Word indices of the fingerprint (up to 2**35) are int64 too and enter only modulo ``P``.
 
-**Exactness of the fingerprint.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L =
-numel * element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high
-half)), ``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B =
-sum_k k * w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <=
-2**16``) and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``A = sum u``
-and ``B = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. Per lane, over ``INNER <=
-128`` iterations ``it``, int32 sums ``W = sum u`` (``<= 2**23``) and ``V = sum it * u`` (``<=
-2**29``) cannot overflow; every ``INNER`` iterations they are summed over the block's lanes in
-int64 into the block's ``U = sum u`` and ``J = sum (e - e0) * u + c`` (``|J| < 2**61`` for a
-chunk of at most 2**22 elements). The reduction takes each block's ``U mod P``, ``J mod P`` and its
-first word ``K0 = m * e0`` modulo ``P``: ``B = sum_blocks (K0 * U + J)``, every product of two
-residues below ``2**48``, every sum reduced modulo ``P`` before it could reach 2**63. No float, no
-wrap, any order: exact (tests compare with Python integers).
+**Exactness of the fingerprint.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L = numel *
+element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high half)),
+``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k
+* w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <= 2**16``)
+and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``A = sum u`` and ``B
+= m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. The kernel keeps its int32 sums per
+row of ``VW`` consecutive lanes (16 bytes: 4 float32 or 8 16-bit elements, all held by one thread),
+lane ``l = VW * row + col``, not per lane: 62 registers per thread instead of 124 on sm_90
+(``launch/kernel_ptx.py``), so twice the warps fit an SM. Over ``INNER <= 128`` iterations ``it``,
+with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r`` (``<= INNER *
+2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col * u`` (``<
+INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the extreme words
+at ``INNER`` 16 and 128); every ``INNER`` iterations they are summed over the block's rows in int64
+(``sum_l l * u = VW * sum row * W + C``) into the block's ``U = sum u`` and ``J = sum (e - e0) * u
++ c`` (``|J| < 2**61`` for a chunk of at most 2**22 elements). The reduction takes each block's ``U
+mod P``, ``J mod P`` and its first word ``K0 = m * e0`` modulo ``P``: ``B = sum_blocks (K0 * U +
+J)``, every product of two residues below ``2**48``, every sum reduced modulo ``P`` before it could
+reach 2**63. No float, no wrap, any order: exact (tests compare with Python integers).
 
 **The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each lane adds
 its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum``
@@ -96,7 +101,8 @@ Measured (``python launch/kernel_bench.py --iters 10``, NVIDIA H100 80GB HBM3, t
 ``torch.sum`` read of the same bytes 1.01 ms, torch's unscale + clip recipe 10.2 ms), 2.35 ms with
 the fingerprint; 500 mixed-dtype matrices of 225M elements 0.70 ms (0.73 ms with the
 fingerprint); 2 GB of float32 0.75 ms (1.07x the read). These figures are of the kernels before
-``tl.multiple_of`` (scalar loads); the vectorized kernels are not yet timed on a GPU.
+``tl.multiple_of`` (scalar loads) and before the fingerprint's row sums (124 registers per thread
+then, 16 warps per SM); the kernels as they are now are not yet timed on a GPU.
 
 Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU under
 ``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's
@@ -306,6 +312,13 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                 first16 = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
                 if CODE >= 3:
                     first16 = tl.multiple_of(first16, 16)
+            # The moments' int32 sums are kept per row of VW consecutive lanes (16 bytes, all
+            # one thread's: a row's sum is that thread's adds, no shuffle), not per lane: fewer
+            # registers, more warps per SM (the module docstring's Exactness).
+            VW: tl.constexpr = 4 if DT == 0 else 8
+            ROWS: tl.constexpr = BLOCK // VW
+            row = tl.arange(0, ROWS)
+            col = tl.arange(0, VW)
             s_acc = tl.full([BLOCK], 0, tl.float32)
             mx_acc = tl.full([BLOCK], 0, tl.int32)
             u_tot = tl.full([], 0, tl.int64)
@@ -313,9 +326,10 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
             h_tot = tl.full([], 0, tl.int64)
             for f in range(num_flush):
                 base = f * span  # relative to the block's first element, as every offset below
-                w_acc = tl.full([BLOCK], 0, tl.int32)  # sum u        (|.| <= INNER * 2**16)
-                v_acc = tl.full([BLOCK], 0, tl.int32)  # sum it * u   (<= INNER**2 * 2**15)
-                h_acc = tl.full([BLOCK], 0, tl.int32)  # sum hi words (float32)
+                w_acc = tl.full([ROWS], 0, tl.int32)  # W: sum r, a row's u per tile
+                v_acc = tl.full([ROWS], 0, tl.int32)  # V: sum it * r
+                c_acc = tl.full([ROWS], 0, tl.int32)  # C: sum col * u
+                h_acc = tl.full([ROWS], 0, tl.int32)  # sum of the hi words (float32)
                 num_it = INNER
                 if DYNAMIC:  # the interpreter: skip the fully masked tiles of a short chunk
                     num_it = tl.minimum((n_left - base + (BLOCK - 1)) // BLOCK, INNER)
@@ -332,9 +346,12 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                         if MOMENTS:
                             hi = bits >> 16  # arithmetic shift: the high word, signed
                             lo = (bits << 16) >> 16  # the low word, signed
-                            w_acc += lo + hi
-                            v_acc += it * (lo + hi)
-                            h_acc += hi
+                            u = tl.reshape(lo + hi, [ROWS, VW])
+                            r = tl.reduce(u, 1, _SUM)
+                            w_acc += r
+                            v_acc += it * r
+                            c_acc += tl.reduce(u * col[None, :], 1, _SUM)
+                            h_acc += tl.reduce(tl.reshape(hi, [ROWS, VW]), 1, _SUM)
                     else:
                         # 16-bit types read as their words (int16): bfloat16's float32 bits are
                         # the word shifted up (exact), float16's come from its conversion
@@ -349,8 +366,11 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                         else:
                             bits = word << 16
                         if MOMENTS:
-                            w_acc += word
-                            v_acc += it * word
+                            u = tl.reshape(word, [ROWS, VW])
+                            r = tl.reduce(u, 1, _SUM)
+                            w_acc += r
+                            v_acc += it * r
+                            c_acc += tl.reduce(u * col[None, :], 1, _SUM)
                     abits = bits & 0x7FFFFFFF  # |x|: NaN's bits above inf's above any finite
                     mx_acc = tl.maximum(mx_acc, abits)
                     if NORM == 2:
@@ -363,7 +383,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                     u_f = tl.reduce(w64, 0, _SUM)
                     u_tot += u_f
                     j_tot += (f * span).to(tl.int64) * u_f
-                    j_tot += tl.reduce(lane.to(tl.int64) * w64, 0, _SUM)
+                    j_tot += tl.reduce(VW * row.to(tl.int64) * w64 + c_acc.to(tl.int64), 0, _SUM)
                     j_tot += BLOCK * tl.reduce(v_acc.to(tl.int64), 0, _SUM)
                     if DT == 0:
                         h_tot += tl.reduce(h_acc.to(tl.int64), 0, _SUM)

@@ -127,6 +127,30 @@ def test_moments_at_the_default_configuration(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inner", [16, 128])
+def test_moments_exact_where_the_row_sums_are_at_their_bounds(device, inner, monkeypatch):
+    """Every word at an extreme of int16 (-2**15, or 2**15 - 1) over whole flushes of the default
+    tile: the kernel's int32 row sums reach the bounds the module docstring states (``INNER`` up
+    to 128, its limit; at 256 they wrap and this test fails), and the moments stay exact."""
+    monkeypatch.setitem(tp._CONFIG, "INNER", inner)
+    span = tp._CONFIG["BLOCK"] * inner
+    n = 2 * span + 3
+    words = {  # each element's words all -2**15 (low) or all 2**15 - 1 (high)
+        torch.float32: (torch.int32, -(2**31) + 0x8000, 0x7FFF7FFF),
+        torch.float16: (torch.int16, -(2**15), 0x7FFF),
+        torch.bfloat16: (torch.int16, -(2**15), 0x7FFF),
+    }
+    grads = [torch.full((n,), w, dtype=view).view(dtype)
+             for dtype, (view, low, high) in words.items() for w in (low, high)]  # fmt: skip
+    result = tp.grad_pass([g.to(device) for g in grads], primes=PRIMES, norm_type=None)
+    assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
+    # the case reaches the bound: whole flushes of one block, every u = +-2**16 (float32)
+    tables = tp._tables([g.contiguous() for g in grads], None)
+    assert tables.chunk >= span and n > span
+    assert grads[0][:1].view(torch.int16).tolist() == [-(2**15)] * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moments_see_a_flipped_bit(device):
     grads = [g.to(device) for g in grads_mixed(3, sizes=(300, 300, 300))]
     before = tp.grad_pass(grads, primes=PRIMES).moments.clone()
@@ -584,6 +608,26 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     found = tp._ptx_accesses(tp._compile_for_a_gpu("_scale_kernel", write))
     assert found["ld.global.v4.b32"] == vectors == found["st.global.v4.b32"], found
     assert found["st.global.b16"] > 0 and found["st.global.b32"] > 0, found
+
+
+def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
+    """Compiled for an H100 on the CPU, the read kernel with the fingerprint (``MOMENTS``) takes
+    at most 64 registers per thread and spills none: 4 blocks of 8 warps, 32 warps per SM (with
+    its int32 sums kept per element it took 124: 16 warps). Its rows are reshaped without a
+    layout conversion (each row is one thread's), so the tile loop moves nothing through shared
+    memory for them."""
+    if not tp._can_compile_for_a_gpu():
+        pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
+    cfg = tp._CONFIG
+    consts = {"NORM": 2, "MOMENTS": True, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"],
+              "DYNAMIC": False}  # fmt: skip
+    compiled = tp._compile_for_a_gpu("_read_kernel", consts)
+    resources = tp._registers(compiled)
+    if not resources:
+        pytest.skip("Triton's bundled cuobjdump did not run here")
+    assert resources["REG"] <= 64 and resources["STACK"] == 0, resources
+    ir = compiled.asm["ttgir"]
+    assert "tt.reshape" in ir and "convert_layout" not in ir
 
 
 def test_the_slot_sums_compile_to_relaxed_integer_reductions():
