@@ -52,6 +52,8 @@ __all__ = [
     "HOST_READ_FREE",
     "Contribution",
     "GradPass",
+    "PassKernels",
+    "PlanFor",
     "StepPlan",
     "host_read_is_free",
     "is_tracing",
@@ -122,6 +124,20 @@ class Contribution(Protocol):
         ...
 
 
+#: Which kernels run the pass (``GradScaler``'s ``kernels`` once resolved).
+PassKernels = Literal["torch", "triton"]
+
+
+class PlanFor(Protocol):
+    """An entry point's plan function with its own arguments bound (``functools.partial`` of
+    `plan_unscale`, `plan_clip`, `plan_step` or `plan_check`): the world, the optimizer's contract
+    and the scaler's kernels make the plan."""
+
+    def __call__(
+        self, world: World, contract: StepContract, *, kernels: PassKernels
+    ) -> StepPlan: ...
+
+
 class GradPass(enum.Enum):
     """The one pass over the gradients a plan runs."""
 
@@ -177,7 +193,7 @@ class StepPlan:
     world: World = World(None, 1, False)
     tracing: bool = False
     contributions: tuple[Contribution, ...] = ()
-    kernels: Literal["torch", "triton"] = "torch"
+    kernels: PassKernels = "torch"
 
     @property
     def carries_contributions(self) -> bool:
@@ -215,17 +231,20 @@ class StepPlan:
         return self.grad_pass is not GradPass.NONE or self.per_tensor_flags
 
 
-def plan_unscale(world: World, contract: StepContract, *, skip_nonfinite: bool) -> StepPlan:
+def plan_unscale(
+    world: World, contract: StepContract, *, kernels: PassKernels, skip_nonfinite: bool
+) -> StepPlan:
     """``unscale_``: torch's check-and-unscale kernel whatever the ``contract``; no per-tensor
     flags (a later ``step`` or ``clip_grad_norm_`` takes them)."""
     return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite, world=world,
-                    tracing=is_tracing())  # fmt: skip
+                    tracing=is_tracing(), kernels=kernels)  # fmt: skip
 
 
 def plan_clip(
     world: World,
     contract: StepContract,
     *,
+    kernels: PassKernels,
     unscaled: bool,
     host_reads: bool,
     per_tensor_flags: bool,
@@ -246,6 +265,7 @@ def plan_clip(
             norm_type=norm_type,
             world=world,
             tracing=tracing,
+            kernels=kernels,
         )
     fused = contract is StepContract.FUSED
     return StepPlan(
@@ -258,6 +278,7 @@ def plan_clip(
         norm_type=norm_type,
         world=world,
         tracing=tracing,
+        kernels=kernels,
     )
 
 
@@ -265,6 +286,7 @@ def plan_step(
     world: World,
     contract: StepContract,
     *,
+    kernels: PassKernels,
     checked: bool,
     host_reads: bool,
     per_tensor_flags: bool,
@@ -277,12 +299,13 @@ def plan_step(
 
     Args:
         contract: the optimizer's step contract.
+        kernels: the scaler's kernels (`StepPlan.kernels`).
         checked: an inf check already ran in this iteration.
         host_reads: this scaler may read ``found_inf`` on the host without a sync (the CPU).
         per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
     """
     if contract is StepContract.DRIVES_THE_SCALER:
-        return StepPlan(GradPass.DRIVEN, world=world)
+        return StepPlan(GradPass.DRIVEN, world=world, kernels=kernels)
     fused = contract is StepContract.FUSED
     tracing = is_tracing()
     if fused:
@@ -301,6 +324,7 @@ def plan_step(
         skip_nonfinite=skip_nonfinite,
         world=world,
         tracing=tracing,
+        kernels=kernels,
     )
 
 
@@ -308,6 +332,7 @@ def plan_check(
     world: World,
     contract: StepContract,
     *,
+    kernels: PassKernels,
     host_reads: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
@@ -323,4 +348,5 @@ def plan_check(
         skip_nonfinite=skip_nonfinite,
         world=world,
         tracing=tracing,
+        kernels=kernels,
     )

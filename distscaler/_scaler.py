@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,8 +49,7 @@ from .replica_check import ReplicaCheck
 from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 
 if TYPE_CHECKING:
-    from ._plan import StepPlan
-    from ._process_group import World
+    from ._plan import PassKernels, PlanFor, StepPlan
     from ._state import DeviceState, NextCounters
     from .attribution import OverflowReport
     from .config import CollapseAction, Kernels, OnMismatch
@@ -61,7 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["GradScaler", "OptState"]
 
 
-def _choose_kernels(setting: str, device: str) -> str:
+def _choose_kernels(setting: str, device: str) -> PassKernels:
     """``kernels``: ``"triton"`` where the Triton pass runs (`_triton_pass.available()`: CUDA with
     triton importable) and asked for or ``"auto"``, else ``"torch"``.
 
@@ -243,7 +242,9 @@ class GradScaler(torch.amp.GradScaler):
         #: to run a GPU's path on the CPU.
         self._host_reads = host_read_is_free(device)
         #: Which kernels read the gradients (``kernels``), decided here: "triton" or "torch".
-        self._kernels = _choose_kernels(config.kernels, device) if self._enabled else "torch"
+        self._kernels: PassKernels = (
+            _choose_kernels(config.kernels, device) if self._enabled else "torch"
+        )
         self._replicas = ReplicaCheck(
             config.replica_check,
             config.replica_check_interval,
@@ -643,20 +644,20 @@ class GradScaler(torch.amp.GradScaler):
         self,
         optimizer: torch.optim.Optimizer,
         state: DeviceState | None,
-        plan_for: Callable[[World, StepContract], StepPlan],
+        plan_for: PlanFor,
         *,
         weighted: bool,
         found_inf: torch.Tensor | None = None,
         max_norm: torch.Tensor | None = None,
     ) -> tuple[StepPlan, StepResult]:
         # The entry points' one path. The plan, once: from the world (the group, whether a
-        # collective runs), the optimizer's step contract and the entry point's ``plan_for``
-        # (a `distscaler._plan` function); then what rides in its collective (the replica check's
-        # fingerprint when due) and the kernels; then the gradients (the layouts) and the pass
+        # collective runs), the optimizer's step contract, the scaler's kernels and the entry
+        # point's ``plan_for`` (a `distscaler._plan` function); then what rides in its collective
+        # (the replica check's fingerprint when due); then the gradients (the layouts) and the pass
         # with its collective (the runner). Nothing runs where the optimizer drives the scaler
         # itself (torch's deprecated contract: a DRIVEN plan).
         contract = step_contract(optimizer)
-        plan = plan_for(self._group.world(), contract)
+        plan = plan_for(self._group.world(), contract, kernels=self._kernels)
         if plan.grad_pass is GradPass.DRIVEN:
             return plan, StepResult(None)
         world = plan.world
@@ -674,8 +675,6 @@ class GradScaler(torch.amp.GradScaler):
             )  # fmt: skip
             if replica is not None:
                 plan = dataclasses.replace(plan, contributions=(replica,))
-        if self._kernels == "triton":
-            plan = dataclasses.replace(plan, kernels="triton")
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
         return plan, run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)

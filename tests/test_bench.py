@@ -291,3 +291,23 @@ def test_quick_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (again / "results.md").read_text() == report
     assert "single-process cases" not in proc.stderr  # nothing was measured
+
+
+def test_host_cost_times_the_triton_path_with_its_launches_stubbed(tmp_path):
+    """launch/host_cost.py end to end (its own process: it replaces the Triton pass's kernels):
+    distscaler's phase really took the Triton path (its two launches at one rank counted, not
+    run), torch's recipe beside it, every field reported."""
+    out = tmp_path / "host.json"
+    subprocess.run(
+        [sys.executable, str(REPO / "launch" / "host_cost.py"), "--tensors", "12",
+         "--rounds", "1", "--calls", "5", "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    records = json.loads(out.read_text())["records"]
+    assert [(r["tensors"], r["clip"]) for r in records] == [(12, True), (12, False)]
+    for r in records:
+        assert r["ops"]["distscaler"]["triton_launches"] == 2  # read + reduce (one rank)
+        assert r["ops"]["torch"]["triton_launches"] == 0
+        assert r["ops"]["distscaler"]["torch_ops"] > 0 and r["ops"]["torch"]["torch_ops"] > 0
+        for key in ("hot_us", "alternating_us"):
+            assert set(r[key]) == {"distscaler", "torch"} and min(r[key].values()) > 0
