@@ -267,8 +267,7 @@ class DeviceState:
         replica check): where it is 1.0 the record counts the update as skipped, and where
         ``found_inf`` is 0.0 too the scale, the growth tracker and the policy's counters stay as
         they were (a copy of each before, one ``_foreach_lerp_`` back for the float ones, a
-        ``where`` and a ``copy_`` for each integer one): `ScalerState.skip()` without a host
-        read."""
+        ``where`` into each integer one): `ScalerState.skip()` without a host read."""
         skipped = found_inf
         kept: list[torch.Tensor] = []
         saved: list[torch.Tensor] = []
@@ -285,7 +284,7 @@ class DeviceState:
                                  [weight] * len(floats))  # fmt: skip
             for t, s in zip(kept, saved):
                 if not t.is_floating_point():
-                    t.copy_(torch.where(hold, s, t))
+                    torch.where(hold, s, t, out=t)  # t in place (it overlaps out whole)
 
     def _held_tensors(self) -> list[torch.Tensor]:
         # What an update moves besides the record: the scale, the growth tracker, the packed

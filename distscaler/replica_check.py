@@ -85,7 +85,7 @@ summed in the kernel's read (no pass of their own) and the four slots in its red
 (`ReplicaSlots.kernel_terms()`: each tensor's coefficient, offset and shift as residues; integer
 atomics, the same sum in any order), so a checked step adds 6 small ops (the sums' zeros, their
 residues in float32, the collective's ``cat``, copy back and clamp) and each tensor's global
-fingerprint is made only on a mismatch; a deferred reading adds 13 more and no host read (counted
+fingerprint is made only on a mismatch; a deferred reading adds 12 more and no host read (counted
 on the CPU, `tests/test_kernels.py`).
 """
 
