@@ -8,7 +8,10 @@
 #      phase's CUDA kernels, the sync-free fused step, CUDA graph capture; multigpu skips on one);
 #   3. launch/kernel_bench.py (the kernel beside torch's recipe and one read, queued; the sweep);
 #   4. launch/bench.py --device cuda, the bytes sweep up to 512 MB (the whole phase: torch's
-#      recipe, distscaler with its kernels and with torch's, captured in a CUDA graph).
+#      recipe, distscaler with its kernels and with torch's, captured in a CUDA graph);
+#   5. launch/host_cost.py at 144 tensors on this machine's CPU (the kernels stubbed: the same
+#      table docs/benchmarks.md gives for a 2-core AMD EPYC), so that the GPU's host time per
+#      phase can be split into its Python and its launches.
 #
 #     bash launch/gpu_checks.sh [DIR]
 #
@@ -43,3 +46,5 @@ step bench 90 python3 launch/bench.py --device cuda --sweeps bytes --contenders 
   distscaler-torch-kernels distscaler-graph torch --max-params 134217728 --rounds 11 \
   --out "$out/bench"
 grep -A 9 "Sweep: bytes" "$out/bench/results.md" 2>/dev/null || tail -n 5 "$out/bench.log"
+step host_cost 60 python3 launch/host_cost.py --tensors 144 --rounds 5
+tail -n 3 "$out/host_cost.log"
