@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FOLD_EVERY",
     "RECORD_KEYS",
-    "RECORD_LANES",
     "DeviceState",
     "NextCounters",
     "HostValues",
@@ -51,7 +50,6 @@ __all__ = [
 
 #: Names of the record's values, in order.
 RECORD_KEYS = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
-RECORD_LANES = RECORD_KEYS  # the former name
 #: The host folds the record at least this often (in updates): float32 counts stay exact.
 FOLD_EVERY = 1 << 20
 
@@ -163,12 +161,12 @@ class DeviceState:
         """
         nu1, ns1 = counters.num_updates, counters.num_skipped
         one = self.one
-        lanes, ends = [*self.counts], [nu1, ns1, nu1, self.scale]
+        targets, ends = [*self.counts], [nu1, ns1, nu1, self.scale]
         weights = [one, found_inf, found_inf, found_inf]
         apart = []
         for t, e, w in extra:
             if t.shape == w.shape:
-                lanes.append(t)
+                targets.append(t)
                 ends.append(e)
                 weights.append(w)
             else:  # a vector (the overflow record's flags) with a 0-dim weight: torch's CUDA
@@ -177,7 +175,7 @@ class DeviceState:
                 # runs apart, one lerp_ of its own
                 apart.append((t, e, w))
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
-        torch._foreach_lerp_(lanes, ends, weights)
+        torch._foreach_lerp_(targets, ends, weights)
         for t, e, w in apart:
             t.lerp_(e, w)
 

@@ -47,31 +47,32 @@ element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1
 * w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <= 2**16``)
 and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``A = sum u`` and ``B
 = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. The kernel keeps its int32 sums per
-row of ``VW`` consecutive lanes (16 bytes: 4 float32 or 8 16-bit elements, all held by one thread),
-lane ``l = VW * row + col``, not per lane: 62 registers per thread instead of 124 on sm_90
-(``launch/kernel_ptx.py``), so twice the warps fit an SM. Over ``INNER <= 128`` iterations ``it``,
-with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r`` (``<= INNER *
-2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col * u`` (``<
-INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the extreme words
-at ``INNER`` 16 and 128); every ``INNER`` iterations they are summed over the block's rows in int64
-(``sum_l l * u = VW * sum row * W + C``) into the block's ``U = sum u`` and ``J = sum (e - e0) * u
-+ c`` (``|J| < 2**61`` for a chunk of at most 2**22 elements). The reduction takes each block's ``U
-mod P``, ``J mod P`` and its first word ``K0 = m * e0`` modulo ``P``: ``B = sum_blocks (K0 * U +
-J)``, every product of two residues below ``2**48``, every sum reduced modulo ``P`` before it could
-reach 2**63. No float, no wrap, any order: exact (tests compare with Python integers).
+row of ``VW`` consecutive elements (16 bytes: 4 float32 or 8 16-bit elements, all held by one
+thread), tile position ``l = VW * row + col``, not per position: 62 registers per thread instead of
+124 on sm_90 (``launch/kernel_ptx.py``), so twice the warps fit an SM. Over ``INNER <= 128``
+iterations ``it``, with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r``
+(``<= INNER * 2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col
+* u`` (``< INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the
+extreme words at ``INNER`` 16 and 128); every ``INNER`` iterations they are summed over the block's
+rows in int64 (``sum_l l * u = VW * sum row * W + C``) into the block's ``U = sum u`` and ``J = sum
+(e - e0) * u + c`` (``|J| < 2**61`` for a chunk of at most 2**22 elements). The reduction takes
+each block's ``U mod P``, ``J mod P`` and its first word ``K0 = m * e0`` modulo ``P``: ``B =
+sum_blocks (K0 * U + J)``, every product of two residues below ``2**48``, every sum reduced modulo
+``P`` before it could reach 2**63. No float, no wrap, any order: exact (tests compare with Python
+integers).
 
 **The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each lane adds
 its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum``
-adds the block's lanes (a tree of depth ``log2 BLOCK``), then the reduction adds a tensor's blocks
-per lane (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``); the total adds all blocks
-the same way. A float32 sum of non-negative terms computed along a tree of depth ``d`` differs
-from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24``; Higham,
-*Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each square. `norm_bound()`
-returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's is about half
-of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same form with its
-own ``d``; the tests hold both to their bound against the float64 sum and to the sum of the two
-bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 + 11 + 23 +
-10 + 2, a relative error below 5e-6.
+adds the block's ``BLOCK`` positions (a tree of depth ``log2 BLOCK``), then the reduction adds a
+tensor's blocks per lane (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``); the total
+adds all blocks the same way. A float32 sum of non-negative terms computed along a tree of depth
+``d`` differs from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24``;
+Higham, *Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each square.
+`norm_bound()` returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's
+is about half of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same
+form with its own ``d``; the tests hold both to their bound against the float64 sum and to the sum
+of the two bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 +
+11 + 23 + 10 + 2, a relative error below 5e-6.
 
 **Alignment.** Each block's row in the table says whether its first element sits at a multiple
 of 16 bytes (the host computes it from the address). A tensor whose address is not such a
@@ -312,8 +313,8 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                 first16 = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
                 if CODE >= 3:
                     first16 = tl.multiple_of(first16, 16)
-            # The moments' int32 sums are kept per row of VW consecutive lanes (16 bytes, all
-            # one thread's: a row's sum is that thread's adds, no shuffle), not per lane: fewer
+            # The moments' int32 sums are kept per row of VW consecutive elements (16 bytes, all
+            # one thread's: a row's sum is that thread's adds, no shuffle), not per element: fewer
             # registers, more warps per SM (the module docstring's Exactness).
             VW: tl.constexpr = 4 if DT == 0 else 8
             ROWS: tl.constexpr = BLOCK // VW
@@ -378,7 +379,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                         s_acc += a * a
                     elif NORM == 1:
                         s_acc += abits.to(tl.float32, bitcast=True)
-                if MOMENTS:  # the flush: int64 sums over the block's lanes
+                if MOMENTS:  # the flush: int64 sums over the block's rows
                     w64 = w_acc.to(tl.int64)
                     u_f = tl.reduce(w64, 0, _SUM)
                     u_tot += u_f
@@ -405,8 +406,8 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
     them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments, and with
     ``SLOTS`` its terms of the replica check's four slots (``terms``: its coefficient, word
     offset and shift modulo each prime), added into ``slots`` (int64 atomics: integers, exact in
-    any order). Fixed order: tiles of ``RT`` partials in sequence, lanes by the reduction's
-    tree."""
+    any order). Fixed order: tiles of ``RT`` partials in sequence, a tile's positions by the
+    reduction's tree."""
     pid = tl.program_id(0)
     lane = tl.arange(0, RT)
     if pid == 0:
