@@ -41,7 +41,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 import torch
 
@@ -130,12 +130,42 @@ PassKernels = Literal["torch", "triton"]
 
 class PlanFor(Protocol):
     """An entry point's plan function with its own arguments bound (``functools.partial`` of
-    `plan_unscale`, `plan_clip`, `plan_step` or `plan_check`): the world, the optimizer's contract
-    and the scaler's kernels make the plan."""
+    `plan_unscale`, `plan_clip`, `plan_step` or `plan_check`); what every entry point shares
+    comes in the call: the world, the optimizer's contract and the scaler's facts (its kernels,
+    whether a host read is free, whether it reads periodically, whether it skips non-finite
+    steps)."""
 
     def __call__(
-        self, world: World, contract: StepContract, *, kernels: PassKernels
+        self,
+        world: World,
+        contract: StepContract,
+        *,
+        kernels: PassKernels,
+        host_reads: bool,
+        periodic_read: bool,
+        skip_nonfinite: bool,
     ) -> StepPlan: ...
+
+
+class _Readings(TypedDict):
+    reading_free: bool
+    reading_may_wait: bool
+
+
+def _readings(
+    contract: StepContract,
+    fused: bool,
+    kernels: PassKernels,
+    host_reads: bool,
+    periodic_read: bool,
+) -> _Readings:
+    """`StepPlan.reading_free` and `StepPlan.reading_may_wait` of a plan that is ``fused`` or not,
+    from the optimizer's contract and the scaler's facts."""
+    triton = kernels == "triton"
+    return {
+        "reading_free": host_reads or (triton and contract is not StepContract.FUSED),
+        "reading_may_wait": fused and triton and periodic_read,
+    }
 
 
 class GradPass(enum.Enum):
@@ -181,6 +211,12 @@ class StepPlan:
         kernels: ``"triton"``: the pass is one multi-tensor Triton read of every gradient
             (``distscaler._triton_pass``) where it covers the pass (``CHECK``, ``UNSCALE``,
             ``NORM`` with p in 1, 2, inf, the gradients on the scale's device); else torch's.
+        reading_free: a contribution's reading costs no host sync of its own at this step: a
+            host read is free (the CPU), or the Triton kernels read its inputs and the step reads
+            ``found_inf`` on the host anyway (an optimizer that is not fused).
+        reading_may_wait: a contribution's reading may wait on the device until the host's next
+            read of the scaler: a fused step with the Triton kernels, where a periodic read will
+            name what waited (`distscaler.replica_check.DeferredReading`).
     """
 
     grad_pass: GradPass
@@ -194,6 +230,8 @@ class StepPlan:
     tracing: bool = False
     contributions: tuple[Contribution, ...] = ()
     kernels: PassKernels = "torch"
+    reading_free: bool = False
+    reading_may_wait: bool = False
 
     @property
     def carries_contributions(self) -> bool:
@@ -232,12 +270,19 @@ class StepPlan:
 
 
 def plan_unscale(
-    world: World, contract: StepContract, *, kernels: PassKernels, skip_nonfinite: bool
+    world: World,
+    contract: StepContract,
+    *,
+    kernels: PassKernels,
+    host_reads: bool,
+    periodic_read: bool,
+    skip_nonfinite: bool,
 ) -> StepPlan:
     """``unscale_``: torch's check-and-unscale kernel whatever the ``contract``; no per-tensor
     flags (a later ``step`` or ``clip_grad_norm_`` takes them)."""
     return StepPlan(GradPass.UNSCALE, skip_nonfinite=skip_nonfinite, world=world,
-                    tracing=is_tracing(), kernels=kernels)  # fmt: skip
+                    tracing=is_tracing(), kernels=kernels,
+                    **_readings(contract, False, kernels, host_reads, periodic_read))  # fmt: skip
 
 
 def plan_clip(
@@ -245,8 +290,9 @@ def plan_clip(
     contract: StepContract,
     *,
     kernels: PassKernels,
-    unscaled: bool,
     host_reads: bool,
+    periodic_read: bool,
+    unscaled: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
     max_norm: float,
@@ -266,6 +312,7 @@ def plan_clip(
             world=world,
             tracing=tracing,
             kernels=kernels,
+            **_readings(contract, False, kernels, host_reads, periodic_read),
         )
     fused = contract is StepContract.FUSED
     return StepPlan(
@@ -279,6 +326,7 @@ def plan_clip(
         world=world,
         tracing=tracing,
         kernels=kernels,
+        **_readings(contract, fused, kernels, host_reads, periodic_read),
     )
 
 
@@ -287,8 +335,9 @@ def plan_step(
     contract: StepContract,
     *,
     kernels: PassKernels,
-    checked: bool,
     host_reads: bool,
+    periodic_read: bool,
+    checked: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
 ) -> StepPlan:
@@ -300,12 +349,14 @@ def plan_step(
     Args:
         contract: the optimizer's step contract.
         kernels: the scaler's kernels (`StepPlan.kernels`).
-        checked: an inf check already ran in this iteration.
         host_reads: this scaler may read ``found_inf`` on the host without a sync (the CPU).
+        periodic_read: the scaler reads its state on the host every ``skip_log_interval``
+            updates (`StepPlan.reading_may_wait`).
+        checked: an inf check already ran in this iteration.
         per_tensor_flags: an overflow report will read per-tensor flags, and none were taken yet.
     """
     if contract is StepContract.DRIVES_THE_SCALER:
-        return StepPlan(GradPass.DRIVEN, world=world, kernels=kernels)
+        return StepPlan(GradPass.DRIVEN, world=world, kernels=kernels)  # no pass: no reading
     fused = contract is StepContract.FUSED
     tracing = is_tracing()
     if fused:
@@ -325,6 +376,7 @@ def plan_step(
         world=world,
         tracing=tracing,
         kernels=kernels,
+        **_readings(contract, fused, kernels, host_reads, periodic_read),
     )
 
 
@@ -334,6 +386,7 @@ def plan_check(
     *,
     kernels: PassKernels,
     host_reads: bool,
+    periodic_read: bool,
     per_tensor_flags: bool,
     skip_nonfinite: bool,
 ) -> StepPlan:
@@ -349,4 +402,5 @@ def plan_check(
         world=world,
         tracing=tracing,
         kernels=kernels,
+        **_readings(contract, True, kernels, host_reads, periodic_read),
     )

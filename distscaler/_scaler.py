@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from . import _validation as V
-from ._contract import StepContract, step_contract
+from ._contract import step_contract
 from ._fused import fused_step
 from ._inf_check import StepResult, run
 from ._persistence import export_state, parse_state
@@ -292,10 +292,7 @@ class GradScaler(torch.amp.GradScaler):
             )
         if record.stage is OptState.STEPPED:
             raise CallOrderError("unscale_() is being called after step().")
-        _, result = self._check(
-            optimizer, state, functools.partial(plan_unscale, skip_nonfinite=self._config.skip_nonfinite),
-            weighted=False,
-        )  # fmt: skip
+        _, result = self._check(optimizer, state, plan_unscale, weighted=False)
         record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
 
     def clip_grad_norm_(
@@ -351,9 +348,8 @@ class GradScaler(torch.amp.GradScaler):
                 )
         unscaled = record is None or record.stage is OptState.UNSCALED
         plan_for = functools.partial(
-            plan_clip, unscaled=unscaled, host_reads=self._host_reads,
-            per_tensor_flags=self._attributing and state is not None,
-            skip_nonfinite=self._config.skip_nonfinite, max_norm=max_norm, norm_type=norm_type,
+            plan_clip, unscaled=unscaled, per_tensor_flags=self._attributing and state is not None,
+            max_norm=max_norm, norm_type=norm_type,
         )  # fmt: skip
         plan, result = self._check(optimizer, state, plan_for, weighted=True,
                                    found_inf=None if record is None else record.found_inf,
@@ -371,9 +367,7 @@ class GradScaler(torch.amp.GradScaler):
         their step (they drive the scaler); returns torch's ``{device: found_inf}``.
         """
         state = self._device_state("_check_inf_per_device")
-        plan_for = functools.partial(plan_check, host_reads=self._host_reads,
-                                     per_tensor_flags=self._attributing,
-                                     skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
+        plan_for = functools.partial(plan_check, per_tensor_flags=self._attributing)
         _, result = self._check(optimizer, state, plan_for, weighted=False)
         record = self._records.setdefault(id(optimizer), StepRecord())
         record.keep(optimizer, result)
@@ -411,9 +405,8 @@ class GradScaler(torch.amp.GradScaler):
         if record.stage is OptState.STEPPED:
             raise CallOrderError("step() has already been called since the last update().")
         plan_for = functools.partial(
-            plan_step, checked=record.found_inf is not None, host_reads=self._host_reads,
+            plan_step, checked=record.found_inf is not None,
             per_tensor_flags=self._attributing and record.flags is None,
-            skip_nonfinite=self._config.skip_nonfinite,
         )  # fmt: skip
         plan, result = self._check(
             optimizer, state, plan_for, weighted=False, found_inf=record.found_inf
@@ -651,28 +644,21 @@ class GradScaler(torch.amp.GradScaler):
         max_norm: torch.Tensor | None = None,
     ) -> tuple[StepPlan, StepResult]:
         # The entry points' one path. The plan, once: from the world (the group, whether a
-        # collective runs), the optimizer's step contract, the scaler's kernels and the entry
+        # collective runs), the optimizer's step contract, the scaler's own facts and the entry
         # point's ``plan_for`` (a `distscaler._plan` function); then what rides in its collective
-        # (the replica check's fingerprint when due); then the gradients (the layouts) and the pass
-        # with its collective (the runner). Nothing runs where the optimizer drives the scaler
-        # itself (torch's deprecated contract: a DRIVEN plan).
+        # (the replica check's fingerprint when due, as the plan says it may be read); then the
+        # gradients (the layouts) and the pass with its collective (the runner). Nothing runs
+        # where the optimizer drives the scaler itself (torch's deprecated contract: a DRIVEN
+        # plan).
         contract = step_contract(optimizer)
-        plan = plan_for(self._group.world(), contract, kernels=self._kernels)
+        plan = plan_for(self._group.world(), contract, kernels=self._kernels,
+                        host_reads=self._host_reads, periodic_read=self._attributing,
+                        skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
         if plan.grad_pass is GradPass.DRIVEN:
             return plan, StepResult(None)
         world = plan.world
         if state is not None and plan.carries_contributions:
-            # With the Triton kernels the fingerprint rides in the kernel's read, so a check costs
-            # only its reading: nothing where a fused step keeps the mismatch flag on the device
-            # (and a periodic read will name it), a host read beside the one a non-fused step
-            # makes.
-            triton = self._kernels == "triton"
-            replica = self._replicas.contribution(
-                self._layouts, optimizer, group=world.group, world_size=world.size,
-                dynamic=world.dynamic, device=state.device,
-                host_reads=self._host_reads or (triton and contract is not StepContract.FUSED),
-                deferrable=plan.fused and triton and self._attributing,
-            )  # fmt: skip
+            replica = self._replicas.contribution(plan, self._layouts, optimizer, state.device)
             if replica is not None:
                 plan = dataclasses.replace(plan, contributions=(replica,))
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,

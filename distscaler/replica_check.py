@@ -96,12 +96,15 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .errors import ReplicaMismatchError
+
+if TYPE_CHECKING:
+    from ._plan import StepPlan
 
 __all__ = [
     "GPU_INTERVAL",
@@ -853,27 +856,25 @@ class ReplicaCheck:
 
     def contribution(
         self,
+        plan: StepPlan,
         layouts: Any,
         optimizer: torch.optim.Optimizer,
-        *,
-        group: dist.ProcessGroup | None,
-        world_size: int,
-        dynamic: bool,
-        host_reads: bool,
         device: torch.device,
-        deferrable: bool = False,
     ) -> ReplicaSlots | None:
         """The check's part of this step's collective, or None when it is not due or nothing of
         ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
         TP, pipeline stages each replicated or none, which the collective's size relies on).
-        ``host_reads``: reading the check at its step costs no sync of its own (the CPU; with the
-        Triton kernels, a step that reads ``found_inf`` on the host anyway); with the default
-        interval it then runs every update. ``deferrable``: the step takes the mismatch flag on the
-        device (a fused step with the Triton kernels where host reads cost a sync); with the
-        default interval the check then runs every update and its reading waits
-        (`DeferredReading`)."""
-        deferred = deferrable and not host_reads and self.interval_setting is None
-        with_grads, with_params = self.due(world_size, dynamic, host_reads or deferred)
+        How it may be read is the ``plan``'s (`distscaler._plan.StepPlan`): with
+        ``plan.reading_free`` (no sync of its own at the step: the CPU; with the Triton kernels, a
+        step that reads ``found_inf`` on the host anyway) the default interval checks every
+        update, read at the step; with ``plan.reading_may_wait`` (a fused step with the Triton
+        kernels, a periodic read to come) it checks every update and its reading waits on the
+        device (`DeferredReading`); else every `GPU_INTERVAL` updates, read at the step."""
+        world = plan.world
+        group, world_size = world.group, world.size
+        free = plan.reading_free
+        deferred = plan.reading_may_wait and not free and self.interval_setting is None
+        with_grads, with_params = self.due(world_size, world.dynamic, free or deferred)
         if not (with_grads or with_params):
             return None
         params = tuple(p for g in optimizer.param_groups for p in g["params"])
