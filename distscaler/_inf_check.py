@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ._plan import GradPass
 from ._torch_compat import amp_check_and_unscale_
-from .attribution import flag_tensors
+from .attribution import INF_CODE, NAN_CODE, flag_tensors
 
 if TYPE_CHECKING:
     from ._plan import StepPlan
@@ -295,8 +295,10 @@ def _run_triton(
     the flag, the per-tensor flags, the norm statistic and the contributions' fingerprint moments
     in 2 launches, the collective, then 1 launch for ``found_inf``, ``grad_scale`` and the norm,
     and 1 write pass where gradients are unscaled or clipped in place: at most 4 launches and the
-    collective, at any number of tensors (plus the per-tensor flags' ``nan_to_num`` when an
-    overflow report reads them). None where it does not cover the plan (torch's pass runs)."""
+    collective, at any number of tensors (where the host does not read ``found_inf``, the
+    reduction writes the overflow report's per-tensor flags as `flag_tensors()` makes them; after
+    a host read, that ``nan_to_num`` on a skip). None where it does not cover the plan (torch's
+    pass runs)."""
     from . import _triton_pass as kernels
 
     grad_pass = plan.grad_pass
@@ -317,6 +319,7 @@ def _run_triton(
     # a contribution that gives its terms has its slots summed in the kernel's reduction
     coll.summed_by = next((c for c in plan.contributions if hasattr(c, "kernel_terms")), None)
     terms = None
+    coded = plan.per_tensor_flags and not plan.read_found_inf
     if coll.summed_by is not None and primes is not None and coll.active:
         terms = coll.summed_by.kernel_terms(params, flat)
     taken, done = kernels.phase(
@@ -328,6 +331,8 @@ def _run_triton(
         # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first
         clip=grad_pass is GradPass.NORM and not plan.fused,
         factor_in_dtype=state.device.type == "cuda", device=state.device,
+        # the flags as the overflow report keeps them, written by the reduction (no nan_to_num)
+        flag_codes=(NAN_CODE, INF_CODE) if coded else None,
     )  # fmt: skip
     found = done.found_inf if plan.skip_nonfinite else state.zero
     per_tensor = taken.per_tensor
@@ -336,9 +341,7 @@ def _run_triton(
     if grad_pass is GradPass.UNSCALE and not plan.read_found_inf:
         return StepResult(found)  # unscale_: no flags (a later step takes them)
     if not plan.read_found_inf:
-        flags = (
-            flag_tensors(per_tensor) if plan.per_tensor_flags and per_tensor is not None else None
-        )
+        flags = per_tensor if coded else None  # written as flag_tensors() gives them
         return StepResult(found, grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
                           total_norm=total, per_tensor_flags=flags, params=params,
                           flags_taken=True, max_norm=plan.max_norm)  # fmt: skip

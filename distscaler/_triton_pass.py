@@ -124,7 +124,7 @@ import operator
 import os
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -174,7 +174,8 @@ class PassResult:
             is a 0/1 flag: a SUM or a MAX over ranks is > 0 exactly when some rank saw inf/NaN).
         per_tensor: float32 ``(n,)``: each tensor's 2-norm (``norm_type == 2``) or largest
             magnitude (otherwise), NaN for a tensor holding a NaN, else inf for one holding an
-            inf (torch's ``_foreach_norm`` values); None when ``flags=False``.
+            inf (torch's ``_foreach_norm`` values; with `phase()`'s ``flag_codes``, those two
+            written as its codes); None when ``flags=False``.
         moments: int64 ``(n, 4)``: ``[A mod P1, A mod P2, B mod P1, B mod P2]`` per tensor (the
             module docstring); None without ``primes``.
         has_norm: whether ``norm_type`` was given (else ``stat[1]`` is 0.0).
@@ -401,13 +402,15 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
 def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, slots, num_blocks,
                    num_tensors, p1, p2, scale, max_norm, out, NORM: tl.constexpr,
                    PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr, SLOTS: tl.constexpr,
-                   RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+                   RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr,
+                   CODED: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr):  # fmt: skip
     """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
-    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments, and with
-    ``SLOTS`` its terms of the replica check's four slots (``terms``: its coefficient, word
-    offset and shift modulo each prime), added into ``slots`` (int64 atomics: integers, exact in
-    any order). Fixed order: tiles of ``RT`` partials in sequence, a tile's positions by the
-    reduction's tree."""
+    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments (with ``CODED``,
+    a NaN statistic written as ``NAN_AS`` and an inf one as ``INF_AS``: the overflow report's
+    flags, as ``nan_to_num`` makes them), and with ``SLOTS`` its terms of the replica check's four
+    slots (``terms``: its coefficient, word offset and shift modulo each prime), added into
+    ``slots`` (int64 atomics: integers, exact in any order). Fixed order: tiles of ``RT`` partials
+    in sequence, a tile's positions by the reduction's tree."""
     pid = tl.program_id(0)
     lane = tl.arange(0, RT)
     if pid == 0:
@@ -464,10 +467,12 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 c2 = (c2 + (k0 % p2) * u2 + (j % p2 + p2) % p2) % p2
         if PER_TENSOR:
             if NORM == 2:
-                tl.store(per_tensor + t, tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM)))
+                v = tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM))
             else:
-                mx_t = tl.reduce(mx_acc, 0, _MAX)
-                tl.store(per_tensor + t, mx_t.to(tl.float32, bitcast=True))
+                v = tl.reduce(mx_acc, 0, _MAX).to(tl.float32, bitcast=True)
+            if CODED:  # v >= 0, inf or NaN; above float32's largest finite value: inf
+                v = tl.where(v != v, NAN_AS, tl.where(v > 3.4028234663852886e38, INF_AS, v))
+            tl.store(per_tensor + t, v)
         if MOMENTS:
             ra1 = tl.reduce(a1, 0, _SUM) % p1
             ra2 = tl.reduce(a2, 0, _SUM) % p2
@@ -1003,16 +1008,20 @@ def _grad_pass_impl(
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
     slots: _Slots | None = None,
+    codes: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
     ``finish.out`` by the reduction (no collective between them: one launch fewer); with
-    ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``."""
+    ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``; with
+    ``codes``, ``per_tensor`` as `_coded()` gives it, written so by the reduction."""
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
     dtypes, contiguous = _describe(tensors)
     if torch.float64 in dtypes:
         stat, per_tensor, moments = _torch_pass(tensors, device, weights, mode, n_flags, primes)
+        if codes is not None:
+            per_tensor = _coded(per_tensor, codes)
         if finish is not None:
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         if slots is not None and primes is not None:
@@ -1029,8 +1038,15 @@ def _grad_pass_impl(
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         return stat, per_tensor, moments
     tables = _tables_of(tensors, dtypes, weights)
-    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots)
+    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, codes)
     return stat, per_tensor, moments
+
+
+def _coded(per_tensor: torch.Tensor, codes: tuple[float, float]) -> torch.Tensor:
+    """Per-tensor statistics (>= 0, inf or NaN) as flags: NaN -> ``codes[0]``, inf ->
+    ``codes[1]``, the finite statistic itself (one ``nan_to_num``; what the reduction writes with
+    ``codes``)."""
+    return torch.nan_to_num(per_tensor, nan=codes[0], posinf=codes[1], neginf=codes[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1079,9 +1095,11 @@ def _launch_pass(
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
     slots: _Slots | None = None,
+    codes: tuple[float, float] | None = None,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place; with ``finish``, the
-    reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums)."""
+    reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums; with
+    ``codes``, ``per_tensor`` holds `_coded()`'s flags)."""
     k = _kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
@@ -1106,7 +1124,8 @@ def _launch_pass(
         tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, terms, sums, nb, n,
         p1, p2, scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
         SLOTS=with_slots, RT=_CONFIG["RT"], FINISH=finish is not None,
-        CLIP=finish is not None and finish.max_norm is not None, num_warps=4,
+        CLIP=finish is not None and finish.max_norm is not None, CODED=codes is not None,
+        NAN_AS=codes[0] if codes else 0.0, INF_AS=codes[1] if codes else 0.0, num_warps=4,
     )  # fmt: skip
 
 
@@ -1314,6 +1333,7 @@ def phase(
     factor_in_dtype: bool = False,
     device: torch.device | str | None = None,
     validate: bool = True,
+    flag_codes: tuple[float, float] | None = None,
 ) -> tuple[PassResult, FinishResult]:
     """The scaler's whole phase over ``tensors``, in order: `grad_pass()`, then
     ``reduce(stat, moments)`` (the caller's collective, which reduces ``stat`` in place and reads
@@ -1328,7 +1348,10 @@ def phase(
     ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
     tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
     into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
-    ``reduce(stat, moments, sums)``.
+    ``reduce(stat, moments, sums)``. ``flag_codes`` ``(nan_code, inf_code)`` (with ``flags``):
+    ``per_tensor`` holds flags instead of statistics, a NaN statistic as ``nan_code`` and an inf
+    one as ``inf_code`` (``torch.nan_to_num``'s values; the overflow report's
+    `distscaler.attribution.flag_tensors()`), written so by the reduction: no op more.
     Returns the pass's and the finish's results.
     """
     checked = validate or (torch.compiler.is_compiling() and _OPS is not None)
@@ -1342,6 +1365,8 @@ def phase(
                           device=device)  # fmt: skip
         if terms is not None and taken.moments is not None and primes is not None:
             sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
+        if flag_codes is not None and taken.per_tensor is not None:
+            taken = replace(taken, per_tensor=_coded(taken.per_tensor, flag_codes))
     else:
         mode = _NORM_MODE[float(norm_type)] if norm_type is not None else 0
         ps = None if primes is None else (int(primes[0]), int(primes[1]))
@@ -1355,7 +1380,8 @@ def phase(
         if terms is not None and ps is not None:
             slots = _Slots(terms, torch.zeros(4, dtype=torch.int64, device=dev))
             sums = slots.sums
-        stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots)
+        stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots,
+                                                    flag_codes if flags else None)  # fmt: skip
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:

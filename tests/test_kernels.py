@@ -83,6 +83,41 @@ def test_the_kernel_steps_as_torch_kernels_do(monkeypatch, fused, clip, inf_step
         assert ours[inf_step][1] and ours[inf_step][0] < ours[inf_step - 1][0]  # seen, backed off
 
 
+def _overflow_report(kernels, *, fused, clip):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    scaler = gpu_path(GradScaler("cpu", kernels=kernels, skip_log_interval=100))
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+        if step == 1:
+            model[0].weight.grad[3, 1] = math.inf
+            model[1].bias.grad[0] = -math.inf
+            model[2].weight.grad[1, 7] = math.nan
+        if clip is not None:
+            scaler.clip_grad_norm_(opt, 0.5, clip)
+        scaler.step(opt)
+        scaler.update()
+    return scaler.report_overflow()
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("clip", [None, 2.0, math.inf], ids=["noclip", "p2", "pinf"])
+def test_the_overflow_report_names_what_torchs_kernels_name(monkeypatch, fused, clip):
+    """The per-tensor flags of the kernels' path (with a fused optimizer on a GPU's step, written
+    as the report's codes by the reduction; else flagged after the host read) name the same
+    tensors, with the same kinds, as torch's kernels: an inf, a -inf and a NaN in three tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ours = _overflow_report("triton", fused=fused, clip=clip)
+    ref = _overflow_report("torch", fused=fused, clip=clip)
+    assert ours is not None and ref is not None and ours.step == ref.step == 2
+    kinds = sorted(e.kind for e in ref.entries)
+    assert kinds == ["inf", "inf", "nan"], ref  # the three seen, each kind
+    assert ours.entries == ref.entries and ours.unlisted == ref.unlisted == 0
+
+
 def _count_launches(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -344,7 +379,8 @@ def test_the_whole_phase_in_cuda_kernels_against_torchs_recipe():
     one rank, counted by torch's profiler: distscaler's Triton path launches each kernel once
     (nothing per tensor or per chunk of tensors: the skip record's lerp is one kernel), with
     clipping at most half of torch's recipe (GradScaler + unscale_ + clip_grad_norm_), without
-    no more than it (7 and 7 on an H100 with torch 2.11, 2026-11-27; with clipping 7 and 21)."""
+    no more than it (7 and 7 on an H100 with torch 2.11, 2026-11-27, with clipping 7 and 21, when
+    a `nan_to_num` still made the overflow report's flags; the reduction writes them now)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4096, device="cuda")) for _ in range(144)]
     counts = {}

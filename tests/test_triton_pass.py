@@ -496,6 +496,36 @@ def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [None, 2.0, math.inf])
+def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_type):
+    """``phase(flag_codes=...)``: the per-tensor statistics written as the overflow report's flags
+    by the reduction (the scaler's step where the host reads nothing), bit for bit what
+    `distscaler.attribution.flag_tensors()` makes of the plain statistics: a NaN tensor, an inf
+    one, one of finite values whose squares overflow (its 2-norm inf), -inf, clean ones; on one
+    rank (the reduction finishes) and with a collective, checked and unchecked, float64 among
+    them (torch's ops)."""
+    from distscaler.attribution import INF_CODE, NAN_CODE, flag_tensors
+
+    scale = torch.tensor(1.0, device=device)
+    for extra64, reduce in [(False, None), (False, lambda *a: None), (True, None)]:
+        grads = [g.to(device) for g in grads_mixed(7, sizes=(1, 700, 2049, 5, 300, 64))]
+        grads[0].view(-1)[0] = math.nan
+        grads[1].view(-1)[-1] = math.inf
+        grads[3].view(-1)[2] = -math.inf
+        grads[5] = torch.full((64,), 3e38, device=device)  # finite; its squares are not
+        if extra64:
+            grads.append(torch.tensor([math.nan, 1.0], dtype=torch.float64, device=device))
+        plain, _ = tp.phase(grads, scale, reduce, norm_type=norm_type, validate=False)
+        expected = flag_tensors(plain.per_tensor)
+        assert expected.lt(0).sum().item() == (4 if norm_type == 2.0 else 3) + extra64  # seen
+        for validate in (False, True):
+            coded, _ = tp.phase(grads, scale, reduce, norm_type=norm_type, validate=validate,
+                                flag_codes=(NAN_CODE, INF_CODE))  # fmt: skip
+            _sync(device)
+            assert torch.equal(bits(coded.per_tensor), bits(expected)), (coded.per_tensor, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
     """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
     ops (`slot_sums`), whose residues are `replica_check.fingerprint_slots()`' slots, for replica
@@ -633,11 +663,13 @@ def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
 def test_the_slot_sums_compile_to_relaxed_integer_reductions():
     """The reduction's replica slots (``SLOTS``), compiled for an H100 on the CPU: four 64-bit
     integer reductions without a return value or ordering (``red.global.gpu.relaxed.add.u64``),
-    none without them."""
+    none without them. (With the flags written as the overflow report's codes, as the scaler's
+    step on a GPU launches it.)"""
     if not tp._can_compile_for_a_gpu():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": tp._CONFIG["RT"],
-              "FINISH": False, "CLIP": False}  # fmt: skip
+              "FINISH": False, "CLIP": False, "CODED": True, "NAN_AS": -1.0,
+              "INF_AS": -2.0}  # fmt: skip
     with_slots = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
     without = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
     reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
