@@ -14,6 +14,10 @@ iterations after ``--warmup``:
   ``triton+div``: the same + ``div_`` (read, then read + write: the non-fused step).
 * ``read-ref``: one read of the same bytes, ``torch.sum`` over a flat float32 buffer;
   ``copy-ref``: one read + one write of them (``copy_``).
+* Where installed (neither is a dependency; ``meta`` says which were found): ``te-unscale-l2norm``,
+  Transformer Engine's ``multi_tensor_unscale_l2norm`` (unscale + norm in one read, per dtype
+  group, the groups' norms combined with torch's ops), and ``apex-l2norm``, Apex's
+  ``amp_C.multi_tensor_l2norm`` (the norm only), each through its ``multi_tensor_applier``.
 
 Each call is timed alone (the host's time to issue it counts where it exceeds the device's), and
 ``queued_ms`` times ten calls queued back to back (the device's time: the host runs ahead, as in
@@ -48,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distscaler import _triton_pass as tp  # noqa: E402
 
 MB = 1 << 20
+#: The recipes timed queued too (and Transformer Engine's and Apex's norms where installed).
+QUEUED = ("torch-recipe", "triton", "triton+moments", "read-ref")
 #: (BLOCK, num_warps, _TARGET_BLOCKS) of the sweep; the first is the module's default.
 SWEEP = [(2048, 8, 32768), (2048, 8, 8192), (1024, 4, 32768), (1024, 4, 8192), (4096, 8, 32768),
          (512, 4, 32768)]  # fmt: skip
@@ -107,6 +113,33 @@ def groups(grads):
     return list(out.values())
 
 
+def foreign_norms() -> tuple[dict[str, Any], dict[str, str]]:
+    """The multi-tensor norms of Transformer Engine and Apex that import here: ``{name: (applier,
+    op, takes_inv_scale)}``, and for each of the two what was found (a version, or why not)."""
+    found: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    try:
+        import transformer_engine
+        from transformer_engine.pytorch.optimizers import (
+            multi_tensor_applier,
+            multi_tensor_unscale_l2norm,
+        )
+
+        found["te-unscale-l2norm"] = (multi_tensor_applier, multi_tensor_unscale_l2norm, True)
+        seen["transformer_engine"] = getattr(transformer_engine, "__version__", "installed")
+    except Exception as exc:  # not installed, or its CUDA extension does not load
+        seen["transformer_engine"] = f"not used: {type(exc).__name__}: {exc}"[:160]
+    try:
+        import amp_C
+        from apex.multi_tensor_apply import multi_tensor_applier as apex_applier
+
+        found["apex-l2norm"] = (apex_applier, amp_C.multi_tensor_l2norm, False)
+        seen["apex"] = "installed"
+    except Exception as exc:
+        seen["apex"] = f"not used: {type(exc).__name__}: {exc}"[:160]
+    return found, seen
+
+
 def make_recipes(grads):
     dev = grads[0].device
     found = torch.zeros(1, device=dev)
@@ -146,6 +179,18 @@ def make_recipes(grads):
         out = triton()
         tp.div_(grads, out.grad_scale)
 
+    def foreign(applier, op, takes_inv_scale):
+        noop = torch.zeros(1, dtype=torch.int32, device=dev)
+        inv_1 = torch.ones(1, device=dev)
+
+        def run():  # one launch per dtype group (and per 110 tensors), the norms combined
+            extra = (inv_1, False) if takes_inv_scale else (False,)
+            norms = [applier(op, noop, [g], *extra)[0].reshape(()) for g in gs]
+            return torch.linalg.vector_norm(torch.stack(norms))
+
+        return run
+
+    others = {name: foreign(*how) for name, how in foreign_norms()[0].items()}
     return {
         "torch-recipe": torch_recipe,
         "torch-norm": torch_norm,
@@ -154,6 +199,7 @@ def make_recipes(grads):
         "triton+div": triton_div,
         "read-ref": lambda: torch.sum(flat),
         "copy-ref": lambda: flat2.copy_(flat),
+        **others,
     }, total_bytes
 
 
@@ -173,7 +219,7 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
         record["ms"][key] = min(record["ms"][key], timed(fn, args.warmup, args.iters))
     ms = record["ms"]
     record["queued_ms"] = {k: queued(recipes[k], args.warmup, 3 * args.iters)
-                           for k in ("torch-recipe", "triton", "triton+moments", "read-ref")}
+                           for k in recipes if k in QUEUED or k.startswith(("te-", "apex-"))}
     record["queued_GBps"] = {k: nbytes / (v * 1e-3) / 1e9 for k, v in record["queued_ms"].items()}
     record["GBps"] = {k: nbytes / (v * 1e-3) / 1e9 for k, v in ms.items()}
     record["vs_read"] = {k: v / ms["read-ref"] for k, v in ms.items()}
@@ -278,6 +324,7 @@ def main() -> None:
         "warmup": args.warmup,
         "iters": args.iters,
         "config": dict(tp._CONFIG),
+        "others": foreign_norms()[1],
     }
     print(json.dumps(meta), flush=True)
     records = []

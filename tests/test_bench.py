@@ -311,3 +311,38 @@ def test_host_cost_times_the_triton_path_with_its_launches_stubbed(tmp_path):
         assert r["ops"]["distscaler"]["torch_ops"] > 0 and r["ops"]["torch"]["torch_ops"] > 0
         for key in ("hot_us", "alternating_us"):
             assert set(r[key]) == {"distscaler", "torch"} and min(r[key].values()) > 0
+
+
+def test_kernel_bench_times_te_and_apex_norms_where_they_are_installed(monkeypatch):
+    """launch/kernel_bench.py's Transformer Engine and Apex recipes, on the CPU with an applier
+    standing in for theirs (neither installs here): called as theirs are (``applier(op,
+    noop_flag, [tensors], inv_scale, per_tensor)`` for TE's unscale + norm, without ``inv_scale``
+    for Apex's norm), one call per dtype group, the groups' norms combined into torch's total
+    norm (the sum of squares in two levels: to float32 rounding). Without either, no such recipe
+    and ``meta`` says why."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import kernel_bench
+
+    found, seen = kernel_bench.foreign_norms()
+    assert set(seen) == {"transformer_engine", "apex"}
+    calls: list[tuple] = []
+
+    def applier(op, noop, lists, *extra):  # what their appliers return: (norm (1,), per_tensor)
+        calls.append((op, noop.dtype, len(lists), extra))
+        norms = torch._foreach_norm(lists[0], 2.0, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+    stand_in = {"te-unscale-l2norm": (applier, "te", True), "apex-l2norm": (applier, "apex", False)}
+    monkeypatch.setattr(kernel_bench, "foreign_norms", lambda: (stand_in, seen))
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen).to(dt) for n, dt in
+             [(100, torch.float32), (7, torch.bfloat16), (33, torch.float32)]]  # fmt: skip
+    recipes, _ = kernel_bench.make_recipes(grads)
+    expected = recipes["torch-norm"]()
+    for name, op, extra in (("te-unscale-l2norm", "te", 2), ("apex-l2norm", "apex", 1)):
+        calls.clear()
+        torch.testing.assert_close(recipes[name](), expected, rtol=1e-6, atol=0)  # 2 levels
+        assert [(c[0], c[1], c[2], len(c[3])) for c in calls] == [(op, torch.int32, 1, extra)] * 2
+    if not found:  # this machine: neither installed, so no recipe of theirs
+        monkeypatch.undo()
+        assert not {"te-unscale-l2norm", "apex-l2norm"} & set(kernel_bench.make_recipes(grads)[0])
