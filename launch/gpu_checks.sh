@@ -10,8 +10,9 @@
 #   4. launch/bench.py --device cuda, the bytes sweep up to 512 MB (the whole phase: torch's
 #      recipe, distscaler with its kernels and with torch's, captured in a CUDA graph);
 #   5. launch/host_cost.py at 144 tensors on this machine's CPU (the kernels stubbed: the same
-#      table docs/benchmarks.md gives for a 2-core AMD EPYC), so that the GPU's host time per
-#      phase can be split into its Python and its launches.
+#      table docs/benchmarks.md gives for a 2-core AMD EPYC), and again on the GPU with the
+#      launches real (cProfile of the 144-tensor clip phase after it), so that the GPU's host
+#      time per phase splits into its Python and dispatch and its launches.
 #
 #     bash launch/gpu_checks.sh [DIR]
 #
@@ -48,3 +49,6 @@ step bench 90 python3 launch/bench.py --device cuda --sweeps bytes --contenders 
 grep -A 9 "Sweep: bytes" "$out/bench/results.md" 2>/dev/null || tail -n 5 "$out/bench.log"
 step host_cost 60 python3 launch/host_cost.py --tensors 144 --rounds 5
 tail -n 3 "$out/host_cost.log"
+step host_cost_cuda 90 python3 launch/host_cost.py --device cuda --tensors 144 10 1000 \
+  --rounds 5 --profile
+grep -E "^\| [0-9]" "$out/host_cost_cuda.log"

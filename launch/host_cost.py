@@ -19,8 +19,17 @@ back to back; ``alternating`` runs distscaler's and torch's phases one after the
 ``bench.py`` interleaves contenders (each call finds the host's caches holding the other's code).
 Per phase, too: torch ops dispatched (``DispatchCounter``) and Triton launches (stubbed, counted).
 
+``--launches real`` keeps the kernels (counted, and launched): on ``--device cuda`` the host time
+per phase call then includes the Triton and CUDA launches themselves, so that, beside the stubbed
+run on the same machine, a GPU's host time splits into the scaler's Python and dispatch and the
+launches (``--profile`` shows Triton's launch path among the rest). Each round starts from an idle
+GPU (synchronized outside the timing); the gradients are 16 elements, so the device keeps up. On
+the CPU ``real`` runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``; slow: a check
+of this tool, not a timing).
+
     python launch/host_cost.py                       # 10, 144 and 1,000 tensors; about a minute
     python launch/host_cost.py --tensors 144 --profile   # and where the time goes (cProfile)
+    python launch/host_cost.py --device cuda --launches real   # on a GPU's host, launches included
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import platform
 import statistics
 import sys
@@ -85,27 +95,56 @@ def stub_kernels() -> collections.Counter:
     return launches
 
 
-def _params(n: int, seed: int) -> list[torch.nn.Parameter]:
+class _Counted:
+    """``kernel[grid](...)`` counted, then launched as it is (Triton's own launch)."""
+
+    def __init__(self, name: str, kernel: Any, launches: collections.Counter) -> None:
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        self.launches[self.name] += 1
+        return self.kernel[grid]
+
+
+def count_kernels() -> collections.Counter:
+    """Count the Triton pass's launches and launch them for real. Returns the launch counter."""
+    launches: collections.Counter = collections.Counter()
+    made = tp._kernels
+    cache: dict[bool, types.SimpleNamespace] = {}
+
+    def counted(interpret: bool) -> types.SimpleNamespace:
+        if interpret not in cache:
+            ks = made(interpret)
+            cache[interpret] = types.SimpleNamespace(
+                **{n: _Counted(n, getattr(ks, n), launches) for n in tp._RAW}
+            )
+        return cache[interpret]
+
+    tp._kernels = counted  # type: ignore[assignment]
+    return launches
+
+
+def _params(n: int, seed: int, device: str = "cpu") -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     params = []
     for _ in range(n):
-        p = torch.nn.Parameter(torch.randn(NUMEL, generator=gen))
-        p.grad = torch.randn(NUMEL, generator=gen)
+        p = torch.nn.Parameter(torch.randn(NUMEL, generator=gen).to(device))
+        p.grad = torch.randn(NUMEL, generator=gen).to(device)
         params.append(p)
     return params
 
 
-def phases(n: int, clip: bool) -> dict[str, Callable[[], None]]:
+def phases(n: int, clip: bool, device: str = "cpu") -> dict[str, Callable[[], None]]:
     """distscaler's (the Triton path, the GPU's step) and torch's phase over ``n`` tensors."""
     built: dict[str, Callable[[], None]] = {}
     for name in ("distscaler", "torch"):
-        params = _params(n, 0)
+        params = _params(n, 0, device)
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
         opt.step = lambda *a, **k: None  # type: ignore[method-assign]  # the optimizer's own left out
         if name == "distscaler":
-            scaler: Any = distscaler.GradScaler("cpu", kernels="triton")
+            scaler: Any = distscaler.GradScaler(device, kernels="triton")
             scaler._host_reads = False  # the GPU's step: found_inf stays on the device
-            scaler.scale(torch.ones(()))
+            scaler.scale(torch.ones((), device=device))
 
             def phase(scaler=scaler, opt=opt) -> None:
                 if clip:
@@ -113,8 +152,8 @@ def phases(n: int, clip: bool) -> dict[str, Callable[[], None]]:
                 scaler.step(opt)
                 scaler.update()
         else:
-            scaler = torch.amp.GradScaler("cpu")
-            scaler.scale(torch.ones(()))
+            scaler = torch.amp.GradScaler(device)
+            scaler.scale(torch.ones((), device=device))
 
             def phase(scaler=scaler, opt=opt, params=params) -> None:
                 if clip:
@@ -126,15 +165,28 @@ def phases(n: int, clip: bool) -> dict[str, Callable[[], None]]:
     return built
 
 
-def measure(n: int, clip: bool, rounds: int, calls: int, launches: collections.Counter) -> dict:
-    fns = phases(n, clip)
-    for fn in fns.values():  # warm-up: tables built, caches filled
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    n: int,
+    clip: bool,
+    rounds: int,
+    calls: int,
+    launches: collections.Counter,
+    device: str = "cpu",
+) -> dict:
+    fns = phases(n, clip, device)
+    for fn in fns.values():  # warm-up: tables built, caches filled, kernels compiled
         for _ in range(20):
             fn()
     hot: dict[str, list[float]] = {k: [] for k in fns}
     alternating: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            _synchronize(device)  # an idle GPU at the start, outside the timing
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -142,6 +194,7 @@ def measure(n: int, clip: bool, rounds: int, calls: int, launches: collections.C
         spent = {k: 0.0 for k in fns}
         for _ in range(calls):
             for name, fn in fns.items():
+                _synchronize(device)
                 start = time.perf_counter()
                 fn()
                 spent[name] += time.perf_counter() - start
@@ -166,11 +219,11 @@ def measure(n: int, clip: bool, rounds: int, calls: int, launches: collections.C
     }
 
 
-def profile(n: int, clip: bool, top: int) -> None:
+def profile(n: int, clip: bool, top: int, device: str = "cpu") -> None:
     import cProfile
     import pstats
 
-    fn = phases(n, clip)["distscaler"]
+    fn = phases(n, clip, device)["distscaler"]
     for _ in range(20):
         fn()
     prof = cProfile.Profile()
@@ -186,14 +239,28 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, nargs="+", default=[10, 144, 1000])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=200, help="phase calls per round")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--launches", choices=["stubbed", "real"], default=None,
+                        help="the Triton kernels' launches: stubbed (default on the CPU) or real "
+                        "(default and only choice on cuda; the interpreter on the CPU)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="cProfile distscaler's clip phase")
     parser.add_argument("--out", default=None, help="a JSON file for the records")
     args = parser.parse_args()
+    mode = args.launches or ("real" if args.device == "cuda" else "stubbed")
+    if args.device == "cuda" and mode == "stubbed":
+        parser.error("--launches stubbed runs on --device cpu only (the stubs write with numpy)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU")
+    if args.device == "cpu" and mode == "real" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--launches real on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
     torch.set_num_threads(1)
-    launches = stub_kernels()
-    cpu = platform.processor() or platform.machine()
-    print(f"# host_cost: torch {torch.__version__}, {cpu}, Python {platform.python_version()}, "
-          f"{NUMEL} float32 elements per tensor, fused AdamW (its step a no-op)")  # fmt: skip
+    launches = stub_kernels() if mode == "stubbed" else count_kernels()
+    where = (torch.cuda.get_device_name() + ", host " if args.device == "cuda" else "") + (
+        platform.processor() or platform.machine()
+    )
+    print(f"# host_cost: torch {torch.__version__}, {where}, Python {platform.python_version()}, "
+          f"{NUMEL} float32 elements per tensor, fused AdamW (its step a no-op), Triton "
+          f"launches {mode}")  # fmt: skip
     print("| tensors | clip | distscaler us (hot) | torch us (hot) | ratio | distscaler us "
           "(alternating) | torch us (alternating) | ratio | torch ops: distscaler / torch | "
           "Triton launches |")  # fmt: skip
@@ -202,7 +269,8 @@ def main() -> None:
     for n in args.tensors:
         calls = max(10, args.calls * 144 // max(n, 144))
         for clip in (True, False):
-            r = measure(n, clip, args.rounds, calls, launches)
+            r = measure(n, clip, args.rounds, calls, launches, args.device)
+            r.update(device=args.device, launches=mode)
             records.append(r)
             h, a, o = r["hot_us"], r["alternating_us"], r["ops"]
             print(f"| {n:,} | {'yes' if clip else 'no'} | {h['distscaler']:.0f} | {h['torch']:.0f} "
@@ -214,7 +282,7 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"records": records}, indent=1))
     if args.profile:
-        profile(args.tensors[0], True, 30)
+        profile(args.tensors[0], True, 30, args.device)
 
 
 if __name__ == "__main__":

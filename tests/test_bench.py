@@ -313,6 +313,29 @@ def test_host_cost_times_the_triton_path_with_its_launches_stubbed(tmp_path):
             assert set(r[key]) == {"distscaler", "torch"} and min(r[key].values()) > 0
 
 
+def test_host_cost_with_real_launches_runs_the_kernels_and_counts_them(tmp_path):
+    """``--launches real`` (a GPU's host time with the launches in it): the kernels are launched
+    for real, here in Triton's interpreter, and still counted; the stubs' own mode refuses CUDA."""
+    pytest.importorskip("triton")
+    out = tmp_path / "host.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "host_cost.py"), "--tensors", "6", "--rounds", "1",
+         "--calls", "2", "--launches", "real", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Triton launches real" in proc.stdout
+    records = json.loads(out.read_text())["records"]
+    assert [r["ops"]["distscaler"]["triton_launches"] for r in records] == [2, 2]
+    assert {r["launches"] for r in records} == {"real"}
+    refused = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "host_cost.py"), "--device", "cuda", "--launches",
+         "stubbed"], capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "--launches stubbed runs on --device cpu" in refused.stderr
+
+
 def test_kernel_bench_times_te_and_apex_norms_where_they_are_installed(monkeypatch):
     """launch/kernel_bench.py's Transformer Engine and Apex recipes, on the CPU with an applier
     standing in for theirs (neither installs here): called as theirs are (``applier(op,
