@@ -158,6 +158,55 @@ def test_the_phase_is_at_most_four_launches_at_any_tensor_count(monkeypatch, lay
     assert sorted(launched) == sorted(expected + ([] if fused else ["_scale_kernel"]))
 
 
+def _compiled_run(compiled: bool, launched: list[str]):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+    scaler = gpu_path(GradScaler("cpu", kernels="triton", skip_log_interval=0, init_scale=16.0,
+                                 growth_interval=2))  # fmt: skip
+
+    def phase():
+        norm = scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        return norm
+
+    run = torch.compile(phase, fullgraph=True) if compiled else phase
+    out, per_step = [], []
+    for step in range(6):
+        opt.zero_grad()
+        gen = torch.Generator().manual_seed(step)
+        scaler.scale(model(torch.randn(4, 8, generator=gen)).square().mean()).backward()
+        if step == 3:
+            model[0].weight.grad[0, 0] = math.inf
+        launched.clear()
+        norm = run()
+        per_step.append(list(launched))
+        out.append((scaler.get_scale(), float(norm)))
+    return out, [p.detach().clone() for p in model.parameters()], per_step
+
+
+@interpreted
+def test_the_kernels_phase_compiles_whole_with_fullgraph(monkeypatch):
+    """``clip_grad_norm_`` + the fused step + ``update`` on the kernels' path (the GPU's step,
+    the overflow report off, as docs/compile.md has it) trace as one graph with ``fullgraph=True``:
+    the kernels run inside it (their custom ops, read + reduce and then finish: one launch more
+    than eager's at one rank, where the reduction finishes; counted at every compiled step), and
+    scales, norms (an inf at step 3: skipped, backed off) and parameters equal eager's, bit for
+    bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched = _count_launches(monkeypatch)
+    try:
+        eager, eager_params, _ = _compiled_run(False, launched)
+        compiled, compiled_params, per_step = _compiled_run(True, launched)
+    finally:
+        torch._dynamo.reset()
+    assert compiled == eager
+    assert eager[3][1] == math.inf and eager[3][0] < eager[2][0]  # the inf seen: backed off
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
+    assert per_step == [["_read_kernel", "_reduce_kernel", "_finish_kernel"]] * 6, per_step
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return spawn(S.triton_beside_torch, 2, tmp_path_factory.mktemp("kernels2"))
