@@ -181,12 +181,15 @@ class _Record:
     def dense(self, flagged: TensorFlags) -> torch.Tensor | None:
         """``flagged`` in this record's order (absent parameters: clean); None if it holds others."""
         assert flagged.flags is not None
-        if flagged.params is self.params:
+        # (dynamo traces no `is` between tuples: compiled, the elements are compared)
+        if not torch.compiler.is_compiling() and flagged.params is self.params:
             return flagged.flags
-        key = tuple(map(id, flagged.params))
-        if len(key) == len(self.params) and all(a is b for a, b in zip(flagged.params, self.params)):
+        if len(flagged.params) == len(self.params) and all(
+            a is b for a, b in zip(flagged.params, self.params)
+        ):
             self.params = flagged.params  # the same parameters in a rebuilt plan: adopt its tuple
             return flagged.flags
+        key = tuple(map(id, flagged.params))
         index = self.scatter.get(key)
         if index is None:
             if any(k not in self.positions for k in key):

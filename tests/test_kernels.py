@@ -158,12 +158,12 @@ def test_the_phase_is_at_most_four_launches_at_any_tensor_count(monkeypatch, lay
     assert sorted(launched) == sorted(expected + ([] if fused else ["_scale_kernel"]))
 
 
-def _compiled_run(compiled: bool, launched: list[str]):
+def _compiled_run(compiled: bool, launched: list[str], kernels: str, report: int):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2), fused=True)
-    scaler = gpu_path(GradScaler("cpu", kernels="triton", skip_log_interval=0, init_scale=16.0,
-                                 growth_interval=2))  # fmt: skip
+    scaler = gpu_path(GradScaler("cpu", kernels=kernels, skip_log_interval=report,
+                                 init_scale=16.0, growth_interval=2))  # fmt: skip
 
     def phase():
         norm = scaler.clip_grad_norm_(opt, 1.0)
@@ -179,32 +179,47 @@ def _compiled_run(compiled: bool, launched: list[str]):
         scaler.scale(model(torch.randn(4, 8, generator=gen)).square().mean()).backward()
         if step == 3:
             model[0].weight.grad[0, 0] = math.inf
+            model[2].bias.grad[1] = math.nan
         launched.clear()
         norm = run()
         per_step.append(list(launched))
         out.append((scaler.get_scale(), float(norm)))
-    return out, [p.detach().clone() for p in model.parameters()], per_step
+    params = [p.detach().clone() for p in model.parameters()]
+    return out, params, per_step, scaler.report_overflow()
 
 
 @interpreted
-def test_the_kernels_phase_compiles_whole_with_fullgraph(monkeypatch):
-    """``clip_grad_norm_`` + the fused step + ``update`` on the kernels' path (the GPU's step,
-    the overflow report off, as docs/compile.md has it) trace as one graph with ``fullgraph=True``:
-    the kernels run inside it (their custom ops, read + reduce and then finish: one launch more
-    than eager's at one rank, where the reduction finishes; counted at every compiled step), and
-    scales, norms (an inf at step 3: skipped, backed off) and parameters equal eager's, bit for
-    bit."""
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+@pytest.mark.parametrize("report", [0, 100], ids=["report-off", "report-on"])
+def test_the_phase_compiles_whole_with_fullgraph(monkeypatch, kernels, report):
+    """``clip_grad_norm_`` + the fused step + ``update`` (the GPU's step) trace as one graph with
+    ``fullgraph=True`` on either kernels' path, with the overflow report off or on (its per-tensor
+    flags kept on the device in the graph, read by ``report_overflow()`` outside it): scales,
+    norms (an inf and a NaN at step 3: skipped, backed off) and parameters equal eager's, bit for
+    bit, and so does the report. The Triton kernels (in Triton's interpreter on the CPU) run
+    inside the graph as custom ops: read, reduce and finish at every step, one launch more than
+    eager's 2 at one rank (where the reduction finishes)."""
+    from distscaler._traced_step import TRACES_WHOLE_PHASE
+
+    if not TRACES_WHOLE_PHASE:
+        pytest.skip("fullgraph=True over the whole phase needs torch >= 2.12")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launched = _count_launches(monkeypatch)
     try:
-        eager, eager_params, _ = _compiled_run(False, launched)
-        compiled, compiled_params, per_step = _compiled_run(True, launched)
+        eager, eager_params, _, eager_report = _compiled_run(False, launched, kernels, report)
+        compiled, compiled_params, per_step, report_ = _compiled_run(True, launched, kernels, report)
     finally:
         torch._dynamo.reset()
-    assert compiled == eager
-    assert eager[3][1] == math.inf and eager[3][0] < eager[2][0]  # the inf seen: backed off
+    assert repr(compiled) == repr(eager)  # (nan == nan is False; their reprs are equal)
+    assert math.isnan(eager[3][1]) and eager[3][0] < eager[2][0]  # the NaN seen: backed off
     assert all(torch.equal(a, b) for a, b in zip(eager_params, compiled_params))
-    assert per_step == [["_read_kernel", "_reduce_kernel", "_finish_kernel"]] * 6, per_step
+    assert report_ == eager_report
+    if report:
+        assert sorted(e.kind for e in eager_report.entries) == ["inf", "nan"]
+    else:
+        assert eager_report is None
+    launches = ["_read_kernel", "_reduce_kernel", "_finish_kernel"] if kernels == "triton" else []
+    assert per_step == [launches] * 6, per_step
 
 
 @pytest.fixture(scope="module")
