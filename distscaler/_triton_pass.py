@@ -109,8 +109,8 @@ Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU un
 ``TRITON_INTERPRET=1``, Triton's interpreter: the tests). float64 gradients are passed to torch's
 ops (`_torch_pass()`, several launches), as are norm types other than 1, 2 and inf
 (`grad_pass()` refuses them). The functions are registered as custom ops
-(``distscaler::grad_pass``, ``distscaler::scale_``, ``distscaler::finish``) with fake
-implementations, so ``torch.compile(fullgraph=True)`` traces a phase that calls them (opaque to
+(``distscaler::grad_pass``, ``distscaler::grad_pass_finished``, ``distscaler::scale_``,
+``distscaler::finish``) with fake implementations, so ``torch.compile(fullgraph=True)`` traces a phase that calls them (opaque to
 the compiler: the host builds the address tables from ``data_ptr()``, which a traced function
 cannot read).
 """
@@ -977,12 +977,7 @@ def grad_pass(
     Raises:
         TypeError, ValueError: bad arguments (named), before anything is launched.
     """
-    dev = _check_tensors(tensors)
-    mode = _check_norm_type(norm_type)
-    ps = _check_primes(primes)
-    ws = _check_weights(weights, len(tensors))
-    if dev is None:
-        dev = torch.device("cpu" if device is None else device)
+    dev, mode, ps, ws = _check_pass(tensors, norm_type, primes, weights, device)
     if torch.compiler.is_compiling() and _OPS is not None:
         stat, per_tensor, moments = _OPS.grad_pass(
             list(tensors), dev, None if ws is None else list(ws),
@@ -997,6 +992,60 @@ def grad_pass(
         moments if ps is not None else None,
         norm_type is not None,
     )
+
+
+def _check_pass(
+    tensors: Sequence[torch.Tensor],
+    norm_type: float | None,
+    primes: Sequence[int] | None,
+    weights: Sequence[float] | None,
+    device: torch.device | str | None,
+) -> tuple[torch.device, int, tuple[int, int] | None, tuple[float, ...] | None]:
+    """`grad_pass()`'s checks of its arguments: the device, the norm's mode, the primes and the
+    weights, as the pass takes them."""
+    dev = _check_tensors(tensors)
+    mode = _check_norm_type(norm_type)
+    ps = _check_primes(primes)
+    ws = _check_weights(weights, len(tensors))
+    if dev is None:
+        dev = torch.device("cpu" if device is None else device)
+    return dev, mode, ps, ws
+
+
+def _pass_finished(
+    tensors: Sequence[torch.Tensor],
+    scale: torch.Tensor,
+    max_norm: torch.Tensor | None,
+    weights: Sequence[float] | None,
+    norm_type: float | None,
+    flags: bool,
+    primes: Sequence[int] | None,
+    device: torch.device | str | None,
+) -> tuple[PassResult, FinishResult]:
+    """`grad_pass()` and then `finish()` with no collective between them, the arguments checked
+    as they check them: the reduction computes `finish()`'s values itself (2 launches; traced, one
+    custom op)."""
+    dev, mode, ps, ws = _check_pass(tensors, norm_type, primes, weights, device)
+    for name, value in (("scale", scale), ("max_norm", max_norm)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor, got: {value!r}")
+        if value.device != dev:
+            raise ValueError(f"{name} must be on {dev}, got: {value.device}")
+    nt = None if norm_type is None else float(norm_type)
+    if torch.compiler.is_compiling() and _OPS is not None:
+        stat, per_tensor, moments, out = _OPS.grad_pass_finished(
+            list(tensors), dev, None if ws is None else list(ws), nt, flags,
+            None if ps is None else list(ps), scale, max_norm,
+        )  # fmt: skip
+    else:
+        fin = _Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev))
+        stat, per_tensor, moments = _grad_pass_impl(list(tensors), dev, ws, mode, flags, ps, fin)
+        out = fin.out
+    taken = PassResult(stat, per_tensor if flags else None, moments if ps is not None else None,
+                       norm_type is not None)  # fmt: skip
+    return taken, FinishResult(out)
 
 
 def _grad_pass_impl(
@@ -1361,8 +1410,12 @@ def phase(
     done = None
     sums = None
     if checked:
-        taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags, primes=primes,
-                          device=device)  # fmt: skip
+        if reduce is None:  # the reduction finishes (traced: one custom op)
+            taken, done = _pass_finished(ts, scale, max_norm, weights, norm_type, flags, primes,
+                                         device)  # fmt: skip
+        else:
+            taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags,
+                              primes=primes, device=device)  # fmt: skip
         if terms is not None and taken.moments is not None and primes is not None:
             sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
         if flag_codes is not None and taken.per_tensor is not None:
@@ -1432,7 +1485,8 @@ def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
 
 
 def _register_ops() -> Any:
-    """``distscaler::grad_pass``, ``distscaler::scale_``, ``distscaler::finish`` as custom ops
+    """``distscaler::grad_pass``, ``distscaler::grad_pass_finished`` (the pass whose reduction
+    finishes: no collective between them), ``distscaler::scale_``, ``distscaler::finish`` as custom ops
     with fake implementations (``torch.library.custom_op``, torch >= 2.4), so that a compiled
     phase traces them with ``fullgraph=True``; None where registering fails (then a traced phase
     calls the functions eagerly: a graph break)."""
@@ -1451,13 +1505,35 @@ def _register_ops() -> Any:
             return _grad_pass_impl(list(tensors), device, weights, mode, flags, ps)
 
         @_grad_pass_op.register_fake
-        def _(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
+        def _grad_pass_fake(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
             n = len(tensors)
             return (
                 torch.empty(2, dtype=torch.float32, device=device),
                 torch.empty(n if flags else 0, dtype=torch.float32, device=device),
                 torch.empty((n if primes is not None else 0, 4), dtype=torch.int64, device=device),
             )
+
+        @torch.library.custom_op(
+            f"{lib}::grad_pass_finished",
+            mutates_args=(),
+            schema="(Tensor[] tensors, Device device, float[]? weights, float? norm_type, "
+            "bool flags, int[]? primes, Tensor scale, Tensor? max_norm) -> "
+            "(Tensor, Tensor, Tensor, Tensor)",
+        )
+        def _pass_finished_op(tensors, device, weights, norm_type, flags, primes, scale, max_norm):  # type: ignore[no-untyped-def]
+            mode = _check_norm_type(norm_type)
+            ps = None if primes is None else (int(primes[0]), int(primes[1]))
+            fin = _Finish(scale, max_norm, norm_type, torch.empty(3, dtype=torch.float32,
+                                                                  device=device))  # fmt: skip
+            stat, per_tensor, moments = _grad_pass_impl(list(tensors), device, weights, mode,
+                                                        flags, ps, fin)  # fmt: skip
+            return stat, per_tensor, moments, fin.out
+
+        @_pass_finished_op.register_fake
+        def _(tensors, device, weights, norm_type, flags, primes, scale, max_norm):  # type: ignore[no-untyped-def]
+            stat, per_tensor, moments = _grad_pass_fake(tensors, device, weights, norm_type, flags,
+                                                        primes)  # fmt: skip
+            return stat, per_tensor, moments, torch.empty(3, dtype=torch.float32, device=device)
 
         @torch.library.custom_op(
             f"{lib}::scale_",
@@ -1483,7 +1559,8 @@ def _register_ops() -> Any:
         def _(stat, scale, max_norm, norm_type):  # type: ignore[no-untyped-def]
             return stat.new_empty(3)
 
-        return types.SimpleNamespace(grad_pass=_grad_pass_op, scale_=_scale_op, finish=_finish_op)
+        return types.SimpleNamespace(grad_pass=_grad_pass_op, scale_=_scale_op, finish=_finish_op,
+                                     grad_pass_finished=_pass_finished_op)  # fmt: skip
     except Exception:  # an older torch without custom_op's schema=, a second registration
         return None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 
 import pytest
 import torch
@@ -892,3 +893,61 @@ def test_custom_ops_trace_with_fullgraph():
         outs = grad_pass([torch.empty(5), torch.empty(3)], torch.device("cpu"), None, 2.0, True,
                          list(PRIMES))  # fmt: skip
     assert [tuple(o.shape) for o in outs] == [(2,), (2,), (2, 4)]
+    finished = torch.ops.distscaler.grad_pass_finished.default
+    with fake:
+        outs = finished([torch.empty(5), torch.empty(3)], torch.device("cpu"), None, 2.0, True,
+                        list(PRIMES), torch.empty(()), None)  # fmt: skip
+    assert [tuple(o.shape) for o in outs] == [(2,), (2,), (2, 4), (3,)]
+
+
+@interpreted
+def test_the_phase_without_a_collective_traces_as_one_op_and_finishes_in_the_reduction():
+    """``phase(reduce=None)`` (one rank) compiled with ``fullgraph=True``: the pass whose
+    reduction finishes is one custom op (2 launches, as eager), and the results, the clipped
+    gradients and the coded flags are eager's, bit for bit; its arguments are checked as
+    ``grad_pass()`` and ``finish()`` check them."""
+    grads = grads_mixed(13, sizes=(40, 300, 9))
+    grads[1].view(-1)[4] = math.nan
+    scale, max_norm = torch.tensor(64.0), torch.tensor(0.5)
+    launched: list[str] = []
+
+    def phase(grads):
+        taken, done = tp.phase(grads, scale, None, norm_type=2.0, primes=PRIMES, max_norm=max_norm,
+                               clip=True, flag_codes=(-1.0, -2.0))  # fmt: skip
+        return taken.stat, taken.per_tensor, taken.moments, done.out
+
+    eager_grads = [g.clone() for g in grads]
+    expected = phase(eager_grads)
+    compiled = torch.compile(phase, fullgraph=True, backend="aot_eager")
+    got = compiled([g.clone() for g in grads])
+    interp = tp._kernels(True)
+    counted = {n: getattr(interp, n) for n in tp._RAW}
+    saved = tp._kernels
+    try:
+        tp._kernels = lambda interpret: types.SimpleNamespace(**{
+            n: _Counting(k, n, launched) for n, k in counted.items()})  # fmt: skip
+        got = compiled(grads)
+    finally:
+        tp._kernels = saved
+        torch._dynamo.reset()
+    for e, g in zip(expected, got):
+        assert torch.equal(bits(e), bits(g)), (e, g)
+    assert expected[1][1].item() == -1.0  # the NaN tensor's flag, coded
+    for e, g in zip(eager_grads, grads):
+        assert torch.equal(bits(e), bits(g))
+    assert launched == ["_read_kernel", "_reduce_kernel", "_scale_kernel"], launched
+    with pytest.raises(ValueError, match="scale must be a float32 tensor"):
+        tp.phase(grads, scale.double(), None, norm_type=2.0)
+    with pytest.raises(ValueError, match="max_norm must be a float32 tensor"):
+        tp.phase(grads, scale, None, norm_type=2.0, max_norm=max_norm.half())
+
+
+class _Counting:
+    """A kernel whose launches are named into a list, then run."""
+
+    def __init__(self, kernel, name: str, launched: list[str]) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
