@@ -110,9 +110,9 @@ Where it runs: `available()` (a CUDA tensor and Triton importable, or the CPU un
 ops (`_torch_pass()`, several launches), as are norm types other than 1, 2 and inf
 (`grad_pass()` refuses them). The functions are registered as custom ops
 (``distscaler::grad_pass``, ``distscaler::grad_pass_finished``, ``distscaler::scale_``,
-``distscaler::finish``) with fake implementations, so ``torch.compile(fullgraph=True)`` traces a phase that calls them (opaque to
-the compiler: the host builds the address tables from ``data_ptr()``, which a traced function
-cannot read).
+``distscaler::finish``) with fake implementations, so ``torch.compile(fullgraph=True)`` traces a
+phase that calls them (opaque to the compiler: the host builds the address tables from
+``data_ptr()``, which a traced function cannot read).
 """
 
 from __future__ import annotations
@@ -1486,10 +1486,10 @@ def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
 
 def _register_ops() -> Any:
     """``distscaler::grad_pass``, ``distscaler::grad_pass_finished`` (the pass whose reduction
-    finishes: no collective between them), ``distscaler::scale_``, ``distscaler::finish`` as custom ops
-    with fake implementations (``torch.library.custom_op``, torch >= 2.4), so that a compiled
-    phase traces them with ``fullgraph=True``; None where registering fails (then a traced phase
-    calls the functions eagerly: a graph break)."""
+    finishes: no collective between them), ``distscaler::scale_``, ``distscaler::finish`` as
+    custom ops with fake implementations (``torch.library.custom_op``, torch >= 2.4), so that a
+    compiled phase traces them with ``fullgraph=True``; None where registering fails (then a
+    traced phase calls the functions eagerly: a graph break)."""
     try:
         lib = "distscaler"
 
