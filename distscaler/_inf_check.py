@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ._plan import GradPass
 from ._torch_compat import amp_check_and_unscale_
-from .attribution import INF_CODE, NAN_CODE, flag_tensors
+from .attribution import flag_tensors
 
 if TYPE_CHECKING:
     from ._plan import StepPlan
@@ -319,7 +319,7 @@ def _run_triton(
     # a contribution that gives its terms has its slots summed in the kernel's reduction
     coll.summed_by = next((c for c in plan.contributions if hasattr(c, "kernel_terms")), None)
     terms = None
-    coded = plan.per_tensor_flags and not plan.read_found_inf
+    in_pass = plan.per_tensor_flags and not plan.read_found_inf  # the flags made by the pass
     if coll.summed_by is not None and primes is not None and coll.active:
         terms = coll.summed_by.kernel_terms(params, flat)
     taken, done = kernels.phase(
@@ -331,8 +331,7 @@ def _run_triton(
         # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first
         clip=grad_pass is GradPass.NORM and not plan.fused,
         factor_in_dtype=state.device.type == "cuda", device=state.device,
-        # the flags as the overflow report keeps them, written by the reduction (no nan_to_num)
-        flag_codes=(NAN_CODE, INF_CODE) if coded else None,
+        report_flags=in_pass,  # written as the overflow report keeps them (no nan_to_num)
     )  # fmt: skip
     found = done.found_inf if plan.skip_nonfinite else state.zero
     per_tensor = taken.per_tensor
@@ -341,7 +340,7 @@ def _run_triton(
     if grad_pass is GradPass.UNSCALE and not plan.read_found_inf:
         return StepResult(found)  # unscale_: no flags (a later step takes them)
     if not plan.read_found_inf:
-        flags = per_tensor if coded else None  # written as flag_tensors() gives them
+        flags = per_tensor if in_pass else None  # written as flag_tensors() gives them
         return StepResult(found, grad_scale=None if grad_pass is GradPass.UNSCALE else grad_scale,
                           total_norm=total, per_tensor_flags=flags, params=params,
                           flags_taken=True, max_norm=plan.max_norm)  # fmt: skip

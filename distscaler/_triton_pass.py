@@ -129,6 +129,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .attribution import INF_CODE, NAN_CODE, flag_tensors
+
 __all__ = [
     "LAUNCHES",
     "FinishResult",
@@ -174,8 +176,8 @@ class PassResult:
             is a 0/1 flag: a SUM or a MAX over ranks is > 0 exactly when some rank saw inf/NaN).
         per_tensor: float32 ``(n,)``: each tensor's 2-norm (``norm_type == 2``) or largest
             magnitude (otherwise), NaN for a tensor holding a NaN, else inf for one holding an
-            inf (torch's ``_foreach_norm`` values; with `phase()`'s ``flag_codes``, those two
-            written as its codes); None when ``flags=False``.
+            inf (torch's ``_foreach_norm`` values; with `phase()`'s ``report_flags``, the
+            overflow report's flags of them instead); None when ``flags=False``.
         moments: int64 ``(n, 4)``: ``[A mod P1, A mod P2, B mod P1, B mod P2]`` per tensor (the
             module docstring); None without ``primes``.
         has_norm: whether ``norm_type`` was given (else ``stat[1]`` is 0.0).
@@ -403,11 +405,11 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                    num_tensors, p1, p2, scale, max_norm, out, NORM: tl.constexpr,
                    PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr, SLOTS: tl.constexpr,
                    RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr,
-                   CODED: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr):  # fmt: skip
+                   AS_FLAGS: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr):  # fmt: skip
     """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
-    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments (with ``CODED``,
-    a NaN statistic written as ``NAN_AS`` and an inf one as ``INF_AS``: the overflow report's
-    flags, as ``nan_to_num`` makes them), and with ``SLOTS`` its terms of the replica check's four
+    them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments (with
+    ``AS_FLAGS``, a NaN statistic written as ``NAN_AS`` and an inf one as ``INF_AS``: the overflow
+    report's flags, as ``nan_to_num`` makes them), and with ``SLOTS`` its terms of the replica check's four
     slots (``terms``: its coefficient, word offset and shift modulo each prime), added into
     ``slots`` (int64 atomics: integers, exact in any order). Fixed order: tiles of ``RT`` partials
     in sequence, a tile's positions by the reduction's tree."""
@@ -470,7 +472,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 v = tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM))
             else:
                 v = tl.reduce(mx_acc, 0, _MAX).to(tl.float32, bitcast=True)
-            if CODED:  # v >= 0, inf or NaN; above float32's largest finite value: inf
+            if AS_FLAGS:  # v >= 0, inf or NaN; above float32's largest finite value: inf
                 v = tl.where(v != v, NAN_AS, tl.where(v > 3.4028234663852886e38, INF_AS, v))
             tl.store(per_tensor + t, v)
         if MOMENTS:
@@ -925,6 +927,19 @@ def _check_norm_type(norm_type: float | None) -> int:
     return mode
 
 
+def _check_float32(*named: tuple[str, Any], device: torch.device | None = None) -> None:
+    """Each ``(name, value)`` a float32 tensor (or None: skipped) on ``device`` (default: the
+    first one's)."""
+    for name, value in named:
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor, got: {value!r}")
+        device = value.device if device is None else device
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got: {value.device}")
+
+
 def _check_primes(primes: Sequence[int] | None) -> tuple[int, int] | None:
     if primes is None:
         return None
@@ -1026,13 +1041,7 @@ def _pass_finished(
     as they check them: the reduction computes `finish()`'s values itself (2 launches; traced, one
     custom op)."""
     dev, mode, ps, ws = _check_pass(tensors, norm_type, primes, weights, device)
-    for name, value in (("scale", scale), ("max_norm", max_norm)):
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 tensor, got: {value!r}")
-        if value.device != dev:
-            raise ValueError(f"{name} must be on {dev}, got: {value.device}")
+    _check_float32(("scale", scale), ("max_norm", max_norm), device=dev)
     nt = None if norm_type is None else float(norm_type)
     if torch.compiler.is_compiling() and _OPS is not None:
         stat, per_tensor, moments, out = _OPS.grad_pass_finished(
@@ -1057,20 +1066,21 @@ def _grad_pass_impl(
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
     slots: _Slots | None = None,
-    codes: tuple[float, float] | None = None,
+    as_flags: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
     ``finish.out`` by the reduction (no collective between them: one launch fewer); with
     ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``; with
-    ``codes``, ``per_tensor`` as `_coded()` gives it, written so by the reduction."""
+    ``as_flags``, ``per_tensor`` as `distscaler.attribution.flag_tensors()` makes it of the
+    statistics, written so by the reduction."""
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
     dtypes, contiguous = _describe(tensors)
     if torch.float64 in dtypes:
         stat, per_tensor, moments = _torch_pass(tensors, device, weights, mode, n_flags, primes)
-        if codes is not None:
-            per_tensor = _coded(per_tensor, codes)
+        if as_flags:
+            per_tensor = flag_tensors(per_tensor)
         if finish is not None:
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         if slots is not None and primes is not None:
@@ -1087,15 +1097,8 @@ def _grad_pass_impl(
             finish.out.copy_(_finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
         return stat, per_tensor, moments
     tables = _tables_of(tensors, dtypes, weights)
-    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, codes)
+    _launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, as_flags)
     return stat, per_tensor, moments
-
-
-def _coded(per_tensor: torch.Tensor, codes: tuple[float, float]) -> torch.Tensor:
-    """Per-tensor statistics (>= 0, inf or NaN) as flags: NaN -> ``codes[0]``, inf ->
-    ``codes[1]``, the finite statistic itself (one ``nan_to_num``; what the reduction writes with
-    ``codes``)."""
-    return torch.nan_to_num(per_tensor, nan=codes[0], posinf=codes[1], neginf=codes[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -1144,11 +1147,11 @@ def _launch_pass(
     primes: tuple[int, int] | None,
     finish: _Finish | None = None,
     slots: _Slots | None = None,
-    codes: tuple[float, float] | None = None,
+    as_flags: bool = False,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place; with ``finish``, the
     reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums; with
-    ``codes``, ``per_tensor`` holds `_coded()`'s flags)."""
+    ``as_flags``, ``per_tensor`` holds the overflow report's flags)."""
     k = _kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
@@ -1173,8 +1176,8 @@ def _launch_pass(
         tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, terms, sums, nb, n,
         p1, p2, scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
         SLOTS=with_slots, RT=_CONFIG["RT"], FINISH=finish is not None,
-        CLIP=finish is not None and finish.max_norm is not None, CODED=codes is not None,
-        NAN_AS=codes[0] if codes else 0.0, INF_AS=codes[1] if codes else 0.0, num_warps=4,
+        CLIP=finish is not None and finish.max_norm is not None, AS_FLAGS=as_flags,
+        NAN_AS=NAN_CODE, INF_AS=INF_CODE, num_warps=4,
     )  # fmt: skip
 
 
@@ -1348,13 +1351,7 @@ def finish(
         max_norm: 0-dim float32 (clipping), or None.
         norm_type: the pass's ``norm_type`` (None: no norm; the total norm is 0.0).
     """
-    for name, value in (("stat", stat), ("scale", scale), ("max_norm", max_norm)):
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 tensor, got: {value!r}")
-        if value.device != stat.device:
-            raise ValueError(f"{name} must be on {stat.device}, got: {value.device}")
+    _check_float32(("stat", stat), ("scale", scale), ("max_norm", max_norm))
     if stat.shape != (2,):
         raise ValueError(f"stat must have shape (2,), got: {tuple(stat.shape)}")
     _check_norm_type(norm_type)
@@ -1382,7 +1379,7 @@ def phase(
     factor_in_dtype: bool = False,
     device: torch.device | str | None = None,
     validate: bool = True,
-    flag_codes: tuple[float, float] | None = None,
+    report_flags: bool = False,
 ) -> tuple[PassResult, FinishResult]:
     """The scaler's whole phase over ``tensors``, in order: `grad_pass()`, then
     ``reduce(stat, moments)`` (the caller's collective, which reduces ``stat`` in place and reads
@@ -1397,10 +1394,10 @@ def phase(
     ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
     tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
     into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
-    ``reduce(stat, moments, sums)``. ``flag_codes`` ``(nan_code, inf_code)`` (with ``flags``):
-    ``per_tensor`` holds flags instead of statistics, a NaN statistic as ``nan_code`` and an inf
-    one as ``inf_code`` (``torch.nan_to_num``'s values; the overflow report's
-    `distscaler.attribution.flag_tensors()`), written so by the reduction: no op more.
+    ``reduce(stat, moments, sums)``. ``report_flags`` (with ``flags``):
+    ``per_tensor`` holds the overflow report's flags of the statistics
+    (`distscaler.attribution.flag_tensors()`: a NaN one as ``NAN_CODE``, an inf one as
+    ``INF_CODE``), written so by the reduction: no op more.
     Returns the pass's and the finish's results.
     """
     checked = validate or (torch.compiler.is_compiling() and _OPS is not None)
@@ -1418,8 +1415,8 @@ def phase(
                               primes=primes, device=device)  # fmt: skip
         if terms is not None and taken.moments is not None and primes is not None:
             sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
-        if flag_codes is not None and taken.per_tensor is not None:
-            taken = replace(taken, per_tensor=_coded(taken.per_tensor, flag_codes))
+        if report_flags and taken.per_tensor is not None:
+            taken = replace(taken, per_tensor=flag_tensors(taken.per_tensor))
     else:
         mode = _NORM_MODE[float(norm_type)] if norm_type is not None else 0
         ps = None if primes is None else (int(primes[0]), int(primes[1]))
@@ -1434,7 +1431,7 @@ def phase(
             slots = _Slots(terms, torch.zeros(4, dtype=torch.int64, device=dev))
             sums = slots.sums
         stat, per_tensor, moments = _grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots,
-                                                    flag_codes if flags else None)  # fmt: skip
+                                                    report_flags and flags)  # fmt: skip
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:

@@ -107,7 +107,7 @@ def _overflow_report(kernels, *, fused, clip):
 @pytest.mark.parametrize("clip", [None, 2.0, math.inf], ids=["noclip", "p2", "pinf"])
 def test_the_overflow_report_names_what_torchs_kernels_name(monkeypatch, fused, clip):
     """The per-tensor flags of the kernels' path (with a fused optimizer on a GPU's step, written
-    as the report's codes by the reduction; else flagged after the host read) name the same
+    as the report keeps them by the reduction; else flagged after the host read) name the same
     tensors, with the same kinds, as torch's kernels: an inf, a -inf and a NaN in three tensors."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ours = _overflow_report("triton", fused=fused, clip=clip)

@@ -27,6 +27,7 @@ pytest.importorskip("triton", reason="the Triton pass needs triton (the test ext
 from _common import interpreted, interpreted_mark  # noqa: E402
 
 from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler.attribution import NAN_CODE  # noqa: E402
 from distscaler.replica_check import moduli  # noqa: E402
 
 PRIMES = moduli(2)
@@ -499,13 +500,13 @@ def test_phase_without_a_collective_finishes_in_the_reduction(device, norm_type)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [None, 2.0, math.inf])
 def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_type):
-    """``phase(flag_codes=...)``: the per-tensor statistics written as the overflow report's flags
+    """``phase(report_flags=True)``: the per-tensor statistics written as the overflow report's flags
     by the reduction (the scaler's step where the host reads nothing), bit for bit what
     `distscaler.attribution.flag_tensors()` makes of the plain statistics: a NaN tensor, an inf
     one, one of finite values whose squares overflow (its 2-norm inf), -inf, clean ones; on one
     rank (the reduction finishes) and with a collective, checked and unchecked, float64 among
     them (torch's ops)."""
-    from distscaler.attribution import INF_CODE, NAN_CODE, flag_tensors
+    from distscaler.attribution import flag_tensors
 
     scale = torch.tensor(1.0, device=device)
     for extra64, reduce in [(False, None), (False, lambda *a: None), (True, None)]:
@@ -521,7 +522,7 @@ def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_t
         assert expected.lt(0).sum().item() == (4 if norm_type == 2.0 else 3) + extra64  # seen
         for validate in (False, True):
             coded, _ = tp.phase(grads, scale, reduce, norm_type=norm_type, validate=validate,
-                                flag_codes=(NAN_CODE, INF_CODE))  # fmt: skip
+                                report_flags=True)  # fmt: skip
             _sync(device)
             assert torch.equal(bits(coded.per_tensor), bits(expected)), (coded.per_tensor, expected)
 
@@ -664,12 +665,12 @@ def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
 def test_the_slot_sums_compile_to_relaxed_integer_reductions():
     """The reduction's replica slots (``SLOTS``), compiled for an H100 on the CPU: four 64-bit
     integer reductions without a return value or ordering (``red.global.gpu.relaxed.add.u64``),
-    none without them. (With the flags written as the overflow report's codes, as the scaler's
+    none without them. (With the overflow report's flags written by the reduction, as the scaler's
     step on a GPU launches it.)"""
     if not tp._can_compile_for_a_gpu():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": tp._CONFIG["RT"],
-              "FINISH": False, "CLIP": False, "CODED": True, "NAN_AS": -1.0,
+              "FINISH": False, "CLIP": False, "AS_FLAGS": True, "NAN_AS": -1.0,
               "INF_AS": -2.0}  # fmt: skip
     with_slots = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
     without = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
@@ -913,7 +914,7 @@ def test_the_phase_without_a_collective_traces_as_one_op_and_finishes_in_the_red
 
     def phase(grads):
         taken, done = tp.phase(grads, scale, None, norm_type=2.0, primes=PRIMES, max_norm=max_norm,
-                               clip=True, flag_codes=(-1.0, -2.0))  # fmt: skip
+                               clip=True, report_flags=True)  # fmt: skip
         return taken.stat, taken.per_tensor, taken.moments, done.out
 
     eager_grads = [g.clone() for g in grads]
@@ -932,7 +933,7 @@ def test_the_phase_without_a_collective_traces_as_one_op_and_finishes_in_the_red
         torch._dynamo.reset()
     for e, g in zip(expected, got):
         assert torch.equal(bits(e), bits(g)), (e, g)
-    assert expected[1][1].item() == -1.0  # the NaN tensor's flag, coded
+    assert expected[1][1].item() == NAN_CODE  # the NaN tensor's flag, as the report keeps it
     for e, g in zip(eager_grads, grads):
         assert torch.equal(bits(e), bits(g))
     assert launched == ["_read_kernel", "_reduce_kernel", "_scale_kernel"], launched
