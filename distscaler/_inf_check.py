@@ -485,7 +485,7 @@ def _flags(groups: GradGroups, device: torch.device) -> torch.Tensor | None:
     parts: list[torch.Tensor] = []
     wide: list[tuple[int, torch.Tensor]] = []  # float64 groups: flagged before the cast to float32
     for key, grads in groups.items():
-        part = list(torch._foreach_norm(grads, math.inf, dtype=_accumulation_dtype(key.dtype)))
+        part = _max_magnitudes(grads, _accumulation_dtype(key.dtype))
         if key.dtype == torch.float64:
             # A finite float64 magnitude past float32's range must not turn into an inf flag.
             flagged = flag_tensors(torch.stack(part)).clamp_(max=torch.finfo(torch.float32).max)
@@ -514,6 +514,26 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # float32 at least: a large finite fp16 gradient's square never overflows it. (Not
     # torch.promote_types, which is a dispatched op.)
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: Unbound: ``map()`` over it walks a list in C.
+_NUMEL = torch.Tensor.numel
+
+
+def _max_magnitudes(grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each gradient's largest magnitude, 0-dim ``dtype`` tensors on its device: ``_foreach_norm``
+    with p = inf (inf or NaN exactly when the gradient holds one), where an empty gradient gives
+    0.0. torch's ``_foreach_norm`` raises on an empty tensor for p = inf ("the operation does not
+    have an identity"), and so does ``torch.nn.utils.clip_grad_norm_``; an empty gradient is what a
+    rank holds of a parameter with fewer rows than ranks under FSDP2 or TP (a shard of nothing), and
+    0.0, the identity of a maximum of magnitudes, is what the Triton pass gives it. Cost: one walk
+    of the sizes on the host; with an empty gradient, one more op (the zero)."""
+    if all(map(_NUMEL, grads)):
+        return list(torch._foreach_norm(grads, math.inf, dtype=dtype))
+    kept = [g for g in grads if g.numel()]
+    maxima = iter(torch._foreach_norm(kept, math.inf, dtype=dtype) if kept else ())
+    zero = torch.zeros((), dtype=dtype, device=grads[0].device)
+    return [next(maxima) if g.numel() else zero for g in grads]
 
 
 def _div_(groups: GradGroups, divisor: torch.Tensor) -> None:
@@ -618,7 +638,10 @@ def local_stat(
     weights = []
     for key, grads in groups.items():
         acc = _accumulation_dtype(key.dtype)
-        norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=acc))
+        if ord_ == math.inf:
+            norms = torch.stack(_max_magnitudes(grads, acc))
+        else:
+            norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=acc))
         parts.append(norms.to(device, torch.float32, non_blocking=True))
         weights.append(key.weight)
     if not parts:

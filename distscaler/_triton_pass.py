@@ -1206,9 +1206,9 @@ def _torch_pass(
         sums = [(t.double().abs() ** p).sum() * w for t, w in zip(tensors, ws)]
         stat[1] = torch.stack(sums).sum().float()
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
-    if n_flags:
-        ord_ = 2.0 if mode == 2 else math.inf
-        per_tensor.copy_(torch.stack(torch._foreach_norm(tensors, ord_)).float())
+    if n_flags:  # the largest magnitudes: an empty tensor's is 0.0 (_foreach_norm raises)
+        maxima = torch._foreach_norm(tensors, 2.0) if mode == 2 else amax
+        per_tensor.copy_(torch.stack(maxima).float())
     moments = torch.empty((n if primes else 0, 4), dtype=torch.int64, device=device)
     if primes is not None:
         for i, t in enumerate(tensors):

@@ -644,10 +644,58 @@ def _unknown_case(case: str, rank: int, world_size: int) -> dict[str, Any]:
     return record
 
 
+EMPTY_SHARD_CASES = {"pinf": math.inf, "p2": 2.0, "noclip": None}
+#: The step whose gradient holds an inf on rank 0 (in the shard rank 1 has none of).
+EMPTY_SHARD_INF_STEP = 1
+
+
+def empty_shard(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 over 2 ranks of a model whose first layer has one output row: rank 1 holds an empty
+    shard (0 elements) of its weight and bias. For a clip at p = inf, at p = 2 and no clip, with the
+    overflow report read every update: three steps, an inf on rank 0 at `EMPTY_SHARD_INF_STEP`;
+    each step's norm beside the norm of the gathered gradients (``full_tensor()``, float64)."""
+    return {case: run_case(functools.partial(_empty_shard_case, norm_type, rank))
+            for case, norm_type in EMPTY_SHARD_CASES.items()}  # fmt: skip
+
+
+def _empty_shard_case(norm_type: float | None, rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Linear(1, 3))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = GradScaler(DEVICE, init_scale=INIT_SCALE, skip_log_interval=1)
+    scaler.register_model(model)
+    record: dict[str, Any] = {
+        "local_numels": [local_tensor(p).numel() for p in model.parameters()],
+        "norms": [], "reference": [], "skipped": [], "scales": [],
+    }  # fmt: skip
+    for step in range(3):
+        data = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        scaler.scale(model(data).sum()).backward()
+        if step == EMPTY_SHARD_INF_STEP and rank == 0:
+            local_tensor(model[0].weight.grad).view(-1)[0] = math.inf
+        if norm_type is not None:
+            full = [p.grad.full_tensor().double().flatten() / scaler.get_scale()
+                    for p in model.parameters()]  # fmt: skip
+            record["reference"].append(float(torch.linalg.vector_norm(torch.cat(full), norm_type)))
+            record["norms"].append(float(scaler.clip_grad_norm_(opt, 1.0, norm_type)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        record["skipped"].append(scaler.step_was_skipped)
+        record["scales"].append(scaler.get_scale())
+    report = scaler.report_overflow()
+    record["report"] = None if report is None else [[e.rank, e.param, e.kind] for e in report.entries]
+    return record
+
+
 def everything(rank: int, world_size: int) -> dict[str, Any]:
     out = {"torch_gaps": torch_gaps(world_size), "matrix": layout_matrix(rank, world_size)}
     if world_size == 2:
         out["unknown"] = unknown_layouts(rank, world_size)
+        out["empty_shard"] = empty_shard(rank, world_size)  # last: a crash there stalls no other
     return out
 
 

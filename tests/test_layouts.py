@@ -199,3 +199,31 @@ def test_unknown_layout_raises_on_every_rank_before_changing_anything(spawned, c
         assert math.isfinite(record["norm_after_fix"]) and record["norm_after_fix"] > 0
         if case == "fsdp2-sub-mesh":  # registered as copies: counted once, not once per rank
             assert record["norm_after_fix"] == pytest.approx(record["local_norm"], rel=1e-5)
+
+
+@pytest.mark.xdist_group("layouts2")
+@pytest.mark.parametrize("case", list(S.EMPTY_SHARD_CASES))
+def test_an_empty_shard_clips_and_reports_as_any_other(spawned, case):
+    """FSDP2 gives rank 1 an empty shard (0 elements) of a one-row layer: the clip at p = inf, at
+    p = 2 and the overflow report take it as holding nothing, on every rank alike (torch's
+    ``_foreach_norm`` raises on an empty tensor at p = inf, and so did the scaler's pass, on rank 1
+    only, leaving rank 0 in the collective; tests/test_inf_check.py shows torch's own
+    ``clip_grad_norm_`` raising there)."""
+    results = [r["empty_shard"][case] for r in spawned(2)]
+    for record, r in zip(results, spawned(2)):
+        skip_if_torch_gap(record, r["torch_gaps"])
+    assert results[0]["local_numels"] == [4, 1, 2, 2]
+    assert results[1]["local_numels"] == [0, 0, 1, 1]  # the case: empty shards on rank 1
+    step = S.EMPTY_SHARD_INF_STEP
+    for record in results:
+        assert record["skipped"] == [i == step for i in range(3)]  # the inf seen, on every rank
+        assert record["scales"][step] < record["scales"][step - 1]
+        assert record["report"] == [[0, "0.weight", "inf"]]
+        if S.EMPTY_SHARD_CASES[case] is None:
+            continue
+        assert math.isinf(record["norms"][step]) and math.isinf(record["reference"][step])
+        for i in (0, 2):  # the gathered gradients' norm (p = inf: exactly; a power-of-2 scale)
+            assert record["norms"][i] == pytest.approx(record["reference"][i], rel=1e-6)
+            if case == "pinf":
+                assert record["norms"][i] == record["reference"][i]
+    assert results[0] == {**results[1], "local_numels": results[0]["local_numels"]}

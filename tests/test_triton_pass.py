@@ -834,6 +834,25 @@ def test_float64_goes_to_torch():
     )
 
 
+@pytest.mark.parametrize("norm_type", [None, 1.0, math.inf])
+def test_float64_with_an_empty_tensor_flags_it_as_holding_nothing(norm_type):
+    """torch's pass (float64 among the tensors) takes each tensor's largest magnitude for the
+    per-tensor statistics where the norm is not the 2-norm: an empty tensor's is 0.0, as in the
+    kernels (torch's ``_foreach_norm`` at p = inf raises on it), a NaN's NaN, an inf's inf."""
+    grads = [torch.zeros(0, dtype=torch.float64), torch.tensor([1.0, -3.0], dtype=torch.float64),
+             torch.zeros(0), torch.tensor([2.0, -math.inf]), torch.tensor([math.nan]).double()]
+    result = tp.grad_pass(grads, norm_type=norm_type)
+    assert result.found.item() == 1.0
+    flags = result.per_tensor.tolist()
+    assert flags[:4] == [0.0, 3.0, 0.0, math.inf] and math.isnan(flags[4])
+    clean = tp.grad_pass(grads[:3], norm_type=norm_type)  # the norm without the non-finite
+    assert clean.found.item() == 0.0
+    if norm_type is None:
+        assert clean.norm_stat is None
+    else:
+        assert clean.norm_stat.item() == {1.0: 4.0, math.inf: 3.0}[norm_type]
+
+
 def test_bad_arguments_are_named():
     g = [torch.randn(3)]
     with pytest.raises(ValueError, match=r"norm_type must be 1.0, 2.0, inf or None .* got: 3.0"):
