@@ -596,14 +596,20 @@ def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.c
         norm = s * 0.0
     else:
         norm = s
+    total = tl.math.div_rn(norm, sc)
     bad = (flag > 0.0) | (norm != norm) | (norm == float("inf"))
+    if NORM == 1 or NORM == 3:
+        # p = 1, inf: the norm of the unscaled gradients too (a scale below 1 can take a finite
+        # statistic past float32's range), as torch's path checks it; p = 2's sum of squares
+        # overflows first (torch's path checks the scaled norm there)
+        bad = bad | (total == float("inf"))
     tl.store(out, tl.where(bad, 1.0, 0.0))
     if CLIP:
         q = tl.math.div_rn(norm, tl.load(max_norm))
         tl.store(out + 1, tl.where(bad, sc, tl.maximum(q, sc)))
     else:
         tl.store(out + 1, sc)
-    tl.store(out + 2, tl.math.div_rn(norm, sc))
+    tl.store(out + 2, total)
 
 
 def _probe_kernel(bound, out):
@@ -1340,10 +1346,11 @@ def finish(
     norm_type: float | None = 2.0,
 ) -> FinishResult:
     """From the all-reduced ``stat = [found, norm_stat]`` (float32 ``(2,)``), in one launch:
-    ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, or the norm inf/NaN), ``grad_scale =
-    max(scale, T / max_norm)`` (``scale`` on an overflow or without ``max_norm``) and ``total_norm
-    = T / scale``, where ``T = norm_stat ** (1/p)`` (``sqrt`` for p = 2, correctly rounded; IEEE
-    divisions: the values torch's ops give for the same ``stat``).
+    ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, or ``T`` inf/NaN, or for p = 1 and inf
+    ``total_norm`` inf too, as torch's path of the scaler decides), ``grad_scale = max(scale, T /
+    max_norm)`` (``scale`` on an overflow or without ``max_norm``) and ``total_norm = T / scale``,
+    where ``T = norm_stat ** (1/p)`` (``sqrt`` for p = 2, correctly rounded; IEEE divisions: the
+    values torch's ops give for the same ``stat``).
 
     Args:
         stat: the buffer of `PassResult.stat` after the collective.

@@ -118,6 +118,49 @@ def test_the_overflow_report_names_what_torchs_kernels_name(monkeypatch, fused, 
     assert ours.entries == ref.entries and ours.unlisted == ref.unlisted == 0
 
 
+def _past_float32_once_unscaled(kernels, *, fused, norm_type):
+    """One clipped step at a loss scale of 0.5 whose scaled gradient holds 3e38: finite, and past
+    float32's largest value once unscaled (times 2). ``kernels="stock"``: torch's recipe
+    (``GradScaler.unscale_``, ``clip_grad_norm_``, ``step``, ``update``)."""
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused, foreach=not fused)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=0.5) if kernels == "stock" else
+              gpu_path(GradScaler("cpu", init_scale=0.5, kernels=kernels)))  # fmt: skip
+    scaler.scale(torch.ones(()))
+    params[0].grad = torch.tensor([3e38, 1.0, -1.0, 1.0])
+    params[1].grad = torch.ones(3)
+    if kernels == "stock":
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(params, 1e6, norm_type)
+    else:
+        norm = scaler.clip_grad_norm_(opt, 1e6, norm_type)
+    scaler.step(opt)
+    scaler.update()
+    return float(norm), scaler.get_scale(), [p.detach().clone() for p in params]
+
+
+@interpreted
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["p2", "p1", "pinf"])
+def test_a_gradient_past_float32_once_unscaled_is_an_overflow_on_both_paths(
+    monkeypatch, fused, norm_type
+):
+    """A finite scaled gradient that passes float32's range once unscaled (a loss scale below 1)
+    is an overflow on both kernels' paths alike: skipped, the scale backed off, the parameters
+    kept. The kernels' path stepped at p = 1 and p = inf (its finish looked at the scaled norm
+    only) where torch's path of the scaler skipped. torch's own recipe steps: its unscale kernel
+    checks the gradients before it multiplies, and its clip multiplies an inf by 0."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    stock_norm, stock_scale, stock_params = _past_float32_once_unscaled(
+        "stock", fused=fused, norm_type=norm_type)  # fmt: skip
+    assert math.isinf(stock_norm) and stock_scale == 0.5  # the overflow, not seen as one
+    assert not bool(stock_params[0].isfinite().all())
+    for kernels in ("triton", "torch"):
+        norm, scale, params = _past_float32_once_unscaled(kernels, fused=fused, norm_type=norm_type)
+        assert math.isinf(norm) and scale == 0.25, kernels  # skipped, backed off
+        assert all(bool((p == 0).all()) for p in params), kernels
+
+
 def _count_launches(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
 

@@ -460,6 +460,18 @@ def test_finish_matches_torch_ops(device):
     out = tp.finish(stat, scale, norm_type=math.inf, max_norm=small)
     assert torch.equal(out.grad_scale, torch.fmax(stat[1] / small, scale))  # 2999.9998
     assert out.found_inf.item() == 0.0 and torch.equal(out.total_norm, stat[1] / scale)
+    # a scale below 1: a finite statistic whose norm passes float32's range once unscaled is an
+    # overflow for p = 1 and inf (torch's path checks the unscaled norm); for p = 2 the scaled
+    # norm decides, as on torch's path (its sum of squares overflows first, but at a tiny scale)
+    for norm_type, sc, s in [(1.0, 0.5, 3e38), (math.inf, 0.5, 3e38), (2.0, 1e-30, 1e30)]:
+        sc_t = torch.tensor(sc, device=device)
+        stat = torch.tensor([0.0, s], device=device)
+        out = tp.finish(stat, sc_t, max_norm=max_norm, norm_type=norm_type)
+        t = torch.sqrt(stat[1]) if norm_type == 2.0 else stat[1]
+        expected = 0.0 if norm_type == 2.0 else 1.0
+        assert math.isinf((t / sc_t).item()) and out.found_inf.item() == expected, norm_type
+        assert torch.equal(out.total_norm, t / sc_t)
+        assert torch.equal(out.grad_scale, sc_t if expected else torch.fmax(t / max_norm, sc_t))
 
 
 @pytest.mark.parametrize("device", DEVICES)
