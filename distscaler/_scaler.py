@@ -472,9 +472,14 @@ class GradScaler(torch.amp.GradScaler):
             # corrupted value made the norm overflow): every rank skipped the step, and the scale,
             # the growth tracker and the policy's counters stay as they are. One where some rank
             # held inf/NaN (the mismatch's exchange says so, alike on every rank) is an overflow
-            # too: the agreed found_inf is 1.0 and every rank backs off alike.
+            # too where the overflow check saw it (the agreed found_inf is 1.0: every rank backs
+            # off alike), as a deferred reading decides. It may not have: below a loss scale of 1
+            # the unscale can make an inf of a finite value after torch's kernel checked it. (A
+            # host read of found_inf, at such a mismatch only.)
             last = self._replicas.ledger.last_mismatch
-            mismatch = last is None or not last.nonfinite
+            mismatch = last is None or not last.nonfinite or not any(
+                bool(r.found_inf.item()) for r in self._records.values() if r.found_inf is not None
+            )
         # A deferred replica check: its mismatch flag skipped the step and holds the update on the
         # device; the host reads it later (`_read`, the periodic read). Where this update does
         # not run on found_inf (a new scale, a mismatch read at the step), it is read for the

@@ -458,8 +458,9 @@ class ReplicaMismatch:
             ``(A mod P1, A mod P2, B mod P1, B mod P2)`` in the same order).
         action: what was done: ``"skip"``, ``"raise"`` or ``"callback"``.
         nonfinite: the ranks whose checked tensors held inf/NaN at that step (then the step is an
-            overflow too, and every rank backs off alike); empty when every value was finite
-            (the scale does not move).
+            overflow too where the overflow check saw them, and every rank backs off alike; a
+            finite value the unscale took past float32's range, below a loss scale of 1, it did
+            not see); empty when every value was finite (the scale does not move).
     """
 
     step: int

@@ -305,10 +305,52 @@ def step_ops(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+#: What the last rank writes into one reduced gradient: finite, past float32's range once
+#: unscaled at a loss scale of 0.5 (times 2: inf).
+PAST_FLOAT32 = 3e38
+
+
+def unscaled_past_float32(rank: int, world_size: int) -> dict[str, Any]:
+    """A finite corruption of the last rank's reduced gradient that the unscale takes past
+    float32's range (a loss scale of 0.5): the replica check sees the mismatch and that rank's
+    inf, the overflow check (torch's kernel checks before it multiplies) does not. Then two clean
+    steps. Per optimizer kind (the fused step on the GPU's path, a foreach one reading
+    ``found_inf``)."""
+    out: dict[str, Any] = {}
+    for kind in ("fused", "foreach"):
+        model = _mlp(torch.float32)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=kind == "fused",
+                                foreach=kind == "foreach")  # fmt: skip
+        scaler = GradScaler("cpu", init_scale=0.5, growth_interval=2, replica_check_interval=1)
+        scaler.register_model(ddp)
+        if kind == "fused":
+            gpu_path(scaler)
+        run: dict[str, list] = {"skipped": [], "scales": [], "trackers": [], "params": []}
+        for step in range(3):
+            _step(rank, step, ddp, opt, scaler)
+            if step == 0 and rank == world_size - 1:
+                model[0].weight.grad.view(-1)[3] = PAST_FLOAT32
+            scaler.step(opt)
+            scaler.update()
+            run["skipped"].append(scaler.step_was_skipped)
+            run["scales"].append(scaler.get_scale())
+            run["trackers"].append(int(scaler.state_dict()["_growth_tracker"]))
+            run["params"].append(digest(model.parameters()))
+        totals = scaler.skip_totals
+        run["causes"] = [totals.num_skipped, totals.replica_mismatches]
+        last = scaler.replica_ledger.last_mismatch
+        run["mismatch"] = None if last is None else [last.step, list(last.ranks),
+                                                     list(last.nonfinite)]  # fmt: skip
+        out[kind] = run
+    return out
+
+
 def everything_2(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "flips": ddp_flips(rank, world_size),
         "actions": actions(rank, world_size),
+        "past_float32": unscaled_past_float32(rank, world_size),
         "clean": clean_run(rank, world_size),
         "ops": step_ops(rank, world_size),
     }

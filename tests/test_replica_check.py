@@ -374,6 +374,27 @@ def test_a_callable_is_called_on_every_rank_and_the_step_skipped(two):
         assert got["skipped"] and got["step_was_skipped"]
 
 
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_a_mismatch_the_unscale_made_an_inf_of_is_a_skip_of_its_own_cause(two, kind):
+    """A finite corruption of one rank's reduced gradient that the unscale takes past float32's
+    range (a loss scale of 0.5): the replica check sees the mismatch and, where the gradients are
+    unscaled in place (foreach), that rank's inf; the agreed ``found_inf`` is 0.0 (torch's kernel
+    checks before it multiplies), so it is no overflow: the step is skipped and counted as a
+    replica mismatch, and the scale and the growth tracker hold, on every rank alike (as a
+    deferred reading decides). With foreach it was counted as a clean step: the skip uncounted,
+    the growth tracker advanced."""
+    runs = [r["past_float32"][kind] for r in two]
+    for run in runs:
+        # two replicas: both named; the foreach step's gradients were unscaled in place, so the
+        # last rank's inf was seen (the fused step unscales inside the optimizer: none to see)
+        assert run["mismatch"] == [1, [0, 1], [1] if kind == "foreach" else []]
+        assert run["skipped"] == [True, False, False]
+        assert run["causes"] == [1, 1]  # one skip, of the replica mismatch's cause
+        assert run["scales"] == [0.5, 0.5, 1.0] and run["trackers"] == [0, 1, 0]
+        assert run["params"][0] != run["params"][1]  # the clean steps stepped
+    assert runs[0] == runs[1]  # every rank the same, parameters included
+
+
 def test_no_false_positive_over_two_thousand_clean_steps(two):
     total = 0
     for name in two[0]["clean"]:
