@@ -312,8 +312,9 @@ PAST_FLOAT32 = 3e38
 
 def unscaled_past_float32(rank: int, world_size: int) -> dict[str, Any]:
     """A finite corruption of the last rank's reduced gradient that the unscale takes past
-    float32's range (a loss scale of 0.5): the replica check sees the mismatch and that rank's
-    inf, the overflow check (torch's kernel checks before it multiplies) does not. Then two clean
+    float32's range (a loss scale of 0.5): the replica check sees the mismatch and, where the
+    gradients are unscaled in place, that rank's inf; the overflow check (torch's kernel checks
+    before it multiplies) sees no inf. Then two clean
     steps. Per optimizer kind (the fused step on the GPU's path, a foreach one reading
     ``found_inf``)."""
     out: dict[str, Any] = {}
