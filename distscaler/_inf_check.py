@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,6 +54,7 @@ from .attribution import flag_tensors
 if TYPE_CHECKING:
     from ._plan import StepPlan
     from ._state import DeviceState, NextCounters
+    from .checks import Contribution, Reading
     from .layouts import GradGroups
 
 __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
@@ -85,8 +86,8 @@ class StepResult:
             (the update makes them).
         skipped: ``found_inf`` as read on the host, None where it was not read.
         max_norm: the clip's ``max_norm`` (for `clip_coef`), else None.
-        readings: each contribution's reading of the reduced collective, by its name
-            (``"replica"``: a ``ReplicaMismatch`` or None), when the plan carried contributions.
+        readings: the readings of the plan's contributions that found something to act on
+            ([`Reading`][distscaler.checks.Reading]), in the plan's order.
     """
 
     found_inf: torch.Tensor | None
@@ -100,7 +101,7 @@ class StepResult:
     next_counters: NextCounters | None = None
     skipped: bool | None = None
     max_norm: float | None = None
-    readings: dict[str, Any] = field(default_factory=dict)
+    readings: tuple[Reading, ...] = ()
 
     @property
     def clip_coef(self) -> torch.Tensor | None:
@@ -135,7 +136,7 @@ def run(
             ``NORM`` pass (``DeviceState.max_norm``: made once, not at every step).
 
     Returns:
-        the `StepResult`, with ``readings`` holding each of ``plan.contributions``' reading.
+        the `StepResult`, with ``readings`` holding the contributions' readings.
 
     Raises:
         ValueError: fp16 gradients where they are unscaled in place (torch's wording) are refused
@@ -148,7 +149,7 @@ def run(
     if result is None:
         result = _run(plan, grads, params, state, coll, found_inf, max_norm)
     if coll.readings:
-        return replace(result, readings=coll.readings)
+        return replace(result, readings=tuple(coll.readings))
     return result
 
 
@@ -206,9 +207,10 @@ def _run(
 
 class _Collective:
     """The step's one collective for one plan: the pass's own buffer (the flag, the norm
-    statistic) with the plan's contributions appended, reduced as ``plan.collective_op`` says,
-    and each contribution's reading kept in ``readings``. Every rank of ``plan.world`` calls
-    `reduce_()` once per pass (when ``plan.world.collective``)."""
+    statistic) with the plan's contributions appended ([`Contribution`][distscaler.checks.Contribution]),
+    reduced as ``plan.collective_op`` says, and the contributions' readings kept in ``readings``.
+    Every rank of ``plan.world`` calls `reduce_()` once per pass (when
+    ``plan.world.collective``)."""
 
     __slots__ = ("grads", "params", "plan", "readings", "summed_by")
 
@@ -216,9 +218,10 @@ class _Collective:
         self.plan = plan
         self.grads = grads
         self.params = params
-        self.readings: dict[str, Any] = {}
-        #: The contribution whose slots the pass summed in its reduction (its `kernel_terms`).
-        self.summed_by: Any = None
+        self.readings: list[Reading] = []
+        #: The contribution whose slots the Triton pass summed in its reduction (its
+        #: ``kernel_part``).
+        self.summed_by: Contribution | None = None
 
     @property
     def active(self) -> bool:
@@ -236,12 +239,13 @@ class _Collective:
         """``buffer`` reduced in place with ``op`` over the plan's group (the MAX callers ask for
         is over 0/1 flags, or over a p = inf norm's statistic). With contributions: one ``cat`` of
         their slots after ``buffer``; a SUM of the joint buffer (a MAX of flags clamped to 1 after
-        it: one ``clamp_``), or, beside a MAX of values, one ``all_gather`` reduced here (amax of
-        ``buffer``'s part, sum of the contributions', in rank order); one ``copy_`` back; then
-        each contribution reads its reduced slots (a deferred one also takes this rank's flag
-        from before the reduce: one ``clone``). ``moments``: the gradients' fingerprint moments
-        where the pass computed them (the Triton kernel), for the contributions; ``sums``: the
-        slot sums the pass made for ``summed_by`` (its ``kernel_terms``). Returns ``buffer``."""
+        it: one ``clamp_``), or, beside a MAX of values or with a contribution that combines by
+        ``"max"``, one ``all_gather`` reduced here (amax of ``buffer``'s part, each contribution's
+        slots summed or maxed as it declares, in rank order); one ``copy_`` back; then each
+        contribution reads its reduced slots (one that keeps the local flag also takes this rank's
+        flag from before the reduce: one ``clone``). ``moments``: the gradients' word sums where
+        the pass computed them (the Triton kernel), for the contributions; ``sums``: the slot sums
+        the pass made for ``summed_by`` (its ``kernel_part``). Returns ``buffer``."""
         plan = self.plan
         world = plan.world
         if not world.collective:
@@ -251,32 +255,36 @@ class _Collective:
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
         parts = [
-            (c.local(self.params, flat, moments, sums) if sums is not None and c is self.summed_by
-             else c.local(self.params, flat, moments)).to(buffer.device, non_blocking=True)
+            c.local(self.params, flat, moments, sums if c is self.summed_by else None)
+            .to(buffer.device, non_blocking=True)
             for c in plan.contributions
         ]  # fmt: skip
         n = buffer.numel()
         joint = torch.cat([buffer.reshape(-1), *parts])
-        # a deferred reading keeps this rank's flag, which the reduce overwrites (one op)
-        keep = any(getattr(c, "deferred", False) for c in plan.contributions)
+        # a contribution may keep this rank's flag, which the reduce overwrites (one op)
+        keep = any(c.keeps_local_flag for c in plan.contributions)
         local = joint[:1].clone() if keep else None
+        reduced: list[torch.Tensor] = []
         if plan.collective_op == "gather":
             rows = joint.new_empty(world.size * joint.numel())
             dist.all_gather_into_tensor(rows, joint, group=world.group)
             table = rows.view(world.size, -1)
             buffer.copy_(table[:, :n].amax(0).view_as(buffer))
-            reduced = table[:, n:].sum(0)
+            start = n
+            for c in plan.contributions:
+                slots = table[:, start : start + c.numel]
+                reduced.append(slots.amax(0) if c.combine == "max" else slots.sum(0))
+                start += c.numel
         else:
             dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
             buffer.copy_(joint[:n].view_as(buffer))
             if op == dist.ReduceOp.MAX:
                 buffer.clamp_(max=1.0)
-            reduced = joint[n:]
-        start = 0
-        for c in plan.contributions:
-            part = reduced[start : start + c.numel]
-            self.readings[c.name] = c.read(part, local) if keep else c.read(part)
-            start += c.numel
+            reduced = list(joint[n:].split([c.numel for c in plan.contributions]))
+        for c, part in zip(plan.contributions, reduced):
+            reading = c.read(part, local if c.keeps_local_flag else None)
+            if reading is not None:
+                self.readings.append(reading)
         return buffer
 
 
@@ -315,13 +323,15 @@ def _run_triton(
         weights = [key.weight for key, gs in grads.items() for _ in gs]
     max_of = norm_type is None or norm_type == math.inf
     op = dist.ReduceOp.MAX if max_of else dist.ReduceOp.SUM
-    primes = next((getattr(c, "primes", None) for c in plan.contributions), None)
-    # a contribution that gives its terms has its slots summed in the kernel's reduction
-    coll.summed_by = next((c for c in plan.contributions if hasattr(c, "kernel_terms")), None)
+    # the one contribution the kernel computes for: its word sums in the read, its slots' sums
+    # in the reduction ([`KernelPart`][distscaler.checks.KernelPart])
+    coll.summed_by = next((c for c in plan.contributions if c.kernel_part is not None), None)
+    part = None if coll.summed_by is None else coll.summed_by.kernel_part
+    primes = None if part is None else part.primes
     terms = None
     in_pass = plan.per_tensor_flags and not plan.read_found_inf  # the flags made by the pass
-    if coll.summed_by is not None and primes is not None and coll.active:
-        terms = coll.summed_by.kernel_terms(params, flat)
+    if part is not None and coll.active:
+        terms = part.terms(params, flat)
     taken, done = kernels.phase(
         flat, state.scale, functools.partial(coll.reduce_, op=op) if coll.active else None,
         weights=weights, validate=False, norm_type=norm_type, flags=plan.per_tensor_flags,

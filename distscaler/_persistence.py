@@ -50,6 +50,8 @@ def export_state(config: ScalerConfig, values: HostValues, totals: SkipTotals) -
         "num_skipped_steps": totals.num_skipped,
         "num_replica_mismatch_skips": totals.replica_mismatches,
         "num_not_committed_skips": totals.not_committed,
+        # the skips of a cause a check on the collective gave (distscaler.checks)
+        **{f"num_{cause}_skips": n for cause, n in totals.other_causes},
         "policy": config.policy,
         "hysteresis": config.hysteresis,
         "consecutive_hysteresis": config.consecutive_hysteresis,
@@ -219,11 +221,17 @@ def parse_state(state_dict: object, config: ScalerConfig) -> LoadedState:
         "replica_mismatch": parsed.get("num_replica_mismatch_skips", 0),
         "not_committed": parsed.get("num_not_committed_skips", 0),
     }
+    for key, value in state.items():  # the skips of a cause a check gave: num_<cause>_skips
+        named = isinstance(key, str) and key.startswith("num_") and key.endswith("_skips")
+        cause = key[4:-6] if named else ""
+        if cause and cause not in causes:
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            causes[cause] = V.check_int(f"state_dict[{key!r}]", value, minimum=0)
     if sum(causes.values()) > num_skipped:
+        counts = " + ".join(f"num_{cause}_skips ({n})" for cause, n in causes.items())
         raise ValueError(
-            "state_dict: num_replica_mismatch_skips + num_not_committed_skips must be at most "
-            f"num_skipped_steps ({num_skipped}), got: {causes['replica_mismatch']} + "
-            f"{causes['not_committed']}"
+            f"state_dict: {counts} must be at most num_skipped_steps ({num_skipped})"
         )
     return LoadedState(
         config=new_config,

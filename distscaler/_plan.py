@@ -6,8 +6,9 @@ ranks that must agree and whether they need a collective at all (`World`, resolv
 graph is being traced, the optimizer's step contract, what already ran in this iteration (an
 explicit ``unscale_`` or ``clip_grad_norm_``), whether an overflow report will read per-tensor
 flags, whether this scaler may read ``found_inf`` on the host, and what rides in the step's one
-collective besides the non-finite flag and the norm statistic (the plan's `Contribution` objects:
-the replica check's fingerprint when it is due, anything an integration adds).
+collective besides the non-finite flag and the norm statistic (the plan's contributions, each a
+`distscaler.checks.Contribution` of a check the scaler holds: the replica check's checksum when
+it is due, anything an integration adds).
 ``distscaler._inf_check.run()`` carries the plan out and returns one ``StepResult`` with every
 contribution's reading; nothing downstream branches on these conditions again.
 
@@ -19,7 +20,8 @@ contribution's reading; nothing downstream branches on these conditions again.
 | ``CHECK``, ``UNSCALE`` | the flag | some (``"sum"``) | ``all_reduce(SUM)``, flag clamped to 1 |
 | ``NORM`` (p < inf) | flag, ``sum w |g|**p`` | any | ``all_reduce(SUM)`` |
 | ``NORM`` (p = inf) | flag, ``max |g|`` | none | ``all_reduce(MAX)`` |
-| ``NORM`` (p = inf) | flag, ``max |g|`` | some (``"sum"``) | one ``all_gather``, reduced on each rank |
+| ``NORM`` (p = inf) | flag, ``max |g|`` | some | one ``all_gather``, reduced on each rank |
+| any of the above | as above | one that combines by ``"max"`` | one ``all_gather``, reduced on each rank |
 | ``NORM_UNSCALED`` | as ``NORM`` | none | as ``NORM`` |
 | ``NONE`` | nothing | none | none (the iteration's flag is reused) |
 
@@ -39,18 +41,19 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import torch
 
 from ._contract import StepContract
 from ._process_group import World
 
+if TYPE_CHECKING:
+    from .checks import Contribution
+
 __all__ = [
     "HOST_READ_FREE",
-    "Contribution",
     "GradPass",
     "PassKernels",
     "PlanFor",
@@ -81,47 +84,6 @@ def is_tracing() -> bool:
 _dispatch_mode = torch._C._get_dispatch_mode
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
-
-
-class Contribution(Protocol):
-    """A part of the step's one collective besides the flag and the norm statistic.
-
-    Its local part is computed from the gradients the pass reads, its slots are appended to the
-    collective's buffer, and its reading of the reduced slots is returned in
-    ``StepResult.readings[name]``. The replica check's fingerprint
-    ([`distscaler.replica_check`][distscaler.replica_check]) is one; an FP8 amax agreed on the
-    same collective would be another.
-
-    Attributes:
-        name: the key of its reading.
-        numel: float32 slots it adds to the collective.
-        combine: how its slots combine across ranks: ``"sum"`` (exactly: integers below 2**24)
-            or ``"max"``.
-    """
-
-    name: str
-    numel: int
-    combine: Literal["sum", "max"]
-
-    def local(
-        self,
-        params: tuple[torch.Tensor, ...],
-        grads: Sequence[torch.Tensor],
-        moments: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """This rank's slots, float32 ``(numel,)``, from the gradients as the pass reads them
-        (in ``params``' order); ``moments``: their fingerprint where the pass computed it. A
-        contribution with a ``kernel_terms(params, grads)`` method (int64 ``(n, 6)`` or None) has
-        its slot sums made by the Triton pass's reduction and gets them as a fourth argument,
-        ``sums``."""
-        ...
-
-    def read(self, reduced: torch.Tensor, local: torch.Tensor | None = None) -> Any:
-        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say. ``local``:
-        this rank's part of the buffer before the reduce (its non-finite flag first), given to a
-        contribution whose ``deferred`` attribute is True (its reading waits: the flag is gone
-        once the buffer is reduced in place)."""
-        ...
 
 
 #: Which kernels run the pass (``GradScaler``'s ``kernels`` once resolved).
@@ -250,7 +212,7 @@ class StepPlan:
         max_of_values = norm and self.norm_type == math.inf
         if not self.contributions:
             return "max" if (max_of_values or not norm) else "sum"
-        if max_of_values:
+        if max_of_values or any(c.combine == "max" for c in self.contributions):
             return "gather"
         return "sum"
 

@@ -11,7 +11,7 @@ it holds, each an object with its own module:
 | ``_overflows`` | the per-tensor flags of the last skipped step and the overflow report ([`distscaler.attribution`][distscaler.attribution]) |
 | ``_group`` | the ranks that must agree (`distscaler._process_group`) |
 | ``_records`` | this iteration's `StepRecord` per optimizer |
-| ``_replicas`` | the replica check: its contribution to the step's collective (fingerprints, their reading), the ledger ([`distscaler.replica_check`][distscaler.replica_check]) |
+| ``_checks`` | the checks that ride the step's collective, each declaring its contribution, its reading and what it settles at ``update()`` (`distscaler.checks`); the first is the replica check, ``_replicas`` ([`distscaler.replica_check`][distscaler.replica_check]) |
 
 A step for one optimizer is one straight path: the scaler checks torch's call order and decides what
 the step does (a `StepPlan`), the layouts gather the gradients, `distscaler._inf_check.run()` carries
@@ -38,6 +38,7 @@ from ._inf_check import StepResult, run
 from ._persistence import export_state, parse_state
 from ._plan import GradPass, host_read_is_free, plan_check, plan_clip, plan_step, plan_unscale
 from ._process_group import ScalerGroup
+from ._replica import ReplicaCheck
 from ._state import HostValues, ScalerState
 from ._step_record import StepRecord, torch_states
 from .attribution import OverflowTracker
@@ -45,19 +46,23 @@ from .config import ScalerConfig
 from .errors import CallOrderError, TrainingCollapsedError
 from .layouts import GRAD_LAYOUTS, LayoutResolver
 from .policies import get_policy, policy_names
-from .replica_check import ReplicaCheck
 from .telemetry import CollapseReport, CollapseWatch, SkipReport, SkipTotals
 
 if TYPE_CHECKING:
     from ._plan import PassKernels, PlanFor, StepPlan
     from ._state import DeviceState, NextCounters
     from .attribution import OverflowReport
+    from .checks import Check, Settlement
     from .config import CollapseAction, Kernels, OnMismatch
     from .layouts import GradLayout
     from .policies import PolicyName
     from .replica_check import ReplicaLedger
 
 __all__ = ["GradScaler", "OptState"]
+
+#: The methods of `distscaler.checks.Check` (`GradScaler.add_check()` refuses an object without).
+_CHECK_METHODS = ("contribution", "end_iteration", "count", "name", "note_overflow", "at_fault",
+                  "nonfinite_seen", "forget", "configure")  # fmt: skip
 
 
 def _choose_kernels(setting: str, device: str) -> PassKernels:
@@ -245,12 +250,10 @@ class GradScaler(torch.amp.GradScaler):
         self._kernels: PassKernels = (
             _choose_kernels(config.kernels, device) if self._enabled else "torch"
         )
-        self._replicas = ReplicaCheck(
-            config.replica_check,
-            config.replica_check_interval,
-            config.param_check_interval,
-            config.on_replica_mismatch,
-        )
+        #: The replica check (its ledger is public: `replica_ledger`).
+        self._replicas = ReplicaCheck.from_config(config)
+        #: The checks that ride the step's collective, in the order their slots take in it.
+        self._checks: list[Check] = [self._replicas]
         # torch's names for the scale and growth tracker (its scale() reads _scale).
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
@@ -260,7 +263,8 @@ class GradScaler(torch.amp.GradScaler):
         self._collapse = CollapseWatch()
         #: (host update count, cause, report) of the last skip only the host knows the cause of.
         self._last_host_skip: tuple[int, str, Any] | None = None
-        #: A deferred replica mismatch's error (``"raise"``), raised when its update completes.
+        #: An error a check's periodic naming gave (``on_replica_mismatch="raise"``), raised when
+        #: its update completes.
         self._deferred_error: Exception | None = None
         #: The most recent collapse report (``collapse_window``), or None.
         self.last_collapse: CollapseReport | None = None
@@ -431,11 +435,11 @@ class GradScaler(torch.amp.GradScaler):
             record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=False)
         if plan.fused:
             assert result.found_inf is not None
-            # A replica mismatch skips the step (found_inf 1.0 for the kernel) without being an
+            # A check's reading may skip the step (found_inf 1.0 for the kernel) without being an
             # overflow: the update still sees the agreed found_inf.
             found = record.step_flag(result.found_inf, state.one)
             retval = fused_step(optimizer, record.grad_scale, found, args, kwargs)
-        elif result.skipped or record.replica_mismatch:
+        elif result.skipped or record.host_skip:
             retval = None
         else:  # the gradients are unscaled: the host's reading of found_inf decides
             retval = optimizer.step(*args, **kwargs)
@@ -466,39 +470,22 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._device_state("update")
-        mismatch = any(r.replica_mismatch for r in self._records.values())
-        if mismatch and new_scale is None:
-            # A replica mismatch whose values are all finite is no overflow (even where the
-            # corrupted value made the norm overflow): every rank skipped the step, and the scale,
-            # the growth tracker and the policy's counters stay as they are. One where some rank
-            # held inf/NaN (the mismatch's exchange says so, alike on every rank) is an overflow
-            # too where the overflow check saw it (the agreed found_inf is 1.0: every rank backs
-            # off alike), as a deferred reading decides. It may not have: below a loss scale of 1
-            # the unscale can make an inf of a finite value after torch's kernel checked it. (A
-            # host read of found_inf, at such a mismatch only.)
-            last = self._replicas.ledger.last_mismatch
-            mismatch = last is None or not last.nonfinite or not any(
-                bool(r.found_inf.item()) for r in self._records.values() if r.found_inf is not None
-            )
-        # A deferred replica check: its mismatch flag skipped the step and holds the update on the
-        # device; the host reads it later (`_read`, the periodic read). Where this update does
-        # not run on found_inf (a new scale, a mismatch read at the step), it is read for the
-        # ledger only: the skip is counted as that branch counts it.
-        pending = [r.replica_pending for r in self._records.values()
-                   if r.replica_pending is not None]  # fmt: skip
-        if pending and (new_scale is not None or mismatch):
-            self._replicas.defer(self._state.num_host_updates + 1, pending, state.zero,
-                                 counted=False)  # fmt: skip
-        if new_scale is not None:
-            self._state.set_scale(new_scale, self._device)
-        elif mismatch:
-            mismatch_report = self._replicas.ledger.last_mismatch
-            due = self._state.skip("replica_mismatch", self._config)
-            self._last_host_skip = (self._state.num_host_updates, "replica_mismatch",
-                                    mismatch_report)  # fmt: skip
-            if due:
-                self._periodic()
-        else:
+        update = self._state.num_host_updates + 1
+        # Each check's reading settles (`distscaler.checks`): a skip of its own cause keeps the
+        # scale where it is; a flag held on the device holds the update there. The agreed
+        # found_inf is read on the host only where a reading's cause depends on it.
+        readings = [reading for r in self._records.values() for reading in r.readings]
+        records = list(self._records.values())
+
+        def found_on_host() -> bool:
+            return any(bool(r.found_inf.item()) for r in records if r.found_inf is not None)
+
+        settled = [reading.settle(found_on_host) for reading in readings]
+        own: Settlement | None = next((x for x in settled if x.cause is not None), None)
+        found_inf = state.zero
+        counters: NextCounters | None = None
+        lerps: list = []  # the overflow record's, run beside the skip record's lerp
+        if new_scale is None and own is None:
             records = [r for r in self._records.values() if r.found_inf is not None]
             if not records:
                 raise CallOrderError("No inf checks were recorded prior to update.")
@@ -506,20 +493,36 @@ class GradScaler(torch.amp.GradScaler):
             found_inf = found[0].to(state.device, non_blocking=True)
             for other in found[1:]:
                 found_inf = torch.fmax(found_inf, other.to(state.device, non_blocking=True))
-            lerps: list = []  # the overflow record's, run beside the skip record's lerp
+            if len(found) == 1:
+                counters = records[0].next_counters
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
-                self._overflows.record_(found_inf, flagged, self._state.num_host_updates + 1, lerps)
+                self._overflows.record_(found_inf, flagged, update, lerps)
+        counted = new_scale is None and own is None
+        for reading in readings:  # before the update's periodic read, which counts them
+            reading.close(update, found_inf, counted=counted)
+        if new_scale is not None:
+            self._state.set_scale(new_scale, self._device)
+        elif own is not None:
+            assert own.cause is not None
+            due = self._state.skip(own.cause, self._config)
+            self._last_host_skip = (self._state.num_host_updates, own.cause, own.report)
+            if due:
+                self._periodic()
+        else:
             held = None
-            if pending:
-                held = pending[0].mismatch
-                for reading in pending[1:]:
-                    held = torch.fmax(held, reading.mismatch)
-                self._replicas.defer(self._state.num_host_updates + 1, pending, found_inf)
-            self._apply(found_inf, records[0].next_counters if len(found) == 1 else None, lerps,
-                        held)  # fmt: skip
+            for x in settled:
+                if x.held is not None:
+                    held = x.held if held is None else torch.fmax(held, x.held)
+            self._apply(found_inf, counters, lerps, held)
+        self._end_iteration(own.cause if own is not None and new_scale is None else None)
+    def _end_iteration(self, cause: str | None) -> None:
+        # The checks learn that the iteration ended (``cause``: a settlement's skip cause); the
+        # records go; an error a check's naming gave is raised now that the update is complete.
         if not torch.compiler.is_compiling():  # (an int a compiled update wrote would recompile it)
-            self._replicas.end_iteration(mismatch, self._optimizers())
+            optimizers = self._optimizers()
+            for check in self._checks:
+                check.end_iteration(cause, optimizers)
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
@@ -537,10 +540,7 @@ class GradScaler(torch.amp.GradScaler):
         self._last_host_skip = (self._state.num_host_updates, cause, report)
         if due:
             self._periodic()
-        if not torch.compiler.is_compiling():
-            self._replicas.end_iteration(False, self._optimizers())
-        self._records.clear()
-        self._raise_deferred()
+        self._end_iteration(None)
 
     # ------------------------------------------------------------------ the parts, used
 
@@ -576,38 +576,39 @@ class GradScaler(torch.amp.GradScaler):
             self._periodic()
 
     def _periodic(self) -> None:
-        # The periodic read (the same update on every rank): the skip log, the replica mismatches
-        # a deferred check found (named here, where every rank is), the overflow report, the
+        # The periodic read (the same update on every rank): the skip log, what the checks'
+        # waiting readings found (named here, where every rank is), the overflow report, the
         # collapse watch.
         _, values, totals = self._read()
         self._name_deferred()
         self._report(totals, values.scale)
 
     def _count_deferred(self) -> None:
-        # The deferred replica checks' mismatch flags read on the host (nothing when none wait; no
-        # collective): each mismatch whose values were finite is a skip of its own cause.
-        for update, overflow in self._replicas.count():
-            if overflow:
-                continue  # an overflow too: the update backed off, the record counts it as one
-            self._state.skips.note_cause("replica_mismatch")
-            last = self._last_host_skip
-            if last is None or last[0] <= update:
-                self._last_host_skip = (update, "replica_mismatch", None)
+        # The checks' readings that waited on the device, read on the host (nothing when none
+        # wait; no collective): each that held its update is a skip of its own cause.
+        for check in self._checks:
+            for update, cause in check.count():
+                self._state.skips.note_cause(cause)
+                last = self._last_host_skip
+                if last is None or last[0] <= update:
+                    self._last_host_skip = (update, cause, None)
 
     def _name_deferred(self) -> None:
-        # The deferred mismatches counted so far, named (every rank together); a "raise" waits
-        # for `_raise_deferred` at the end of the update.
-        named, error = self._replicas.name()
-        for update, mismatch in named:
-            last = self._last_host_skip
-            if last is not None and last[0] == update:
-                self._last_host_skip = (update, last[1], mismatch)
-        if error is not None:
-            self._deferred_error = error
+        # What those skips were (every rank together); an error waits for `_raise_deferred` at
+        # the end of the update.
+        for check in self._checks:
+            named, error = check.name()
+            for update, report in named:
+                last = self._last_host_skip
+                if last is not None and last[0] == update:
+                    self._last_host_skip = (update, last[1], report)
+            if error is not None and self._deferred_error is None:
+                self._deferred_error = error
 
     def _raise_deferred(self) -> None:
-        # ``on_replica_mismatch="raise"`` for a mismatch named by the periodic read, once the
-        # update is complete (its step was skipped and the update held on the device).
+        # An error a check's naming gave (``on_replica_mismatch="raise"`` for a mismatch named by
+        # the periodic read), once the update is complete (its step was skipped and the update
+        # held on the device).
         error, self._deferred_error = self._deferred_error, None
         if error is not None:
             raise error
@@ -616,7 +617,7 @@ class GradScaler(torch.amp.GradScaler):
         # Every rank sees the same totals at the same update, so every rank reports (or raises)
         # together.
         found = self._collapse.observe(totals, scale, self._config.collapse_window)
-        nonfinite = self._replicas.take_nonfinite_parameters()
+        nonfinite = any([check.nonfinite_seen() for check in self._checks])  # (each resets)
         if found is None and not nonfinite:
             return
         since, causes = found if found is not None else (totals.num_updates, {})
@@ -633,9 +634,8 @@ class GradScaler(torch.amp.GradScaler):
         overflow = self._overflows.last_overflow
         if overflow is not None:
             named += [f"rank {r}" for r in sorted({e.rank for e in overflow.entries})]
-        mismatch = self._replicas.ledger.last_mismatch
-        if mismatch is not None:
-            named += [f"rank {r} (replica mismatch)" for r in mismatch.ranks]
+        for check in self._checks:
+            named += check.at_fault()
         return tuple(named)
 
     def _check(
@@ -651,7 +651,7 @@ class GradScaler(torch.amp.GradScaler):
         # The entry points' one path. The plan, once: from the world (the group, whether a
         # collective runs), the optimizer's step contract, the scaler's own facts and the entry
         # point's ``plan_for`` (a `distscaler._plan` function); then what rides in its collective
-        # (the replica check's fingerprint when due, as the plan says it may be read); then the
+        # (each check's contribution when due, as the plan says it may be read); then the
         # gradients (the layouts) and the pass with its collective (the runner). Nothing runs
         # where the optimizer drives the scaler itself (torch's deprecated contract: a DRIVEN
         # plan).
@@ -663,9 +663,12 @@ class GradScaler(torch.amp.GradScaler):
             return plan, StepResult(None)
         world = plan.world
         if state is not None and plan.carries_contributions:
-            replica = self._replicas.contribution(plan, self._layouts, optimizer, state.device)
-            if replica is not None:
-                plan = dataclasses.replace(plan, contributions=(replica,))
+            parts = [check.contribution(plan, self._layouts, optimizer, state.device)
+                     for check in self._checks]  # fmt: skip
+            if any(part is not None for part in parts):
+                plan = dataclasses.replace(
+                    plan, contributions=tuple(part for part in parts if part is not None)
+                )
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
         return plan, run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)
@@ -693,7 +696,8 @@ class GradScaler(torch.amp.GradScaler):
                 device=self._device_state("update").device,
             )
             if report is not None:
-                self._replicas.ledger.note_overflow(report.step, {e.rank for e in report.entries})
+                for check in self._checks:
+                    check.note_overflow(report.step, {e.rank for e in report.entries})
 
     @property
     def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
@@ -918,6 +922,36 @@ class GradScaler(torch.amp.GradScaler):
             metrics["distscaler/suspects"] = len(ledger.suspects)
         return metrics
 
+    # ------------------------------------------------------------------ checks on the collective
+
+    def add_check(self, check: Check) -> GradScaler:
+        """Add a check that rides the step's one collective
+        ([`distscaler.checks`][distscaler.checks]): from the next step on, its contribution's
+        slots travel after the replica check's, its readings skip steps or hold updates as it
+        declares, and its skips are counted under their cause in
+        [`skip_totals`][distscaler.GradScaler.skip_totals]. The loss scale moves on ``found_inf``
+        alone, never on a check.
+
+        Every rank of the scaler's group must add the same checks in the same order (the
+        collective's size and layout rely on it). Call it between iterations (before the first
+        ``scale()``, or after an ``update()``). Returns the scaler.
+
+        Raises:
+            TypeError: ``check`` lacks a method of [`Check`][distscaler.checks.Check].
+            CallOrderError: called inside an iteration (an inf check is recorded).
+        """
+        missing = [name for name in _CHECK_METHODS if not callable(getattr(check, name, None))]
+        if missing:
+            raise TypeError(
+                f"check must implement distscaler.checks.Check; {type(check).__name__} lacks: "
+                + ", ".join(missing)
+            )
+        if self._records:
+            raise CallOrderError("add_check() must be called between iterations, after update().")
+        self._checks.append(check)
+        check.configure(self._config)
+        return self
+
     # ------------------------------------------------------------------ the replica check
 
     @property
@@ -1044,7 +1078,8 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(message, stacklevel=2)
         self._config = loaded.config
         self._configure_checks()
-        self._replicas.forget_deferred()  # of the run the loaded state replaces
+        for check in self._checks:
+            check.forget()  # what waits belongs to the run the loaded state replaces
         self._state.load(loaded.values, loaded.num_updates, loaded.num_skipped,
                          loaded.skip_causes)  # fmt: skip
         self._prepare_counters()
@@ -1071,6 +1106,8 @@ class GradScaler(torch.amp.GradScaler):
         state.setdefault("_kernels", "torch")
         state.setdefault("_deferred_error", None)
         self.__dict__.update(state)
+        if "_checks" not in state:  # pickled before the checks were a list
+            self._checks = [self._replicas]
 
     # ------------------------------------------------------------------ settings
 
@@ -1084,10 +1121,9 @@ class GradScaler(torch.amp.GradScaler):
         self._configure_checks()
 
     def _configure_checks(self) -> None:
-        # The replica check's settings follow the config (one object holds every setting).
-        c = self._config
-        self._replicas.configure(c.replica_check, c.replica_check_interval,
-                                 c.param_check_interval, c.on_replica_mismatch)  # fmt: skip
+        # The checks' settings follow the config (one object holds every setting).
+        for check in self._checks:
+            check.configure(self._config)
 
     def get_growth_factor(self) -> float:
         """The scale growth factor."""

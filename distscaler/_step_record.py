@@ -15,20 +15,18 @@ what torch's dicts do not without changing what torch's readers see.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .attribution import StepFlags, TensorFlags
-from .replica_check import DeferredReading
-
-if TYPE_CHECKING:
-    from ._state import NextCounters
 
 if TYPE_CHECKING:
     from ._inf_check import StepResult
+    from ._state import NextCounters
+    from .checks import Reading
 
 __all__ = ["StepRecord", "torch_states"]
 
@@ -50,11 +48,9 @@ class StepRecord:
     next_counters: NextCounters | None = None
     #: The gradients' per-tensor flags for the overflow report; None: not taken yet.
     flags: StepFlags | None = None
-    #: The replica check found replicas that differ: the step is skipped (not an overflow).
-    replica_mismatch: bool = False
-    #: The replica check's reading where it waits (`DeferredReading`): its mismatch flag, on the
-    #: device, skips the step and holds the update.
-    replica_pending: DeferredReading | None = None
+    #: What the checks that rode the collective read (`distscaler.checks.Reading`), settled by
+    #: ``update()``.
+    readings: list[Reading] = field(default_factory=list)
     #: The optimizer of the record (its parameters, for the parameter check).
     optimizer: torch.optim.Optimizer | None = None
 
@@ -82,22 +78,21 @@ class StepRecord:
             self.stage = stage
         if clipped:
             self.clipped = True
-        reading = result.readings.get("replica")  # the replica check's
-        if isinstance(reading, DeferredReading):
-            self.replica_pending = reading
-        elif reading is not None:
-            self.replica_mismatch = True
+        self.readings += result.readings
         self.keep_flags(optimizer, result)
 
+    @property
+    def host_skip(self) -> bool:
+        """A check's reading skips the step, known on the host (a step that is not fused skips)."""
+        return any(reading.host_skip for reading in self.readings)
+
     def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
-        """What the optimizer's step takes as ``found_inf``: 1.0 (``one``) after a replica mismatch
-        read on the host, the maximum of ``found_inf`` and a deferred reading's mismatch flag (one
-        op, on the device), else ``found_inf``. A mismatch is not an overflow: the update still
-        takes the agreed ``found_inf``."""
-        if self.replica_mismatch:
-            return one
-        if self.replica_pending is not None:
-            return torch.fmax(found_inf, self.replica_pending.mismatch)
+        """What the optimizer's step takes as ``found_inf``: ``found_inf`` as each check's reading
+        gives it (`distscaler.checks.Reading.step_flag()`: 1.0 after a mismatch read on the host,
+        a device maximum with a waiting reading's flag). A skip a check causes is not an overflow:
+        the update still takes the agreed ``found_inf``."""
+        for reading in self.readings:
+            found_inf = reading.step_flag(found_inf, one)
         return found_inf
 
     def keep_flags(self, optimizer: torch.optim.Optimizer, result: StepResult) -> None:

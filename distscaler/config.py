@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from . import _validation as V
 from .policies import PolicyName, ScaleRule, get_policy  # PolicyName: pydantic resolves it
+from .replica_check import OnMismatch, ReplicaMismatch  # noqa: F401  (pydantic resolves both)
 
 __all__ = ["FIELD_CHECKS", "ScalerConfig", "settings_problems"]
 
-#: ``on_replica_mismatch``: what a replica mismatch does beyond skipping the step.
-OnMismatch = Literal["skip", "raise"] | Callable[[Any], Any]
 #: ``on_collapse``: what a collapse does.
 CollapseAction = Literal["warn", "raise"]
 #: ``kernels``: which kernels read the gradients.

@@ -32,6 +32,9 @@ class SkipTotals:
             move).
         not_committed: skipped steps whose cause was torchft not committing them (the scale did
             not move).
+        other_causes: skipped steps of the other causes a check on the collective gave
+            ([`distscaler.checks`][distscaler.checks]; the scale did not move), as ``(cause,
+            count)`` pairs.
     """
 
     num_updates: int = 0
@@ -40,20 +43,23 @@ class SkipTotals:
     last_skipped_scale: float = 0.0
     replica_mismatches: int = 0
     not_committed: int = 0
+    other_causes: tuple[tuple[str, int], ...] = ()
 
     @property
     def overflows(self) -> int:
         """Skipped steps whose cause was inf/NaN gradients (the scale backed off)."""
-        return self.num_skipped - self.replica_mismatches - self.not_committed
+        other = sum(n for _, n in self.other_causes)
+        return self.num_skipped - self.replica_mismatches - self.not_committed - other
 
     @property
     def causes(self) -> dict[str, int]:
-        """Skipped steps per cause: ``overflow``, ``replica_mismatch``, ``not_committed``; they
-        sum to ``num_skipped``."""
+        """Skipped steps per cause: ``overflow``, ``replica_mismatch``, ``not_committed``, then
+        any other cause a check gave; they sum to ``num_skipped``."""
         return {
             "overflow": self.overflows,
             "replica_mismatch": self.replica_mismatches,
             "not_committed": self.not_committed,
+            **dict(self.other_causes),
         }
 
     def describe(self) -> str:
@@ -62,6 +68,10 @@ class SkipTotals:
         return f"skipped steps: {self.num_skipped} of {self.num_updates}" + (
             f" ({causes})" if causes else ""
         )
+
+
+#: The causes `SkipTotals` names with a field of their own (``overflow`` is what is left).
+_NAMED_CAUSES = ("replica_mismatch", "not_committed")
 
 
 class SkipLog:
@@ -82,9 +92,10 @@ class SkipLog:
         """The folded totals plus a device record read as host floats (None: nothing to add)."""
         t = self.folded
         causes = self.host_causes
+        other = tuple((k, n) for k, n in causes.items() if k not in _NAMED_CAUSES)
         if record is None:
             return replace(t, replica_mismatches=causes["replica_mismatch"],
-                           not_committed=causes["not_committed"])  # fmt: skip
+                           not_committed=causes["not_committed"], other_causes=other)  # fmt: skip
         nu, ns, last, scale = record
         return SkipTotals(
             num_updates=t.num_updates + int(nu),
@@ -93,6 +104,7 @@ class SkipLog:
             last_skipped_scale=scale if last > 0 else t.last_skipped_scale,
             replica_mismatches=causes["replica_mismatch"],
             not_committed=causes["not_committed"],
+            other_causes=other,
         )
 
     def fold(self, record: list[float]) -> None:

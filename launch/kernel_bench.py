@@ -258,13 +258,13 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
 
 def deferred_reading_ops(device: torch.device):
     """(plain, deferred): one update as the scaler runs it without a deferred replica reading, and
-    with one (`distscaler.replica_check.mismatch_flag` of the reduced slots, this rank's flag
+    with one (`distscaler._replica.checksum.mismatch_flag` of the reduced slots, this rank's flag
     kept, the step's ``fmax``, the update held by the mismatch flag: `DeviceState.update_(held=)`),
     the torch rule, agreeing replicas (the mismatch flag 0.0)."""
+    from distscaler._replica.checksum import mismatch_flag
     from distscaler._state import DeviceState, HostValues
     from distscaler.config import ScalerConfig
     from distscaler.policies import get_policy
-    from distscaler.replica_check import mismatch_flag
 
     config = ScalerConfig()
     state = DeviceState(device, HostValues(2.0**16, 0))

@@ -22,13 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distscaler import GradScaler, ReplicaMismatchError
-from distscaler.replica_check import (
+from distscaler._replica.checksum import (
     FLOAT32_EXACT,
-    MAX_WORLD_SIZE,
-    SUSPECT_EVENTS,
-    ReplicaLedger,
-    ReplicaMismatch,
-    ReplicaSet,
     coefficient,
     fingerprint_slots,
     layout_terms,
@@ -37,6 +32,13 @@ from distscaler.replica_check import (
     shift_spacing,
     shifts,
     word_moments,
+)
+from distscaler.replica_check import (
+    MAX_WORLD_SIZE,
+    SUSPECT_EVENTS,
+    ReplicaLedger,
+    ReplicaMismatch,
+    ReplicaSet,
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

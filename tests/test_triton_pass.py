@@ -27,8 +27,8 @@ pytest.importorskip("triton", reason="the Triton pass needs triton (the test ext
 from _common import interpreted, interpreted_mark  # noqa: E402
 
 from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler._replica.checksum import moduli  # noqa: E402
 from distscaler.attribution import NAN_CODE  # noqa: E402
-from distscaler.replica_check import moduli  # noqa: E402
 
 PRIMES = moduli(2)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -542,19 +542,20 @@ def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_t
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
     """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
-    ops (`slot_sums`), whose residues are `replica_check.fingerprint_slots()`' slots, for replica
+    ops (`slot_sums`), whose residues are `_replica.checksum.fingerprint_slots()`' slots, for replica
     sets of 2 to 5 ranks at every position (negative coefficients among them) and unchecked
     tensors; the checked phase and float64 gradients (torch's pass) give the same."""
-    from distscaler.replica_check import (
-        ReplicaCheck,
-        ReplicaSet,
+    from distscaler._replica import ReplicaCheck
+    from distscaler._replica.checksum import (
         fingerprint_slots,
         global_rows,
         layout_terms,
         moduli_tensor,
         primes_tensor,
+        set_coefficient,
         word_moments,
     )
+    from distscaler.replica_check import ReplicaSet
 
     dev = torch.device(device)
     primes_t = primes_tensor(PRIMES, dev)
@@ -587,7 +588,7 @@ def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
         assert torch.equal(sums, checked_sums), trial
         assert torch.equal(sums.remainder(moduli_tensor(PRIMES, dev)).float(), slots), trial
         assert torch.equal(global_rows(moments, offsets, primes_t), rows), trial
-    assert any(s is not None and s.coefficient < 0 for s in sets)  # the case was there
+    assert any(s is not None and set_coefficient(s) < 0 for s in sets)  # the case was there
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -137,17 +137,16 @@ with requires("torchft", f"torchft {TESTED_VERSIONS['torchft']}", "torchft"):
     from torchft.optim import OptimizerWrapper
 
 from .._process_group import ScalerGroup, has_dynamic_membership
-from .._scaler import GradScaler
-from ..errors import ReplicaMismatchError
-from ..replica_check import (
-    ReplicaMismatch,
-    ReplicaSet,
+from .._replica.checksum import (
     fingerprint_slots,
     layout_terms,
     moduli,
     primes_tensor,
     word_moments,
 )
+from .._scaler import GradScaler
+from ..errors import ReplicaMismatchError
+from ..replica_check import ReplicaMismatch, ReplicaSet
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [

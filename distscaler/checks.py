@@ -1,0 +1,187 @@
+"""Checks that ride the step's one collective, and what each declares of its life.
+
+The step's one collective carries the non-finite flag and the norm statistic. A *check* adds
+slots to it: the replica check's checksum ([`distscaler.replica_check`][distscaler.replica_check]),
+an FP8 amax agreed across ranks, anything an integration needs agreed at the step. Each check is one
+object the scaler holds (the replica check from its settings; others through
+[`GradScaler.add_check()`][distscaler.GradScaler.add_check]), and declares its whole life through
+the three protocols below. The scaler, the plan and the pass call them in this order and name
+none of them:
+
+| when | called by | the call |
+|---|---|---|
+| an entry point plans its pass | ``GradScaler`` | `Check.contribution()`: this step's `Contribution`, or None (not due) |
+| the pass reads the gradients | ``distscaler._inf_check`` | `Contribution.local()`: this rank's slots, float32 |
+| after the collective | ``distscaler._inf_check`` | `Contribution.read()`: a `Reading`, or None (nothing to act on) |
+| the optimizer's step | ``distscaler._step_record`` | `Reading.step_flag()`: what the step takes as ``found_inf`` |
+| ``update()`` | ``GradScaler.update`` | `Reading.settle()`, then `Reading.close()`; then `Check.end_iteration()` |
+| a host read of the scaler | ``GradScaler`` | `Check.count()`: skips that readings found on the device |
+| the periodic read (every rank) | ``GradScaler`` | `Check.name()`: what those skips were; an error to raise |
+| an overflow or collapse report, a loaded state, a new config | ``GradScaler`` | `Check.note_overflow()`, `Check.at_fault()`, `Check.nonfinite_seen()`, `Check.forget()`, `Check.configure()` |
+
+**The rules the scaler applies to every settlement alike.** A `Settlement` with a ``cause``
+skips the iteration for that cause without moving the loss scale, the growth tracker or the
+policy's counters (the skip account counts it under ``cause``: `distscaler.SkipTotals.causes`);
+only ``found_inf`` moves the scale. A settlement's ``held`` flag (0-dim float32 on the device,
+exactly 0.0 or 1.0) holds the update on the device where it is 1.0, with no host read: the
+scale and counters stay as they were, and the skip is counted by the check's `Check.count()`
+at the next host read. A check never moves the scale itself.
+
+How the slots combine (``Contribution.combine``): ``"sum"`` slots are summed over the group, in
+float32, so a check that needs exact sums keeps every partial sum an integer below ``2**24``;
+``"max"`` slots take the group's maximum. Every rank of the group must add the same checks, in
+the same order, with the same ``numel`` at the same step (the collective's size relies on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ._plan import StepPlan
+    from .config import ScalerConfig
+
+__all__ = ["Check", "Contribution", "KernelPart", "Reading", "Settlement"]
+
+
+class Settlement(NamedTuple):
+    """What a `Reading` settles at ``update()``.
+
+    Attributes:
+        cause: a skip cause known on the host (``"replica_mismatch"``...): the iteration is
+            skipped for it and the scale does not move; None: no skip of its own cause.
+        report: what the skip report gives for ``cause`` (`GradScaler.report_skip()`).
+        held: a device flag (0-dim float32, 0.0 or 1.0) that holds the update where it is 1.0
+            (the reading waits on the device); None: nothing held.
+    """
+
+    cause: str | None = None
+    report: Any = None
+    held: torch.Tensor | None = None
+
+
+class Reading(Protocol):
+    """What a contribution read from the reduced collective, kept with the optimizer's record
+    until ``update()``; the same on every rank of the group (a function of the reduced slots)."""
+
+    @property
+    def host_skip(self) -> bool:
+        """The optimizer's step is skipped, known on the host now (a step that is not fused skips
+        on it; a fused step gets 1.0 from `step_flag()`)."""
+        ...
+
+    def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        """What the optimizer's step takes as ``found_inf`` (0-dim float32 on the scale's device):
+        ``found_inf`` itself, ``one`` to skip, or a device maximum with a flag of the reading's
+        own. Only the step takes it: ``update()`` takes the agreed ``found_inf``."""
+        ...
+
+    def settle(self, found_inf: Callable[[], bool]) -> Settlement:
+        """How ``update()`` treats this reading. ``found_inf``: reads the agreed flag on the host
+        (one sync on a GPU), for a reading whose cause depends on it; call it only where needed."""
+        ...
+
+    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+        """``update()`` is done with the reading: ``update`` is its 1-based number,
+        ``found_inf`` the agreed flag it ran on, ``counted`` whether it ran on this reading's
+        ``held`` flag (False: a new scale was set, or another reading's cause skipped it)."""
+        ...
+
+
+class KernelPart(NamedTuple):
+    """What the Triton pass computes for a contribution in its own read of the gradients.
+
+    Attributes:
+        primes: the moduli of the per-tensor word sums the kernel takes in its read (given to
+            `Contribution.local()` as ``moments``).
+        terms: ``terms(params, grads)``: per-tensor terms (int64 ``(n, 6)`` on the device) from
+            which the kernel's reduction sums the contribution's slots (given to
+            `Contribution.local()` as ``sums``); None where it takes no sums at this step.
+    """
+
+    primes: tuple[int, int]
+    terms: Callable[[tuple[torch.Tensor, ...], Sequence[torch.Tensor]], torch.Tensor | None]
+
+
+class Contribution(Protocol):
+    """One check's part of one step's collective (made by `Check.contribution()`)."""
+
+    #: Float32 slots it adds to the collective.
+    numel: int
+    #: How its slots combine across ranks (module docstring).
+    combine: Literal["sum", "max"]
+    #: `read()` takes this rank's part of the buffer before the reduce (its non-finite flag
+    #: first: one ``clone``).
+    keeps_local_flag: bool
+    #: What the Triton pass computes for it in its read; None: `local()` reads the gradients.
+    kernel_part: KernelPart | None
+
+    def local(
+        self,
+        params: tuple[torch.Tensor, ...],
+        grads: Sequence[torch.Tensor],
+        moments: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's slots, float32 ``(numel,)``, from the gradients as the pass reads them (in
+        ``params``' order). ``moments``, ``sums``: what the Triton pass computed for it
+        (`kernel_part`), else None."""
+        ...
+
+    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None) -> Reading | None:
+        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say: a `Reading`,
+        or None when there is nothing to act on. ``local_flag``: this rank's non-finite flag
+        before the reduce, float32 ``(1,)``, where `keeps_local_flag`."""
+        ...
+
+
+class Check(Protocol):
+    """A check the scaler holds for the whole run; every method is called on every rank of the
+    scaler's group at the same point (module docstring's table)."""
+
+    def contribution(
+        self, plan: StepPlan, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
+    ) -> Contribution | None:
+        """This step's part of the collective for ``optimizer``, or None when the check is not
+        due. ``plan``: the step's plan (its world, how a reading may be read: `StepPlan`);
+        ``layouts``: the scaler's `distscaler.layouts.LayoutResolver`; ``device``: the scale's."""
+        ...
+
+    def end_iteration(self, cause: str | None, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """``update()`` (or an iteration skipped without one) ended the iteration; ``cause``: the
+        skip cause a settlement gave, else None; ``optimizers``: those of the iteration."""
+        ...
+
+    def count(self) -> list[tuple[int, str]]:
+        """At a host read of the scaler: the readings that waited on the device, read (no
+        collective: may run on one rank). Returns ``(update, cause)`` for each that held its
+        update (a skip of its own cause)."""
+        ...
+
+    def name(self) -> tuple[list[tuple[int, Any]], Exception | None]:
+        """At the periodic read, on every rank together: ``(update, report)`` for each skip
+        `count()` found, and an error to raise once the update is complete (or None)."""
+        ...
+
+    def note_overflow(self, step: int, ranks: set[int]) -> None:
+        """An overflow report of update ``step`` named ``ranks`` as holding inf/NaN."""
+        ...
+
+    def at_fault(self) -> tuple[str, ...]:
+        """What the check last named at fault, for a collapse report (``"rank 3 (...)"``)."""
+        ...
+
+    def nonfinite_seen(self) -> bool:
+        """Whether the check saw non-finite parameters since the last call (a collapse)."""
+        ...
+
+    def forget(self) -> None:
+        """A loaded state replaces the run: drop what waits to be counted or named."""
+        ...
+
+    def configure(self, config: ScalerConfig) -> None:
+        """Take the settings of a new ``config`` (the counts stay)."""
+        ...
