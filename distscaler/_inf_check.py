@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .checks import Contribution, Reading
     from .layouts import GradGroups
 
-__all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"]
+__all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run", "triton_runs"]
 
 #: Elements of the buffer a pass all-reduces: [non-finite flag, weighted sum of |g|**p (or max |g|
 #: for p = inf)].
@@ -291,6 +291,15 @@ class _Collective:
 # ---------------------------------------------------------------------- the Triton pass
 
 
+def triton_runs(device: str) -> bool:
+    """Whether the Triton pass runs on ``device`` (`distscaler._triton.available()`: a CUDA device
+    with triton importable, or the CPU under ``TRITON_INTERPRET=1`` with an interpreter that runs
+    the kernels). Imports the pass (and Triton) on its first call; never raises."""
+    from . import _triton
+
+    return _triton.available(device)
+
+
 def _run_triton(
     plan: StepPlan,
     grads: GradGroups,
@@ -299,7 +308,7 @@ def _run_triton(
     coll: _Collective,
     max_norm_t: torch.Tensor | None,
 ) -> StepResult | None:
-    """The pass as one multi-tensor Triton read of every gradient (``distscaler._triton_pass``):
+    """The pass as one multi-tensor Triton read of every gradient (``distscaler._triton``):
     the flag, the per-tensor flags, the norm statistic and the contributions' fingerprint moments
     in 2 launches, the collective, then 1 launch for ``found_inf``, ``grad_scale`` and the norm,
     and 1 write pass where gradients are unscaled or clipped in place: at most 4 launches and the
@@ -307,7 +316,7 @@ def _run_triton(
     reduction writes the overflow report's per-tensor flags as `flag_tensors()` makes them; after
     a host read, that ``nan_to_num`` on a skip). None where it does not cover the plan (torch's
     pass runs)."""
-    from . import _triton_pass as kernels
+    from . import _triton as kernels
 
     grad_pass = plan.grad_pass
     if state is None or grad_pass not in (GradPass.CHECK, GradPass.UNSCALE, GradPass.NORM):

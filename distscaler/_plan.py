@@ -171,7 +171,7 @@ class StepPlan:
             the host and no contribution rides.
         contributions: what the collective carries besides the flag and the norm statistic.
         kernels: ``"triton"``: the pass is one multi-tensor Triton read of every gradient
-            (``distscaler._triton_pass``) where it covers the pass (``CHECK``, ``UNSCALE``,
+            (``distscaler._triton``) where it covers the pass (``CHECK``, ``UNSCALE``,
             ``NORM`` with p in 1, 2, inf, the gradients on the scale's device); else torch's.
         reading_free: a contribution's reading costs no host sync of its own at this step: a
             host read is free (the CPU), or the Triton kernels read its inputs and the step reads

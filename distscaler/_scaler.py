@@ -34,7 +34,7 @@ from torch.amp.grad_scaler import OptState
 from . import _validation as V
 from ._contract import step_contract
 from ._fused import fused_step
-from ._inf_check import StepResult, run
+from ._inf_check import StepResult, run, triton_runs
 from ._persistence import export_state, parse_state
 from ._plan import GradPass, host_read_is_free, plan_check, plan_clip, plan_step, plan_unscale
 from ._process_group import ScalerGroup
@@ -66,7 +66,7 @@ _CHECK_METHODS = ("contribution", "end_iteration", "count", "name", "note_overfl
 
 
 def _choose_kernels(setting: str, device: str) -> PassKernels:
-    """``kernels``: ``"triton"`` where the Triton pass runs (`_triton_pass.available()`: CUDA with
+    """``kernels``: ``"triton"`` where the Triton pass runs (`_inf_check.triton_runs()`: CUDA with
     triton importable) and asked for or ``"auto"``, else ``"torch"``.
 
     Raises:
@@ -74,9 +74,7 @@ def _choose_kernels(setting: str, device: str) -> PassKernels:
     """
     if setting == "torch":
         return "torch"
-    from . import _triton_pass
-
-    runs = _triton_pass.available(device)
+    runs = triton_runs(device)
     if setting == "triton":
         if not runs:
             raise ValueError(

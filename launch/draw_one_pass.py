@@ -3,7 +3,7 @@ collective, the finish and the write pass (docs/one_pass.png, shown on the Conce
 
     python launch/draw_one_pass.py --out docs/one_pass.png
 
-The launch counts drawn are those `distscaler._triton_pass.LAUNCHES` declares and
+The launch counts drawn are those `distscaler._triton.LAUNCHES` declares and
 `tests/test_kernels.py` counts; nothing is measured here.
 """
 
@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-from distscaler._triton_pass import LAUNCHES  # noqa: E402
+from distscaler._triton import LAUNCHES  # noqa: E402
 
 #: (title, body, face colour): the phase's stages, left to right.
 STAGES = [

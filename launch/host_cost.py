@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import distscaler  # noqa: E402
 from common.probes import DispatchCounter  # noqa: E402
-from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler import _triton as tp  # noqa: E402
+from distscaler._triton import diagnostics as diag  # noqa: E402
 
 NUMEL = 16
 MAX_NORM = 1.0
@@ -89,8 +90,8 @@ def stub_kernels() -> collections.Counter:
     """Replace the Triton pass's kernels by `_Stubbed` launches and let it run on the CPU without
     Triton's interpreter. Returns the launch counter."""
     launches: collections.Counter = collections.Counter()
-    stubs = types.SimpleNamespace(**{n: _Stubbed(n, launches) for n in tp._RAW})
-    tp._kernels = lambda interpret: stubs  # type: ignore[assignment]
+    stubs = types.SimpleNamespace(**{n: _Stubbed(n, launches) for n in diag.RAW})
+    diag.use_kernels(lambda interpret: stubs)
     tp.available = lambda device: True  # type: ignore[assignment]
     return launches
 
@@ -109,18 +110,17 @@ class _Counted:
 def count_kernels() -> collections.Counter:
     """Count the Triton pass's launches and launch them for real. Returns the launch counter."""
     launches: collections.Counter = collections.Counter()
-    made = tp._kernels
     cache: dict[bool, types.SimpleNamespace] = {}
 
     def counted(interpret: bool) -> types.SimpleNamespace:
         if interpret not in cache:
             ks = made(interpret)
             cache[interpret] = types.SimpleNamespace(
-                **{n: _Counted(n, getattr(ks, n), launches) for n in tp._RAW}
+                **{n: _Counted(n, getattr(ks, n), launches) for n in diag.RAW}
             )
         return cache[interpret]
 
-    tp._kernels = counted  # type: ignore[assignment]
+    made = diag.use_kernels(counted)
     return launches
 
 

@@ -1,4 +1,4 @@
-"""GPU microbenchmark of the fused Triton pass (``distscaler/_triton_pass.py``) beside torch's ops.
+"""GPU microbenchmark of the fused Triton pass (``distscaler/_triton/``) beside torch's ops.
 
 On the same gradients, interleaved per case, CUDA events, the median of ``--iters`` timed
 iterations after ``--warmup``:
@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler import _triton as tp  # noqa: E402
+from distscaler._triton import diagnostics as diag  # noqa: E402
 
 MB = 1 << 20
 #: The recipes timed queued too (and Transformer Engine's and Apex's norms where installed).
@@ -237,16 +238,14 @@ def run_case(name: str, grads, args, sweep: bool = False, launches: bool = False
         }
     if sweep:  # the kernels' tile, warps and block count, queued (the device's time)
         record["sweep"] = {}
-        saved, target = dict(tp._CONFIG), tp._TARGET_BLOCKS
+        saved = dict(diag.CONFIG)
         for block, warps, blocks in SWEEP:
-            tp._CONFIG.update(BLOCK=block, num_warps=warps)
-            tp._TARGET_BLOCKS = blocks
+            diag.CONFIG.update(BLOCK=block, num_warps=warps, target_blocks=blocks)
             record["sweep"][f"BLOCK={block},warps={warps},target_blocks={blocks}"] = {
                 k: queued(recipes[k], args.warmup, 3 * args.iters)
                 for k in ("triton", "triton+moments", "triton+div")
             }
-        tp._CONFIG.update(saved)
-        tp._TARGET_BLOCKS = target
+        diag.CONFIG.update(saved)
         print(json.dumps({"sweep": record["sweep"]}, default=lambda x: round(x, 4)), flush=True)
     print(json.dumps({k: record[k] for k in ("case", "ms", "vs_read", "vs_torch_recipe",
                                              "queued_ms")},
@@ -323,7 +322,7 @@ def main() -> None:
         "argv": sys.argv,
         "warmup": args.warmup,
         "iters": args.iters,
-        "config": dict(tp._CONFIG),
+        "config": dict(diag.CONFIG),
         "others": foreign_norms()[1],
     }
     print(json.dumps(meta), flush=True)

@@ -1,7 +1,7 @@
 """The fused pass's kernels compiled for an NVIDIA GPU, their global loads and stores counted.
 
 Compiles ``_read_kernel`` (with and without the replica fingerprint) and ``_scale_kernel``
-(``distscaler/_triton_pass.py``; each with its branches for 16-byte aligned blocks, which read
+(``distscaler/_triton/kernels.py``; each with its branches for 16-byte aligned blocks, which read
 full tiles in vectors, and for the others) for compute capability ``--arch`` (default: this
 machine's GPU, else 90, an H100), and prints the PTX's ``ld.global``/``st.global`` instructions
 by kind (``.v4.b32`` moves 16 bytes at a time), the registers per thread and bytes spilled (the
@@ -34,15 +34,15 @@ def main() -> None:
     import torch
     import triton
 
-    from distscaler import _triton_pass as tp
+    from distscaler._triton import diagnostics as diag
 
-    if not tp._can_compile_for_a_gpu():
+    if not diag.can_compile_for_a_gpu():
         sys.exit("needs Triton >= 3.3 with its CUDA backend (pip install triton)")
     arch = args.arch
     if arch is None:
         major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
         arch = 10 * major + minor
-    cfg = tp._CONFIG
+    cfg = diag.CONFIG
     print(f"Triton {triton.__version__}, sm_{arch}, BLOCK={cfg['BLOCK']}, "
           f"num_warps={cfg['num_warps']}, INNER={cfg['INNER']}")  # fmt: skip
     print("| kernel | registers | spilled bytes | warps per SM | global loads and stores |")
@@ -52,9 +52,9 @@ def main() -> None:
              for m in (False, True)]  # fmt: skip
     cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
     for name, consts, what in cases:
-        compiled = tp._compile_for_a_gpu(name, consts, arch)
-        counts = tp._ptx_accesses(compiled)
-        res = tp._registers(compiled)
+        compiled = diag.compile_for_a_gpu(name, consts, arch)
+        counts = diag.ptx_accesses(compiled)
+        res = diag.registers(compiled)
         regs = res.get("REG")
         shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
         print(f"| {name} ({what}) | {regs if regs else '?'} | {res.get('STACK', '?')} | "

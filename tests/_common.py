@@ -45,14 +45,15 @@ TARGETS = ("first", "last", "all")
 
 def interpreted_mark() -> Any:
     """The mark of a test that runs the Triton pass's kernels in Triton's interpreter on the CPU:
-    skipped where that interpreter cannot run them (`distscaler._triton_pass._interpreter_runs`:
-    Triton 3.6's cannot, 3.9's can), as on a GPU machine whose torch brings an older Triton."""
+    skipped where that interpreter cannot run them
+    (`distscaler._triton.diagnostics.interpreter_runs`: Triton 3.6's cannot, 3.9's can), as on a
+    GPU machine whose torch brings an older Triton."""
     import pytest
 
-    from distscaler import _triton_pass
+    from distscaler._triton import diagnostics
 
     reason = "Triton's interpreter here cannot run the kernels (a loop over a loaded bound)"
-    return pytest.mark.skipif(not _triton_pass._interpreter_runs(), reason=reason)
+    return pytest.mark.skipif(not diagnostics.interpreter_runs(), reason=reason)
 
 
 def interpreted(test: Any) -> Any:

@@ -1,7 +1,8 @@
 """CONTRIBUTING.md's layer table is the code's: each module of ``distscaler/`` on the floor its
 imports put it (floor 1 imports no other module of the package; a module stands one floor above
-the highest it imports; ``integrations/`` counts as one room), as ``farm-studio look distscaler``
-draws it. On a failure the message holds the table to paste."""
+the highest it imports; a package inside it, ``integrations/``, ``_triton/`` or ``_replica/``,
+counts as one module), computed here from the imports. On a failure the message holds the table to
+paste."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ BEGIN, END = "<!-- layers:begin -->", "<!-- layers:end -->"
 
 def _room(path: Path) -> str:
     rel = path.relative_to(PACKAGE)
-    if rel.parts[0] == "integrations":
-        return "integrations/"
+    if len(rel.parts) > 1:  # a package inside distscaler/: one room
+        return f"{rel.parts[0]}/"
     return rel.with_suffix("").as_posix()
 
 

@@ -1,5 +1,5 @@
 """The ``kernels`` setting: the scaler's pass as one multi-tensor Triton read (distscaler's
-``_triton_pass``) beside torch's kernels.
+``_triton`` package) beside torch's kernels.
 
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): the same scaler, the
 same steps, torch's path and the kernel's side by side (scales and skips equal, norms within

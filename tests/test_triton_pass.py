@@ -1,6 +1,6 @@
-"""The fused Triton pass (``distscaler/_triton_pass.py``) against independent references.
+"""The fused Triton pass (``distscaler/_triton/``) against independent references.
 
-On the CPU the kernels run in Triton's interpreter (the module picks it for CPU tensors, whatever
+On the CPU the kernels run in Triton's interpreter (the package picks it for CPU tensors, whatever
 ``TRITON_INTERPRET`` says; nothing here sets that variable, which would decide Triton's own
 functions for every other test of the worker). References: Python integers for the fingerprint's
 moments, torch's ``_foreach_norm`` / ``linalg.vector_norm`` and a float64 sum for the norms, torch's
@@ -26,8 +26,9 @@ pytest.importorskip("triton", reason="the Triton pass needs triton (the test ext
 
 from _common import interpreted, interpreted_mark  # noqa: E402
 
-from distscaler import _triton_pass as tp  # noqa: E402
+from distscaler import _triton as tp  # noqa: E402
 from distscaler._replica.checksum import moduli  # noqa: E402
+from distscaler._triton import diagnostics as diag  # noqa: E402
 from distscaler.attribution import NAN_CODE  # noqa: E402
 
 PRIMES = moduli(2)
@@ -42,11 +43,11 @@ def small_config(monkeypatch):
     """Tiles of 64 elements, 4 tiles per flush, chunks of 256 to 1024 elements (aiming at 40
     blocks), reduction tiles of 16 partials: every loop of the kernels runs several times on
     tensors of a few thousand elements."""
-    monkeypatch.setitem(tp._CONFIG, "BLOCK", 64)
-    monkeypatch.setitem(tp._CONFIG, "INNER", 4)
-    monkeypatch.setitem(tp._CONFIG, "RT", 16)
-    monkeypatch.setattr(tp, "_TARGET_BLOCKS", 40)
-    monkeypatch.setattr(tp, "_MAX_CHUNK", 1024)
+    monkeypatch.setitem(diag.CONFIG, "BLOCK", 64)
+    monkeypatch.setitem(diag.CONFIG, "INNER", 4)
+    monkeypatch.setitem(diag.CONFIG, "RT", 16)
+    monkeypatch.setitem(diag.CONFIG, "target_blocks", 40)
+    monkeypatch.setitem(diag.CONFIG, "max_chunk", 1024)
 
 
 def _sync(device: str) -> None:
@@ -117,8 +118,8 @@ def test_moments_exact_against_python_integers(device, small_config):
     assert result.moments.dtype == torch.int64 and result.moments.shape == (len(grads), 4)
     assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
     # the case is not vacuous: several flushes per block, blocks per tensor, reduction tiles
-    tables = tp._tables([g.contiguous() for g in grads], None)
-    assert tables.chunk == 2 * 64 * 4 and tables.num_blocks > 2 * tp._CONFIG["RT"]
+    tables = diag.tables_for([g.contiguous() for g in grads], None)
+    assert tables.chunk == 2 * 64 * 4 and tables.num_blocks > 2 * diag.CONFIG["RT"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,10 +133,11 @@ def test_moments_at_the_default_configuration(device):
 @pytest.mark.parametrize("inner", [16, 128])
 def test_moments_exact_where_the_row_sums_are_at_their_bounds(device, inner, monkeypatch):
     """Every word at an extreme of int16 (-2**15, or 2**15 - 1) over whole flushes of the default
-    tile: the kernel's int32 row sums reach the bounds the module docstring states (``INNER`` up
-    to 128, its limit; at 256 they wrap and this test fails), and the moments stay exact."""
-    monkeypatch.setitem(tp._CONFIG, "INNER", inner)
-    span = tp._CONFIG["BLOCK"] * inner
+    tile: the kernel's int32 row sums reach the bounds ``distscaler._triton.kernels`` states
+    (``INNER`` up to 128, its limit; at 256 they wrap and this test fails), and the moments stay
+    exact."""
+    monkeypatch.setitem(diag.CONFIG, "INNER", inner)
+    span = diag.CONFIG["BLOCK"] * inner
     n = 2 * span + 3
     words = {  # each element's words all -2**15 (low) or all 2**15 - 1 (high)
         torch.float32: (torch.int32, -(2**31) + 0x8000, 0x7FFF7FFF),
@@ -147,7 +149,7 @@ def test_moments_exact_where_the_row_sums_are_at_their_bounds(device, inner, mon
     result = tp.grad_pass([g.to(device) for g in grads], primes=PRIMES, norm_type=None)
     assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
     # the case reaches the bound: whole flushes of one block, every u = +-2**16 (float32)
-    tables = tp._tables([g.contiguous() for g in grads], None)
+    tables = diag.tables_for([g.contiguous() for g in grads], None)
     assert tables.chunk >= span and n > span
     assert grads[0][:1].view(torch.int16).tolist() == [-(2**15)] * 2
 
@@ -332,14 +334,14 @@ def test_offsets_past_two_to_the_31(device, offset):
         size = real.element_size()
         chunk = 256
         starts = [offset + k * chunk for k in range(3)]  # the last block is partial (700)
-        tables = tp._build_tables(
-            [real.data_ptr() - offset * size], [offset + 700], [tp._DTYPE_CODE[dtype]], None,
+        tables = diag.build_tables(
+            [real.data_ptr() - offset * size], [offset + 700], [diag.DTYPE_CODE[dtype]], None,
             chunk, real.device, block_starts=[starts],
         )  # fmt: skip
         stat = torch.empty(2, dtype=torch.float32, device=device)
         per_tensor = torch.empty(1, dtype=torch.float32, device=device)
         moments = torch.empty((1, 4), dtype=torch.int64, device=device)
-        tp._launch_pass(tables, stat, per_tensor, moments, 2, True, PRIMES)
+        diag.launch_pass(tables, stat, per_tensor, moments, 2, True, PRIMES)
         _sync(device)
         words = real.cpu().view(-1).view(torch.int16).tolist()
         k0 = offset * size // 2  # the first real word's index in the fake tensor
@@ -355,7 +357,7 @@ def test_offsets_past_two_to_the_31(device, offset):
         # the write pass through the same fake table
         before = real.clone()
         factor = torch.tensor(0.75, device=device)
-        tp._launch_scale(tables, factor, divide=False)
+        diag.launch_scale(tables, factor, divide=False)
         expected = before.clone()
         torch._foreach_mul_([expected], factor)
         assert_same_bits(real, expected)
@@ -602,7 +604,7 @@ def test_views_at_any_offset_read_aligned_after_a_head(device):
         buffer = source.to(device)
         views = [buffer[1:9001], buffer[9003:9006], buffer[9011:39_000]]
         fresh = [v.clone() for v in views]
-        tables = tp._tables(views, None)
+        tables = diag.tables_for(views, None)
         nb, size = tables.num_blocks, source.element_size()
         owners, starts, counts, _ = block_rows(tables)
         for t, v in enumerate(views):
@@ -611,7 +613,7 @@ def test_views_at_any_offset_read_aligned_after_a_head(device):
             assert head > 0 and starts[mine[0]] == 0 and counts[mine[0]] == min(head, v.numel())
             assert not tables.aligned[mine[0]] and all(tables.aligned[b] for b in mine[1:])
             assert sum(counts[b] for b in mine) == v.numel()  # every element, once
-        assert bool(tp._tables(fresh, None).aligned.all())
+        assert bool(diag.tables_for(fresh, None).aligned.all())
         a = tp.grad_pass(views, norm_type=2.0, primes=PRIMES)
         b = tp.grad_pass(fresh, norm_type=2.0, primes=PRIMES)
         _sync(device)
@@ -638,19 +640,19 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     write kernel's stores too): one vector per 16 bytes a thread holds, for each of the three
     dtypes. No more than that: the branches for unaligned blocks (views at any offset) keep
     scalar accesses, as does the masked last tile of a block in both."""
-    if not tp._can_compile_for_a_gpu():
+    if not diag.can_compile_for_a_gpu():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
-    cfg = tp._CONFIG
+    cfg = diag.CONFIG
     threads = 32 * cfg["num_warps"]
     vectors = sum(cfg["BLOCK"] * size // (threads * 16) for size in (4, 2, 2))  # f32, f16, bf16
     read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False}
     write = {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}
     for moments in (False, True):
-        found = tp._ptx_accesses(tp._compile_for_a_gpu("_read_kernel", {**read, "MOMENTS": moments}))
+        found = diag.ptx_accesses(diag.compile_for_a_gpu("_read_kernel", {**read, "MOMENTS": moments}))
         assert found["ld.global.v4.b32"] == vectors, found
         assert not {a for a in found if ".v" in a} - {"ld.global.v4.b32"}, found
         assert found["ld.global.b16"] > 0 and found["ld.global.b32"] > 0, found  # the others
-    found = tp._ptx_accesses(tp._compile_for_a_gpu("_scale_kernel", write))
+    found = diag.ptx_accesses(diag.compile_for_a_gpu("_scale_kernel", write))
     assert found["ld.global.v4.b32"] == vectors == found["st.global.v4.b32"], found
     assert found["st.global.b16"] > 0 and found["st.global.b32"] > 0, found
 
@@ -661,13 +663,13 @@ def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
     its int32 sums kept per element it took 124: 16 warps). Its rows are reshaped without a
     layout conversion (each row is one thread's), so the tile loop moves nothing through shared
     memory for them."""
-    if not tp._can_compile_for_a_gpu():
+    if not diag.can_compile_for_a_gpu():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
-    cfg = tp._CONFIG
+    cfg = diag.CONFIG
     consts = {"NORM": 2, "MOMENTS": True, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"],
               "DYNAMIC": False}  # fmt: skip
-    compiled = tp._compile_for_a_gpu("_read_kernel", consts)
-    resources = tp._registers(compiled)
+    compiled = diag.compile_for_a_gpu("_read_kernel", consts)
+    resources = diag.registers(compiled)
     if not resources:
         pytest.skip("Triton's bundled cuobjdump did not run here")
     assert resources["REG"] <= 64 and resources["STACK"] == 0, resources
@@ -680,13 +682,13 @@ def test_the_slot_sums_compile_to_relaxed_integer_reductions():
     integer reductions without a return value or ordering (``red.global.gpu.relaxed.add.u64``),
     none without them. (With the overflow report's flags written by the reduction, as the scaler's
     step on a GPU launches it.)"""
-    if not tp._can_compile_for_a_gpu():
+    if not diag.can_compile_for_a_gpu():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
-    consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": tp._CONFIG["RT"],
+    consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": diag.CONFIG["RT"],
               "FINISH": False, "CLIP": False, "AS_FLAGS": True, "NAN_AS": -1.0,
               "INF_AS": -2.0}  # fmt: skip
-    with_slots = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
-    without = tp._ptx_accesses(tp._compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
+    with_slots = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
+    without = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
     reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
     assert reductions == {"red.global.gpu.relaxed.add.u64": 4}, with_slots
     assert not {a for a in without if a.startswith(("red.", "atom."))}, without
@@ -732,7 +734,7 @@ def test_any_gradients_against_torch_and_python_integers(small_config, grads, fa
     kernels' aligned branches state to the compiler holds (its first element at a multiple of 16
     bytes)."""
     nonfinite = any(not bool(g.isfinite().all()) for g in grads)
-    tables = tp._tables(grads, None)
+    tables = diag.tables_for(grads, None)
     heads = sum(g.numel() > 0 and g.data_ptr() % 16 != 0 for g in grads)
     event(f"views with a head block: {min(heads, 2)}{'+' if heads > 2 else ''}, "
           f"inf/NaN: {nonfinite}, blocks > tensors: {tables.num_blocks > len(grads)}")  # fmt: skip
@@ -902,7 +904,7 @@ def test_available(monkeypatch):
 def test_custom_ops_trace_with_fullgraph():
     """A phase that reads, finishes and divides compiles with ``fullgraph=True`` (the ops are
     opaque to the compiler: their fake implementations give the shapes) and gives eager's bits."""
-    assert tp._OPS is not None
+    assert diag.OPS is not None
     grads = grads_mixed(12, sizes=(40, 300, 9))
     scale, max_norm = torch.tensor(64.0), torch.tensor(0.5)
 
@@ -953,15 +955,14 @@ def test_the_phase_without_a_collective_traces_as_one_op_and_finishes_in_the_red
     expected = phase(eager_grads)
     compiled = torch.compile(phase, fullgraph=True, backend="aot_eager")
     got = compiled([g.clone() for g in grads])
-    interp = tp._kernels(True)
-    counted = {n: getattr(interp, n) for n in tp._RAW}
-    saved = tp._kernels
+    interp = diag.get_kernels(True)
+    counted = {n: getattr(interp, n) for n in diag.RAW}
+    saved = diag.use_kernels(lambda interpret: types.SimpleNamespace(**{
+        n: _Counting(k, n, launched) for n, k in counted.items()}))  # fmt: skip
     try:
-        tp._kernels = lambda interpret: types.SimpleNamespace(**{
-            n: _Counting(k, n, launched) for n, k in counted.items()})  # fmt: skip
         got = compiled(grads)
     finally:
-        tp._kernels = saved
+        diag.use_kernels(saved)
         torch._dynamo.reset()
     for e, g in zip(expected, got):
         assert torch.equal(bits(e), bits(g)), (e, g)

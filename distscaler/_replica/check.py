@@ -107,7 +107,7 @@ class ReplicaSlots:
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor]
     ) -> torch.Tensor | None:
         """The gradients' terms for a pass that sums this check's four slots in its own
-        reduction (`distscaler._triton_pass.slot_sums()`): int64 ``(len(grads), 6)`` on the
+        reduction (`distscaler._triton.slot_sums()`): int64 ``(len(grads), 6)`` on the
         device, per tensor its coefficient, word offset and shift modulo each prime; made once
         per layout. None where the gradients are not compared at this step. ``grads`` in the
         order of ``params``; the pass gives the sums to `local()`."""

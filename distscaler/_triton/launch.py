@@ -1,0 +1,195 @@
+"""The launches: from the tensors to their tables to the kernels (torch's ops where the kernels
+do not apply: float64 gradients, non-contiguous ones), as the entry points and their custom ops
+call them.
+
+**Launches per phase** (`LAUNCHES`): 2 for `grad_pass()` (read + reduce; plus one host-to-device
+copy of the address table when the tensors' addresses, sizes or dtypes changed since the last
+call), 1 for `finish()` after the collective (``found_inf``, ``grad_scale``, the total norm), 1
+for `scale_()`/`div_()` where gradients are unscaled or clipped in place (``factor_in_dtype``
+picks which of torch's roundings of a 16-bit gradient it reproduces, bit for bit). So a clipped step
+without a fused optimizer is 4 launches + the all_reduce at any number of tensors; with a fused
+optimizer (it divides by ``grad_scale``) 3. With no collective (one rank: `phase()` with
+``reduce=None``) the reduction computes `finish()`'s values itself: 3 and 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..attribution import INF_CODE, NAN_CODE, flag_tensors
+from . import runtime
+from .checks import check_norm_type
+from .reference import slot_sums, torch_pass
+from .tables import CONFIG, DTYPE_CODE, Tables, describe, tables_for, tables_of
+
+__all__ = [
+    "LAUNCHES",
+    "Finish",
+    "Slots",
+    "finish_impl",
+    "grad_pass_impl",
+    "launch_pass",
+    "launch_scale",
+    "scale_impl",
+]
+
+#: Kernel launches per call: `grad_pass()` (read + reduce), `finish()`, `scale_()`/`div_()`.
+LAUNCHES = {"grad_pass": 2, "finish": 1, "scale_": 1, "div_": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """The replica check's slot sums, for a reduction that adds them (`phase()`'s ``terms``)."""
+
+    terms: torch.Tensor  # int64 (n, 6)
+    sums: torch.Tensor  # int64 (4,), zeros, added into
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """What `finish()` takes, for a reduction that computes it (no collective in between)."""
+
+    scale: torch.Tensor
+    max_norm: torch.Tensor | None
+    norm_type: float | None
+    out: torch.Tensor  # float32 (3,), written
+
+
+def grad_pass_impl(
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    weights: Sequence[float] | None,
+    mode: int,
+    flags: bool,
+    primes: tuple[int, int] | None,
+    finish: Finish | None = None,
+    slots: Slots | None = None,
+    as_flags: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
+    ``finish.out`` by the reduction (no collective between them: one launch fewer); with
+    ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``; with
+    ``as_flags``, ``per_tensor`` as `distscaler.attribution.flag_tensors()` makes it of the
+    statistics, written so by the reduction."""
+    n = len(tensors)
+    n_flags = n if flags else 0
+    n_moments = n if primes is not None else 0
+    dtypes, contiguous = describe(tensors)
+    if torch.float64 in dtypes:
+        stat, per_tensor, moments = torch_pass(tensors, device, weights, mode, n_flags, primes)
+        if as_flags:
+            per_tensor = flag_tensors(per_tensor)
+        if finish is not None:
+            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+        if slots is not None and primes is not None:
+            slots.sums.add_(slot_sums(moments, slots.terms, primes))
+        return stat, per_tensor, moments
+    if not contiguous:
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    stat = torch.empty(2, dtype=torch.float32, device=device)
+    per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
+    moments = torch.empty((n_moments, 4), dtype=torch.int64, device=device)
+    if n == 0:
+        stat.zero_()
+        if finish is not None:
+            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+        return stat, per_tensor, moments
+    tables = tables_of(tensors, dtypes, weights)
+    launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, as_flags)
+    return stat, per_tensor, moments
+
+
+def launch_pass(
+    tables: Tables,
+    stat: torch.Tensor,
+    per_tensor: torch.Tensor,
+    moments: torch.Tensor,
+    mode: int,
+    flags: bool,
+    primes: tuple[int, int] | None,
+    finish: Finish | None = None,
+    slots: Slots | None = None,
+    as_flags: bool = False,
+) -> None:
+    """The two launches over ``tables`` (outputs written in place; with ``finish``, the
+    reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums; with
+    ``as_flags``, ``per_tensor`` holds the overflow report's flags)."""
+    k = runtime.get_kernels(stat.device.type != "cuda")
+    nb, n = tables.num_blocks, tables.num_tensors
+    device = stat.device
+    part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float32, device=device)
+    part_i = torch.empty(nb * (3 if primes is not None else 1), dtype=torch.int64, device=device)
+    p1, p2 = primes if primes is not None else (3, 5)
+    if nb:
+        k._read_kernel[(nb,)](
+            tables.tab, tables.blk, part_s, part_i, nb, n,
+            NORM=mode, MOMENTS=primes is not None, BLOCK=CONFIG["BLOCK"],
+            INNER=CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=CONFIG["num_warps"],
+        )  # fmt: skip
+    per_program = flags or primes is not None
+    if finish is None:
+        scale, max_norm, out = stat, stat, stat  # not read
+    else:
+        scale, out = finish.scale, finish.out
+        max_norm = stat if finish.max_norm is None else finish.max_norm
+    with_slots = slots is not None and primes is not None
+    terms, sums = (slots.terms, slots.sums) if slots is not None else (moments, moments)
+    k._reduce_kernel[(1 + (n if per_program else 0),)](
+        tables.tab, tables.blk, part_s, part_i, stat, per_tensor, moments, terms, sums, nb, n,
+        p1, p2, scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
+        SLOTS=with_slots, RT=CONFIG["RT"], FINISH=finish is not None,
+        CLIP=finish is not None and finish.max_norm is not None, AS_FLAGS=as_flags,
+        NAN_AS=NAN_CODE, INF_AS=INF_CODE, num_warps=4,
+    )  # fmt: skip
+
+
+def scale_impl(
+    tensors: list[torch.Tensor], factor: torch.Tensor, divide: bool, in_dtype: bool = False
+) -> None:
+    """`scale_()` or `div_()` without their checks: one launch over the contiguous tensors of the
+    kernels' dtypes, torch's ops for the others."""
+    dtypes, contiguous = describe(tensors)
+    if contiguous and all(d in DTYPE_CODE for d in dtypes):
+        if tensors:
+            launch_scale(tables_of(tensors, dtypes, None), factor, divide, in_dtype)
+        return
+    ours = [t for t in tensors if t.dtype in DTYPE_CODE and t.is_contiguous()]
+    others = [t for t in tensors if not (t.dtype in DTYPE_CODE and t.is_contiguous())]
+    for t in others:  # float64 ones, non-contiguous ones: torch's ops, the same arithmetic
+        if in_dtype or t.dtype == torch.float64:
+            f = factor.to(t.dtype)
+            t.div_(f) if divide else t.mul_(f)
+        else:  # in float32 with the float32 factor, rounded once (copy_ rounds to nearest even)
+            t.copy_(t.float().div_(factor) if divide else t.float().mul_(factor))
+    if not ours:
+        return
+    tables = tables_for(ours, None)
+    launch_scale(tables, factor, divide, in_dtype)
+
+
+def launch_scale(
+    tables: Tables, factor: torch.Tensor, divide: bool, in_dtype: bool = False
+) -> None:
+    """The write pass's one launch over ``tables`` (in place)."""
+    k = runtime.get_kernels(factor.device.type != "cuda")
+    if tables.num_blocks:
+        k._scale_kernel[(tables.num_blocks,)](
+            tables.tab, tables.blk, factor, tables.num_blocks, tables.num_tensors,
+            DIVIDE=divide, ROUND=in_dtype, BLOCK=CONFIG["BLOCK"], num_warps=CONFIG["num_warps"],
+        )  # fmt: skip
+
+
+def finish_impl(
+    stat: torch.Tensor, scale: torch.Tensor, max_norm: torch.Tensor | None, norm_type: float | None
+) -> torch.Tensor:
+    """`finish()` without its checks: one launch, a fresh float32 ``(3,)``."""
+    out = torch.empty(3, dtype=torch.float32, device=stat.device)
+    k = runtime.get_kernels(stat.device.type != "cuda")
+    k._finish_kernel[(1,)](
+        stat, scale, stat if max_norm is None else max_norm, out,
+        NORM=check_norm_type(norm_type), CLIP=max_norm is not None, num_warps=1,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,114 @@
+"""What the kernels compute, with torch's ops (the pass for float64 gradients, the replica
+check's slot sums; the tests' references), and the bound of the kernels' float32 norm against the
+exact one (`norm_bound()`).
+
+**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each lane adds
+its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum``
+adds the block's ``BLOCK`` positions (a tree of depth ``log2 BLOCK``), then the reduction adds a
+tensor's blocks per lane (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``); the total
+adds all blocks the same way. A float32 sum of non-negative terms computed along a tree of depth
+``d`` differs from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24``;
+Higham, *Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each square.
+`norm_bound()` returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's
+is about half of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same
+form with its own ``d``; the tests hold both to their bound against the float64 sum and to the sum
+of the two bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 +
+11 + 23 + 10 + 2, a relative error below 5e-6.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .tables import CONFIG, chunk_for
+
+__all__ = ["norm_bound", "slot_sums", "torch_pass"]
+
+
+def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+    """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
+    ``t``, ``k A``, and ``k ((B + o A) + s A)``, each term reduced modulo its prime, for
+    ``P1, P2, P1, P2`` (`distscaler.replica_check.fingerprint_slots()` with the coefficients as
+    residues; the sums modulo the primes are its slots). ``moments``: int64 ``(n, 4)``,
+    `grad_pass()`'s; ``terms``: int64 ``(n, 6)``, per tensor ``[k mod P1, k mod P2, o mod P1,
+    o mod P2, s mod P1, s mod P2]`` (its coefficient, word offset and shift). torch's int64 ops:
+    what the reduction's atomics add, exactly (the reference of the tests, and float64
+    gradients' path)."""
+    p = torch.tensor(primes, dtype=torch.int64, device=moments.device)
+    a, b_local = moments[:, :2], moments[:, 2:]
+    k, o, sh = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6]
+    b = (b_local + o * a).remainder(p)
+    g0 = (k * a).remainder(p).sum(0)
+    g1 = (k * (b + sh * a).remainder(p)).remainder(p).sum(0)
+    return torch.cat([g0, g1])
+
+
+def torch_pass(
+    tensors: list[torch.Tensor],
+    device: torch.device,
+    weights: Sequence[float] | None,
+    mode: int,
+    n_flags: int,
+    primes: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`grad_pass()`'s outputs with torch's ops (float64 gradients): several launches per tensor."""
+    n = len(tensors)
+    ws = [1.0] * n if weights is None else list(weights)
+    stat = torch.zeros(2, dtype=torch.float32, device=device)
+    amax = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
+            for t in tensors]  # fmt: skip
+    nonfinite = torch.stack([~t.isfinite().all() for t in tensors]).any()
+    stat[0] = nonfinite.to(torch.float32)
+    if mode == 3:
+        stat[1] = torch.stack(amax).max().float()
+        nan = torch.stack([t.isnan().any() for t in tensors]).any()
+        stat[1] = torch.where(nan, torch.nan, stat[1])
+    elif mode in (1, 2):
+        p = 2 if mode == 2 else 1
+        sums = [(t.double().abs() ** p).sum() * w for t, w in zip(tensors, ws)]
+        stat[1] = torch.stack(sums).sum().float()
+    per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
+    if n_flags:  # the largest magnitudes: an empty tensor's is 0.0 (_foreach_norm raises)
+        maxima = torch._foreach_norm(tensors, 2.0) if mode == 2 else amax
+        per_tensor.copy_(torch.stack(maxima).float())
+    moments = torch.empty((n if primes else 0, 4), dtype=torch.int64, device=device)
+    if primes is not None:
+        for i, t in enumerate(tensors):
+            moments[i] = _torch_moments(t, primes)
+    return stat, per_tensor, moments
+
+
+def _torch_moments(t: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
+    """``[A mod P1, A mod P2, B mod P1, B mod P2]`` of one tensor with int64 ops, exactly: the
+    word indices taken modulo P, products below 2**39, summed in slices of 2**20 (< 2**59)."""
+    words = t.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    out = []
+    a = words.sum()
+    for p in primes:
+        out.append(a.remainder(p))
+    for p in primes:
+        idx = torch.arange(words.numel(), dtype=torch.int64, device=t.device).remainder_(p)
+        prod = idx * words
+        b = torch.zeros((), dtype=torch.int64, device=t.device)
+        for piece in prod.split(1 << 20):
+            b = (b + piece.sum().remainder(p)).remainder(p)
+        out.append(b)
+    return torch.stack(out)
+
+
+def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
+    """The relative bound of `grad_pass()`'s float32 ``sum |g|**p`` (p = 2 or 1) against the exact
+    sum, for tensors of these sizes: ``gamma_d = d*u / (1 - d*u)`` with ``u = 2**-24`` and ``d``
+    the depth of the summation (module docstring), plus ``u`` for the squares (p = 2). Applies to
+    ``norm_stat`` and, for each tensor, to the square of its ``per_tensor`` 2-norm before the
+    ``sqrt`` (the norm itself: about half, plus ``u``)."""
+    block, inner, rt = CONFIG["BLOCK"], CONFIG["INNER"], CONFIG["RT"]
+    chunk = chunk_for(sum(numels), block, inner)
+    blocks = sum(-(-int(n) // chunk) + 1 for n in numels)  # + a head block at most
+    depth = (chunk // block) + math.ceil(math.log2(block)) + 1
+    depth += -(-max(blocks, 1) // rt) + math.ceil(math.log2(rt)) + 1
+    u = 2.0**-24
+    return depth * u / (1 - depth * u) + (u if norm_type == 2.0 else 0.0)
