@@ -32,15 +32,14 @@ import torch
 from _harness import spawn
 from _torch_gaps import guarded
 
-from distscaler.replica_check import (
-    MAX_WORLD_SIZE,
-    ReplicaSet,
+from distscaler._replica.checksum import (
     fingerprint_slots,
     layout_terms,
     mismatched,
     moduli,
     word_moments,
 )
+from distscaler.replica_check import MAX_WORLD_SIZE, ReplicaSet
 
 #: A miss rate the guarantee allows for a pattern beyond K words: at most this, per sample.
 MISS_BOUND = 2.0**-40
