@@ -114,8 +114,9 @@ class GradScaler(torch.amp.GradScaler):
             0.5.
         growth_interval (int): clean steps, in optimizer steps, before the scale grows, default
             2000, in [1, 2**31 - 1].
-        enabled (bool): default True. False: every method is a no-op (``step`` calls
-            ``optimizer.step()``): no collective, no host read.
+        enabled (bool): default True. False: a disabled scaler only clips: ``clip_grad_norm_`` is
+            ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, ``step`` calls
+            ``optimizer.step()``, every other method is a no-op; no collective, no host read.
         process_group (ProcessGroup | None): the ranks that must agree; default None: WORLD once
             ``torch.distributed`` is initialized.
         grad_layout ("replicated" | "sharded" | None): how plain-tensor gradients nothing
@@ -316,7 +317,11 @@ class GradScaler(torch.amp.GradScaler):
         ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
-        (a second all_reduce unless all are replicated). A disabled scaler only clips.
+        (a second all_reduce unless all are replicated).
+
+        A disabled scaler only clips: it returns ``torch.nn.utils.clip_grad_norm_(params, max_norm,
+        norm_type)`` over the optimizer's parameters, torch's norm and torch's clipping of the
+        local gradients whatever their layout (no collective of the scaler's, no layout needed).
 
         Args:
             max_norm (float): greater than 0, or ``math.inf`` to measure only.
@@ -324,39 +329,41 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns:
             0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
-            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere).
+            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere) A
+            disabled scaler returns what ``torch.nn.utils.clip_grad_norm_`` returns.
 
         Raises:
             ValueError: ``max_norm`` or ``norm_type`` out of range.
-            UnknownLayoutError: (a ValueError) the group has more than one rank and the layout of
-                some gradients is unknown (p < inf only); raised before anything is changed.
+            UnknownLayoutError: (a ValueError) the scaler is enabled, the group has more than one
+                rank and the layout of some gradients is unknown (p < inf only); raised before
+                anything is changed.
             CallOrderError: called twice for ``optimizer`` since the last
                 [`update()`][distscaler.GradScaler.update], or after
                 [`step()`][distscaler.GradScaler.step].
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
-        state = record = None
-        if self._enabled:  # a disabled scaler only clips
-            state = self._device_state("clip_grad_norm_")
-            record = self._records.setdefault(id(optimizer), StepRecord())
-            if record.stage is OptState.STEPPED:
-                raise CallOrderError("clip_grad_norm_() is being called after step().")
-            if record.clipped:
-                raise CallOrderError(
-                    "clip_grad_norm_() has already been called on this optimizer since the last "
-                    "update()."
-                )
-        unscaled = record is None or record.stage is OptState.UNSCALED
+        if not self._enabled:  # a disabled scaler only clips, as torch's clip_grad_norm_ would
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        state = self._device_state("clip_grad_norm_")
+        record = self._records.setdefault(id(optimizer), StepRecord())
+        if record.stage is OptState.STEPPED:
+            raise CallOrderError("clip_grad_norm_() is being called after step().")
+        if record.clipped:
+            raise CallOrderError(
+                "clip_grad_norm_() has already been called on this optimizer since the last "
+                "update()."
+            )
+        unscaled = record.stage is OptState.UNSCALED
         plan_for = functools.partial(
-            plan_clip, unscaled=unscaled, per_tensor_flags=self._attributing and state is not None,
+            plan_clip, unscaled=unscaled, per_tensor_flags=self._attributing,
             max_norm=max_norm, norm_type=norm_type,
         )  # fmt: skip
         plan, result = self._check(optimizer, state, plan_for, weighted=True,
-                                   found_inf=None if record is None else record.found_inf,
-                                   max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
-        if record is not None:
-            record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
-                        counters=not unscaled, clipped=True)  # fmt: skip
+                                   found_inf=record.found_inf,
+                                   max_norm=None if unscaled else state.max_norm(max_norm))  # fmt: skip
+        record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
+                    counters=not unscaled, clipped=True)  # fmt: skip
         assert result.total_norm is not None
         return result.total_norm
 

@@ -1100,7 +1100,7 @@ def _name_ranks(
             by_set.setdefault((size, key), {}).setdefault(position, []).append((rank, tuple(fp)))
     named: set[int] = set()
     bad_sets = []
-    for (size, _), positions in by_set.items():
+    for positions in by_set.values():
         entries = [e for p in sorted(positions) for e in positions[p]]
         members = tuple(rank for rank, _ in entries)
         fps = dict(entries)
