@@ -683,7 +683,9 @@ class GradScaler(torch.amp.GradScaler):
         # process group (safe on another thread: torchft's quorum calls state_dict there).
         fold = not self._records
         self._count_deferred()
-        return self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
+        read = self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
+        self._replicas.ledger.skipped = read[2].replica_mismatches  # one account
+        return read
 
     def _report(self, totals: SkipTotals, scale: float | None = None) -> None:
         # The periodic report's attribution (every rank at the same update), or report_overflow's;
@@ -885,14 +887,16 @@ class GradScaler(torch.amp.GradScaler):
         | key | value |
         |---|---|
         | ``distscaler/scale`` | the loss scale (float) |
-        | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals]) |
-        | ``distscaler/skipped_total`` | skipped optimizer steps so far, every cause |
-        | ``distscaler/skipped_overflow``, ``distscaler/skipped_replica_mismatch``, ``distscaler/skipped_not_committed`` | of those, per cause ([`SkipTotals.causes`][distscaler.SkipTotals.causes]); they sum to ``skipped_total`` |
+        | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals] ``num_updates``) |
+        | ``distscaler/skipped_total`` | skipped updates so far, every cause (``num_skipped``); each counted once, under one cause |
+        | ``distscaler/skipped_overflow`` | of those, the ones whose agreed ``found_inf`` was 1.0: inf/NaN gradients, the scale backed off; a replica mismatch where some rank held that inf/NaN is one of these ([`SkipTotals.causes`][distscaler.SkipTotals.causes]) |
+        | ``distscaler/skipped_replica_mismatch`` | of those, the ones skipped for a replica mismatch with no agreed inf/NaN: the scale did not move |
+        | ``distscaler/skipped_not_committed`` | of those, the ones torchft did not commit: the scale did not move (the three sum to ``skipped_total``) |
         | ``distscaler/overflow_step`` | the update number (1-based) of the last skipped step reported ([`last_overflow`][distscaler.GradScaler.last_overflow]); present once one was |
         | ``distscaler/overflow_tensors`` | gradient tensors that held inf/NaN at that step, all ranks; with ``overflow_step`` |
-        | ``distscaler/replica_checks`` | replica checks so far ([`replica_ledger`][distscaler.GradScaler.replica_ledger]); present once replicas were compared, as the three below |
-        | ``distscaler/replica_mismatches`` | replica mismatches (events; the ledger counts the ranks each named apart) |
-        | ``distscaler/replica_skipped`` | steps skipped because of a replica mismatch |
+        | ``distscaler/replica_checks`` | gradient comparisons across replicas, one per optimizer per checked update ([`replica_ledger`][distscaler.GradScaler.replica_ledger] ``checks``); present once replicas were compared, as the three below |
+        | ``distscaler/replica_mismatches`` | replica mismatches found, one per check that found one, whatever the skip was counted as (``mismatch_events``) |
+        | ``distscaler/replica_skipped`` | ``skipped_replica_mismatch``, the same number (the ledger's ``skipped``; the older key) |
         | ``distscaler/suspects`` | ranks named suspects |
 
         The key names are stable; keys are added, never renamed. An integration adds
@@ -930,10 +934,15 @@ class GradScaler(torch.amp.GradScaler):
     @property
     def replica_ledger(self) -> ReplicaLedger:
         """Per-rank counts of the run: replica checks, replica mismatches per rank, steps skipped
-        because of them, overflows that one rank alone saw, and the ranks named suspects
+        because of them, overflow reports where one rank alone held inf/NaN, and the ranks named
+        suspects
         ([`distscaler.replica_check`][distscaler.replica_check]). The same on every rank of
-        ``process_group``; reading it costs nothing."""
-        return self._replicas.ledger
+        ``process_group``; reading it costs nothing (its ``skipped`` is the skip account's
+        ``causes["replica_mismatch"]`` as the host knows it, no read: a mismatch a deferred reading
+        holds on the device is counted at the next read of ``skip_totals`` or ``metrics()``)."""
+        ledger = self._replicas.ledger
+        ledger.skipped = self._state.skips.host_causes.get("replica_mismatch", 0)
+        return ledger
 
     @property
     def last_replica_mismatch(self) -> Any:

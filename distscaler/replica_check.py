@@ -486,10 +486,18 @@ class ReplicaLedger:
     Attributes:
         checks: gradient comparisons across replicas (one per optimizer per checked update).
         param_checks: updates whose parameters and optimizer state were compared.
-        mismatch_events: replica mismatches found (each counted once, however many ranks it names).
+        mismatch_events: replica mismatches found, one per check that found one (each counted
+            once, however many ranks it names), whatever the skip's cause: a mismatch where some
+            rank held inf/NaN that the overflow check saw is an overflow in the skip account.
         mismatches: per global rank, the mismatch events it was named in.
-        lone_overflows: per rank of the group, overflow reports where it alone held inf/NaN.
-        skipped: steps skipped because of a replica mismatch (not counted as overflows).
+        lone_overflow_reports: per rank of the group, the overflow reports (`last_overflow`: the
+            last skipped step of each periodic read) where it alone held inf/NaN; overflows
+            between two reports are not attributed, so this counts reports, not overflows.
+        skipped: skipped steps whose cause is a replica mismatch:
+            ``skip_totals.causes["replica_mismatch"]``, the same number (the scaler brings it up to
+            date at each read of its account: `GradScaler.replica_ledger`, ``skip_totals``,
+            ``metrics()``). A mismatch that is an overflow too counts as an overflow there, not
+            here.
         suspects: ranks alone at fault `SUSPECT_EVENTS` times within `SUSPECT_WINDOW` updates.
         last_mismatch: the most recent mismatch, or None.
     """
@@ -498,7 +506,7 @@ class ReplicaLedger:
     param_checks: int = 0
     mismatch_events: int = 0
     mismatches: collections.Counter = field(default_factory=collections.Counter)
-    lone_overflows: collections.Counter = field(default_factory=collections.Counter)
+    lone_overflow_reports: collections.Counter = field(default_factory=collections.Counter)
     skipped: int = 0
     suspects: tuple[int, ...] = ()
     last_mismatch: ReplicaMismatch | None = None
@@ -517,11 +525,22 @@ class ReplicaLedger:
         if len(mismatch.ranks) == 1:  # two replicas name both: no one alone at fault
             self._event(mismatch.step, mismatch.ranks[0])
 
+    @property
+    def lone_overflows(self) -> collections.Counter:
+        """`lone_overflow_reports`, under its former name."""
+        return self.lone_overflow_reports
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a ledger pickled before lone_overflows was named lone_overflow_reports)
+        if "lone_overflows" in state:
+            state["lone_overflow_reports"] = state.pop("lone_overflows")
+        self.__dict__.update(state)
+
     def note_overflow(self, step: int, ranks: set[int]) -> None:
         """An overflow report: when one rank alone held the inf/NaN, count it."""
         if len(ranks) == 1:
             (rank,) = ranks
-            self.lone_overflows[rank] += 1
+            self.lone_overflow_reports[rank] += 1
             self._event(step, rank)
 
     def _event(self, step: int, rank: int) -> None:
@@ -541,16 +560,17 @@ class ReplicaLedger:
         self.suspects = tuple(sorted(set(self.suspects) | set(new)))
 
     def as_dict(self) -> dict[str, int]:
-        """Plain numbers: ``replica_checks``, ``replica_param_checks``, ``replica_mismatches``
-        (events), ``replica_mismatched_ranks`` (ranks named, summed over events),
-        ``replica_skipped``, ``lone_overflows`` (total), ``suspects`` (count)."""
+        """Plain numbers: ``replica_checks`` (`checks`), ``replica_param_checks``
+        (`param_checks`), ``replica_mismatches`` (`mismatch_events`), ``replica_mismatched_ranks``
+        (ranks named, summed over events), ``replica_skipped`` (`skipped`),
+        ``lone_overflow_reports`` (total), ``suspects`` (count)."""
         return {
             "replica_checks": self.checks,
             "replica_param_checks": self.param_checks,
             "replica_mismatches": self.mismatch_events,
             "replica_mismatched_ranks": sum(self.mismatches.values()),
             "replica_skipped": self.skipped,
-            "lone_overflows": sum(self.lone_overflows.values()),
+            "lone_overflow_reports": sum(self.lone_overflow_reports.values()),
             "suspects": len(self.suspects),
         }
 
@@ -721,7 +741,6 @@ class ReplicaSlots:
         local_nonfinite = any(
             not bool(g.isfinite().all()) for g in self._grads if g.is_floating_point()
         )  # a mismatch's one more read: an inf/NaN makes it an overflow too
-        ledger.skipped += 1
         mismatch = self.settle(step, values, local_nonfinite)
         if check.on_mismatch == "raise":
             raise ReplicaMismatchError(mismatch)
@@ -908,8 +927,7 @@ class ReplicaCheck:
 
     def count(self) -> list[tuple[int, bool]]:
         """Read the pending mismatch flags on the host (one transfer; nothing when none are
-        pending, no collective: safe on one rank): each mismatch is counted in the ledger as a
-        skipped step and kept for `name()`. Returns ``(update, overflow)`` per mismatch,
+        pending, no collective: safe on one rank): each mismatch is kept for `name()`. Returns ``(update, overflow)`` per mismatch,
         ``overflow`` where some rank also held inf/NaN (the agreed ``found_inf``: the update backed
         off)."""
         if not self.pending:
@@ -930,7 +948,6 @@ class ReplicaCheck:
             if r.slots.param_nonfinite is not None and param_nonfinite:
                 self.nonfinite_parameters = True
             if mismatch:
-                self.ledger.skipped += 1
                 self.unnamed.append((update, r, slots, bool(local)))
                 if counted:
                     events.append((update, bool(found)))
