@@ -38,7 +38,8 @@ and these bounds hold with ``P1 P2`` in place of certainty.
 world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is an integer below
 2**24, exact in float32; ``S mod P`` is then exact too (read on the host as integers).
 
-**On a mismatch only**, one ``all_gather_into_tensor`` over the group (every rank calls it, since
+**On a mismatch only**, one ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13)
+over the group (every rank calls it, since
 every rank reads the same slots) exchanges each rank's per-set fingerprints (``(A, B) mod P``
 without coefficients) in a fixed-size int64 row on the collective's device (`NAMED_SETS` sets per
 rank; no pickling, so no numpy); within each replica set the ranks that differ from the majority
@@ -1100,7 +1101,9 @@ def _name_ranks(
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1:
         gathered = torch.empty(world * row.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, row, group=group)
+        # torch >= 2.13 names it all_gather_single (the older name warns there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, row, group=group)
     else:
         gathered = row
     table_all = gathered.reshape(world, -1).tolist()  # the exchange's one host read

@@ -405,9 +405,11 @@ def test_a_new_scale_at_a_deferred_mismatch_keeps_it_in_the_ledger(deferred):
         assert ours["scales"][S.DEFER_FLIP] == 2.0**6  # the scale given
         for name in ("scales", "params", "state", "causes", "ledger"):
             assert ours[name] == at_step[name], name
-        # one account: the flip whose update set the scale is in no count of skips, the ledger's
-        # mismatches found it (the ledger's skipped is skip_totals' replica_mismatch, 1: update 5)
-        assert ours["ledger"]["replica_skipped"] == ours["causes"]["replica_mismatch"] == 1
+        # One account: the flip whose update set the scale (update 2) is in no count of skips and
+        # the mismatch with an inf (update 5) is an overflow, so no skip has the cause
+        # replica_mismatch, nor the ledger's skipped; the ledger found both mismatches.
+        assert ours["ledger"]["replica_skipped"] == ours["causes"]["replica_mismatch"] == 0
+        assert ours["ledger"]["replica_mismatches"] == 2
 
 
 @interpreted
