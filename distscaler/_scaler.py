@@ -329,7 +329,7 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns:
             0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
-            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere) A
+            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere). A
             disabled scaler returns what ``torch.nn.utils.clip_grad_norm_`` returns.
 
         Raises:
