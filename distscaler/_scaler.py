@@ -895,7 +895,7 @@ class GradScaler(torch.amp.GradScaler):
         | ``distscaler/overflow_step`` | the update number (1-based) of the last skipped step reported ([`last_overflow`][distscaler.GradScaler.last_overflow]); present once one was |
         | ``distscaler/overflow_tensors`` | gradient tensors that held inf/NaN at that step, all ranks; with ``overflow_step`` |
         | ``distscaler/replica_checks`` | gradient comparisons across replicas, one per optimizer per checked update ([`replica_ledger`][distscaler.GradScaler.replica_ledger] ``checks``); present once replicas were compared, as the three below |
-        | ``distscaler/replica_mismatches`` | replica mismatches found, one per check that found one, whatever the skip was counted as (``mismatch_events``) |
+        | ``distscaler/replica_mismatches`` | replica mismatches found, one per check that found one, whatever the skip's cause (the ledger's ``mismatch_events``) |
         | ``distscaler/replica_skipped`` | ``skipped_replica_mismatch``, the same number (the ledger's ``skipped``; the older key) |
         | ``distscaler/suspects`` | ranks named suspects |
 
