@@ -70,7 +70,8 @@ class StepResult:
 
     Attributes:
         found_inf: exactly 1.0 if any rank of the group saw inf/NaN, else 0.0 (0.0 also when the
-            plan steps through inf/NaN); None for a disabled scaler's clip.
+            plan steps through inf/NaN); None where no flag was agreed (a ``NORM_UNSCALED``
+            pass with no earlier flag).
         grad_scale: what a fused optimizer divides the gradients by (``scale / clip_coef``), or
             None when they are already unscaled.
         total_norm: the global norm of the unscaled gradients (a ``NORM`` pass), else None.
@@ -127,7 +128,8 @@ def run(
         plan: what to do (`distscaler._plan`).
         grads: the local gradients grouped by (device, dtype, replication weight), and ``params``
             their parameters in the same order (`distscaler.layouts.local_grads()`).
-        state: the scale's device state; None for a disabled scaler (a ``NORM_UNSCALED`` pass).
+        state: the scale's device state (a disabled scaler runs no pass: its
+            ``clip_grad_norm_`` is torch's).
             Every rank of ``plan.world`` must call ``run`` with the same plan kind: it issues
             the step's one collective when ``plan.world.collective``.
         found_inf: the flag an earlier check of this iteration agreed on (``GradPass.NONE``, and
@@ -822,32 +824,20 @@ def _norm_unscaled(
     coll: _Collective,
     found_inf: torch.Tensor | None,
 ) -> StepResult:
-    """Clip gradients that carry no loss scale (after ``unscale_``, or with a disabled scaler).
+    """Clip gradients that carry no loss scale (after ``unscale_``).
 
-    After ``unscale_`` the norm is always agreed: one collective of the weighted statistic over
-    the group, also when every local gradient is replicated (a rank whose copy differs, silent
-    data corruption after the reduce, must not get a norm of its own, nor skip or back off alone),
-    and a non-finite norm skips the step too: ``found_inf`` is the earlier flag or'ed with it. A
-    disabled scaler (no scale to agree on) clips replicated gradients by their local norm, with no
-    collective, as torch's ``clip_grad_norm_`` would.
+    The norm is always agreed: one collective of the weighted statistic over the group, also when
+    every local gradient is replicated (a rank whose copy differs, silent data corruption after the
+    reduce, must not get a norm of its own, nor skip or back off alone), and a non-finite norm
+    skips the step too: ``found_inf`` is the earlier flag or'ed with it. (A disabled scaler runs no
+    pass: its ``clip_grad_norm_`` is torch's.)
     """
-    assert plan.max_norm is not None
+    assert plan.max_norm is not None and state is not None
     max_norm, norm_type = plan.max_norm, plan.norm_type
-    world_size = plan.world.size
-    local_only = (
-        state is None and bool(grads) and all(key.weight == 1.0 / world_size for key in grads)
-    )
-    if state is not None:
-        device = state.device
-    else:
-        device = next(iter(grads)).device if grads else torch.device("cpu")
-    one = torch.ones((), dtype=torch.float32, device=device)
-    if local_only:
-        grads = {key._replace(weight=1.0): g for key, g in grads.items()}
+    one = torch.ones((), dtype=torch.float32, device=state.device)
     local, per_tensor = local_stat(grads, one, norm_type)
-    if not local_only:
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        coll.reduce_(local, op=op)
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    coll.reduce_(local, op=op)
     norm = _p_norm(local, norm_type)
     if max_norm < math.inf:  # inf measures only: the coefficient would be 1
         _div_(grads, torch.fmax(norm / max_norm, one))

@@ -144,7 +144,7 @@ class GradPass(enum.Enum):
     #: gradients are clipped in place unless the optimizer is fused.
     NORM = "norm"
     #: The global norm of gradients that carry no loss scale (``clip_grad_norm_`` after
-    #: ``unscale_``, or with a disabled scaler), clipped in place.
+    #: ``unscale_``), clipped in place.
     NORM_UNSCALED = "norm of unscaled gradients"
     #: No pass: the optimizer drives the scaler itself (torch's deprecated ``grad_scaler=``
     #: contract: its step calls ``_check_inf_per_device`` and ``unscale_``).

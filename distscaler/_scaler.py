@@ -117,8 +117,9 @@ class GradScaler(torch.amp.GradScaler):
             0.5.
         growth_interval (int): clean steps, in optimizer steps, before the scale grows, default
             2000, in [1, 2**31 - 1].
-        enabled (bool): default True. False: every method is a no-op (``step`` calls
-            ``optimizer.step()``): no collective, no host read.
+        enabled (bool): default True. False: a disabled scaler only clips: ``clip_grad_norm_`` is
+            ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, ``step`` calls
+            ``optimizer.step()``, every other method is a no-op; no collective, no host read.
         process_group (ProcessGroup | None): the ranks that must agree; default None: WORLD once
             ``torch.distributed`` is initialized.
         grad_layout ("replicated" | "sharded" | None): how plain-tensor gradients nothing
@@ -318,7 +319,11 @@ class GradScaler(torch.amp.GradScaler):
         ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read. Fused optimizers get ``grad_scale = scale /
         clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
         [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
-        (a second all_reduce unless all are replicated). A disabled scaler only clips.
+        (a second all_reduce unless all are replicated).
+
+        A disabled scaler only clips: it returns ``torch.nn.utils.clip_grad_norm_(params, max_norm,
+        norm_type)`` over the optimizer's parameters, torch's norm and torch's clipping of the
+        local gradients whatever their layout (no collective of the scaler's, no layout needed).
 
         Args:
             max_norm (float): greater than 0, or ``math.inf`` to measure only.
@@ -326,39 +331,41 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns:
             0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
-            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere).
+            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere). A
+            disabled scaler returns what ``torch.nn.utils.clip_grad_norm_`` returns.
 
         Raises:
             ValueError: ``max_norm`` or ``norm_type`` out of range.
-            UnknownLayoutError: (a ValueError) the group has more than one rank and the layout of
-                some gradients is unknown (p < inf only); raised before anything is changed.
+            UnknownLayoutError: (a ValueError) the scaler is enabled, the group has more than one
+                rank and the layout of some gradients is unknown (p < inf only); raised before
+                anything is changed.
             CallOrderError: called twice for ``optimizer`` since the last
                 [`update()`][distscaler.GradScaler.update], or after
                 [`step()`][distscaler.GradScaler.step].
         """
         max_norm, norm_type = V.check_clip(max_norm, norm_type)
-        state = record = None
-        if self._enabled:  # a disabled scaler only clips
-            state = self._device_state("clip_grad_norm_")
-            record = self._records.setdefault(id(optimizer), StepRecord())
-            if record.stage is OptState.STEPPED:
-                raise CallOrderError("clip_grad_norm_() is being called after step().")
-            if record.clipped:
-                raise CallOrderError(
-                    "clip_grad_norm_() has already been called on this optimizer since the last "
-                    "update()."
-                )
-        unscaled = record is None or record.stage is OptState.UNSCALED
+        if not self._enabled:  # a disabled scaler only clips, as torch's clip_grad_norm_ would
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        state = self._device_state("clip_grad_norm_")
+        record = self._records.setdefault(id(optimizer), StepRecord())
+        if record.stage is OptState.STEPPED:
+            raise CallOrderError("clip_grad_norm_() is being called after step().")
+        if record.clipped:
+            raise CallOrderError(
+                "clip_grad_norm_() has already been called on this optimizer since the last "
+                "update()."
+            )
+        unscaled = record.stage is OptState.UNSCALED
         plan_for = functools.partial(
-            plan_clip, unscaled=unscaled, per_tensor_flags=self._attributing and state is not None,
+            plan_clip, unscaled=unscaled, per_tensor_flags=self._attributing,
             max_norm=max_norm, norm_type=norm_type,
         )  # fmt: skip
         plan, result = self._check(optimizer, state, plan_for, weighted=True,
-                                   found_inf=None if record is None else record.found_inf,
-                                   max_norm=None if unscaled else state.max_norm(max_norm))  # type: ignore[union-attr]  # fmt: skip
-        if record is not None:
-            record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
-                        counters=not unscaled, clipped=True)  # fmt: skip
+                                   found_inf=record.found_inf,
+                                   max_norm=None if unscaled else state.max_norm(max_norm))  # fmt: skip
+        record.keep(optimizer, result, stage=OptState.UNSCALED, grad_scale=plan.fused,
+                    counters=not unscaled, clipped=True)  # fmt: skip
         assert result.total_norm is not None
         return result.total_norm
 
@@ -538,7 +545,7 @@ class GradScaler(torch.amp.GradScaler):
         self._last_host_skip = (self._state.num_host_updates, cause, report)
         if due:
             self._periodic()
-        self._end_iteration(None)
+        self._end_iteration(cause)
 
     # ------------------------------------------------------------------ the parts, used
 
@@ -880,14 +887,16 @@ class GradScaler(torch.amp.GradScaler):
         | key | value |
         |---|---|
         | ``distscaler/scale`` | the loss scale (float) |
-        | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals]) |
-        | ``distscaler/skipped_total`` | skipped optimizer steps so far, every cause |
-        | ``distscaler/skipped_overflow``, ``distscaler/skipped_replica_mismatch``, ``distscaler/skipped_not_committed`` | of those, per cause ([`SkipTotals.causes`][distscaler.SkipTotals.causes]); they sum to ``skipped_total`` |
+        | ``distscaler/updates`` | updates so far ([`skip_totals`][distscaler.GradScaler.skip_totals] ``num_updates``) |
+        | ``distscaler/skipped_total`` | skipped updates so far, every cause (``num_skipped``); each counted once, under one cause |
+        | ``distscaler/skipped_overflow`` | of those, the ones whose agreed ``found_inf`` was 1.0: inf/NaN gradients, the scale backed off; a replica mismatch where some rank held that inf/NaN is one of these ([`SkipTotals.causes`][distscaler.SkipTotals.causes]) |
+        | ``distscaler/skipped_replica_mismatch`` | of those, the ones skipped for a replica mismatch with no agreed inf/NaN: the scale did not move |
+        | ``distscaler/skipped_not_committed`` | of those, the ones torchft did not commit: the scale did not move (the three sum to ``skipped_total``) |
         | ``distscaler/overflow_step`` | the update number (1-based) of the last skipped step reported ([`last_overflow`][distscaler.GradScaler.last_overflow]); present once one was |
         | ``distscaler/overflow_tensors`` | gradient tensors that held inf/NaN at that step, all ranks; with ``overflow_step`` |
-        | ``distscaler/replica_checks`` | replica checks so far ([`replica_ledger`][distscaler.GradScaler.replica_ledger]); present once replicas were compared, as the three below |
-        | ``distscaler/replica_mismatches`` | replica mismatches (events; the ledger counts the ranks each named apart) |
-        | ``distscaler/replica_skipped`` | steps skipped because of a replica mismatch |
+        | ``distscaler/replica_checks`` | gradient comparisons across replicas, one per optimizer per checked update ([`replica_ledger`][distscaler.GradScaler.replica_ledger] ``checks``); present once replicas were compared, as the three below |
+        | ``distscaler/replica_mismatches`` | replica mismatches found, one per check that found one, whatever the skip's cause (the ledger's ``mismatch_events``) |
+        | ``distscaler/replica_skipped`` | the ledger's ``skipped``: ``skipped_replica_mismatch`` counted from the scaler's start (the same number in a run that did not load a checkpoint; the older key) |
         | ``distscaler/suspects`` | ranks named suspects |
 
         The key names are stable; keys are added, never renamed. An integration adds
@@ -955,9 +964,14 @@ class GradScaler(torch.amp.GradScaler):
     @property
     def replica_ledger(self) -> ReplicaLedger:
         """Per-rank counts of the run: replica checks, replica mismatches per rank, steps skipped
-        because of them, overflows that one rank alone saw, and the ranks named suspects
+        because of them, overflow reports where one rank alone held inf/NaN, and the ranks named
+        suspects
         ([`distscaler.replica_check`][distscaler.replica_check]). The same on every rank of
-        ``process_group``; reading it costs nothing."""
+        ``process_group``; reading it costs nothing (its ``skipped`` counts what the skip account
+        counts under ``causes["replica_mismatch"]`` in this run, as the host knows it: a mismatch
+        a deferred reading holds on the device is counted at the next read of ``skip_totals`` or
+        ``metrics()``; the skip account also carries the counts of a loaded checkpoint, the ledger
+        counts from the scaler's start)."""
         return self._replicas.ledger
 
     @property

@@ -69,7 +69,9 @@ class ScalerConfig:
     """
 
     enabled: bool = True
-    """False: the scaler is a no-op (no collective, no host read)."""
+    """False: a disabled scaler only clips: ``clip_grad_norm_`` is
+    ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, ``step`` calls
+    ``optimizer.step()``, every other method is a no-op; no collective, no host read."""
     init_scale: float = 2.0**16
     """Initial loss scale, a normal float32 > 0 (the fixed scale for ``policy="static"``)."""
     growth_factor: float = 2.0

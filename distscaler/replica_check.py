@@ -38,10 +38,12 @@ and these bounds hold with ``P1 P2`` in place of certainty.
 world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is an integer below
 2**24, exact in float32; ``S mod P`` is then exact too (read on the host as integers).
 
-**On a mismatch only**, one ``all_gather_object`` over the group (every rank calls it, since
+**On a mismatch only**, one ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13)
+over the group (every rank calls it, since
 every rank reads the same slots) exchanges each rank's per-set fingerprints (``(A, B) mod P``
-without coefficients); within each replica set the ranks that differ from the majority are named,
-and with no majority (two replicas) all of the set's ranks are.
+without coefficients) in a fixed-size int64 row on the collective's device (`NAMED_SETS` sets per
+rank; no pickling, so no numpy); within each replica set the ranks that differ from the majority
+are named, and with no majority (two replicas) all of the set's ranks are.
 
 **Which gradients** (`LayoutResolver.replica_set()`): the layouts already know the replicas: DDP
 (`GradScaler.register_model()`), FSDP1 ``NO_SHARD``/``HYBRID_SHARD``, DTensor gradients with
@@ -186,10 +188,18 @@ class ReplicaLedger:
     Attributes:
         checks: gradient comparisons across replicas (one per optimizer per checked update).
         param_checks: updates whose parameters and optimizer state were compared.
-        mismatch_events: replica mismatches found (each counted once, however many ranks it names).
+        mismatch_events: replica mismatches found, one per check that found one (each counted
+            once, however many ranks it names), whatever the skip's cause: a mismatch where some
+            rank held inf/NaN that the overflow check saw is an overflow in the skip account.
         mismatches: per global rank, the mismatch events it was named in.
-        lone_overflows: per rank of the group, overflow reports where it alone held inf/NaN.
-        skipped: steps skipped because of a replica mismatch (not counted as overflows).
+        lone_overflow_reports: per rank of the group, the overflow reports (`last_overflow`: the
+            last skipped step of each periodic read) where it alone held inf/NaN; overflows
+            between two reports are not attributed, so this counts reports, not overflows.
+        skipped: skipped steps whose cause is a replica mismatch, counted as
+            ``skip_totals.causes["replica_mismatch"]`` counts them (a deferred reading's at the
+            host's next read of the scaler), from the scaler's start (the skip account also
+            carries a loaded checkpoint's). A mismatch that is an overflow too counts as an
+            overflow there, not here.
         suspects: ranks alone at fault `SUSPECT_EVENTS` times within `SUSPECT_WINDOW` updates.
         last_mismatch: the most recent mismatch, or None.
     """
@@ -198,7 +208,7 @@ class ReplicaLedger:
     param_checks: int = 0
     mismatch_events: int = 0
     mismatches: collections.Counter = field(default_factory=collections.Counter)
-    lone_overflows: collections.Counter = field(default_factory=collections.Counter)
+    lone_overflow_reports: collections.Counter = field(default_factory=collections.Counter)
     skipped: int = 0
     suspects: tuple[int, ...] = ()
     last_mismatch: ReplicaMismatch | None = None
@@ -217,11 +227,22 @@ class ReplicaLedger:
         if len(mismatch.ranks) == 1:  # two replicas name both: no one alone at fault
             self._event(mismatch.step, mismatch.ranks[0])
 
+    @property
+    def lone_overflows(self) -> collections.Counter:
+        """`lone_overflow_reports`, under its former name."""
+        return self.lone_overflow_reports
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a ledger pickled before lone_overflows was named lone_overflow_reports)
+        if "lone_overflows" in state:
+            state["lone_overflow_reports"] = state.pop("lone_overflows")
+        self.__dict__.update(state)
+
     def note_overflow(self, step: int, ranks: set[int]) -> None:
         """An overflow report: when one rank alone held the inf/NaN, count it."""
         if len(ranks) == 1:
             (rank,) = ranks
-            self.lone_overflows[rank] += 1
+            self.lone_overflow_reports[rank] += 1
             self._event(step, rank)
 
     def _event(self, step: int, rank: int) -> None:
@@ -241,16 +262,17 @@ class ReplicaLedger:
         self.suspects = tuple(sorted(set(self.suspects) | set(new)))
 
     def as_dict(self) -> dict[str, int]:
-        """Plain numbers: ``replica_checks``, ``replica_param_checks``, ``replica_mismatches``
-        (events), ``replica_mismatched_ranks`` (ranks named, summed over events),
-        ``replica_skipped``, ``lone_overflows`` (total), ``suspects`` (count)."""
+        """Plain numbers: ``replica_checks`` (`checks`), ``replica_param_checks``
+        (`param_checks`), ``replica_mismatches`` (`mismatch_events`), ``replica_mismatched_ranks``
+        (ranks named, summed over events), ``replica_skipped`` (`skipped`),
+        ``lone_overflow_reports`` (total), ``suspects`` (count)."""
         return {
             "replica_checks": self.checks,
             "replica_param_checks": self.param_checks,
             "replica_mismatches": self.mismatch_events,
             "replica_mismatched_ranks": sum(self.mismatches.values()),
             "replica_skipped": self.skipped,
-            "lone_overflows": sum(self.lone_overflows.values()),
+            "lone_overflow_reports": sum(self.lone_overflow_reports.values()),
             "suspects": len(self.suspects),
         }
 

@@ -25,11 +25,13 @@ class SkipTotals:
 
     Attributes:
         num_updates: ``update()`` calls that consumed an agreed ``found_inf``.
-        num_skipped: of those, the ones whose optimizer step(s) were skipped, whatever the cause.
+        num_skipped: of those, the ones whose optimizer step(s) were skipped, each counted once
+            under one cause (`causes`), whatever else the step saw.
         last_skipped: the number (1-based) of the last skipped update, 0 before any.
         last_skipped_scale: the loss scale that update used (0.0 before any).
-        replica_mismatches: skipped steps whose cause was a replica mismatch (the scale did not
-            move).
+        replica_mismatches: skipped steps whose cause was a replica mismatch with no agreed
+            inf/NaN (the scale did not move); the replica ledger's ``skipped``, the same number.
+            A mismatch where some rank held inf/NaN that the overflow check saw is an overflow.
         not_committed: skipped steps whose cause was torchft not committing them (the scale did
             not move).
         other_causes: skipped steps of the other causes a check on the collective gave
@@ -47,7 +49,8 @@ class SkipTotals:
 
     @property
     def overflows(self) -> int:
-        """Skipped steps whose cause was inf/NaN gradients (the scale backed off)."""
+        """Skipped steps whose cause was inf/NaN gradients: the agreed ``found_inf`` was 1.0 and
+        the scale backed off (a replica mismatch that held the inf/NaN too is one)."""
         other = sum(n for _, n in self.other_causes)
         return self.num_skipped - self.replica_mismatches - self.not_committed - other
 

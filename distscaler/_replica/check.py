@@ -207,7 +207,6 @@ class ReplicaSlots:
         local_nonfinite = any(
             not bool(g.isfinite().all()) for g in self._grads if g.is_floating_point()
         )  # a mismatch's one more read: an inf/NaN makes it an overflow too
-        ledger.skipped += 1
         mismatch = self.settle(step, values, local_nonfinite)
         if check.on_mismatch == "raise":
             raise ReplicaMismatchError(mismatch)
@@ -442,8 +441,7 @@ class ReplicaCheck:
 
     def count(self) -> list[tuple[int, str]]:
         """Read the pending mismatch flags on the host (one transfer; nothing when none are
-        pending, no collective: safe on one rank): each mismatch is counted in the ledger as a
-        skipped step and kept for `name()`. Returns ``(update, "replica_mismatch")`` for each
+        pending, no collective: safe on one rank): each mismatch is kept for `name()`. Returns ``(update, "replica_mismatch")`` for each
         mismatch whose flag held its update where no rank held inf/NaN (where one did, the agreed
         ``found_inf`` backed the update off: an overflow, which the skip record counts as one)."""
         if not self.pending:
@@ -464,9 +462,9 @@ class ReplicaCheck:
             if r.slots.param_nonfinite is not None and param_nonfinite:
                 self.nonfinite_parameters = True
             if mismatch:
-                self.ledger.skipped += 1
                 self.unnamed.append((update, r, slots, bool(local)))
                 if counted and not found:
+                    self.ledger.skipped += 1  # a skip of its own cause, as the account counts it
                     events.append((update, "replica_mismatch"))
         return events
 
@@ -567,4 +565,6 @@ class ReplicaCheck:
                       for opt in optimizers for g in opt.param_groups for p in g["params"]]  # fmt: skip
             if params and not bool(torch.stack([p.isfinite().all() for p in params]).all()):
                 self.nonfinite_parameters = True
+        if cause == "replica_mismatch":  # the skip account counted it under this cause
+            self.ledger.skipped += 1
         self.iteration = n

@@ -577,7 +577,6 @@ class FaultTolerantGradScaler(GradScaler):
                 self._rejoined = False
         if step.committed is False and new_scale is None:
             if step.divergence is not None and step.divergence.this_group:
-                self._replicas.ledger.skipped += 1
                 self._skip("replica_mismatch", step.divergence)  # the scale stays
             else:  # counted as a skip; the scale stays
                 self._skip("not_committed", step.lone or self._not_committed(step))

@@ -66,8 +66,8 @@ Returns:
 
 Inherited from `torch.amp.GradScaler`, unchanged. False when built with `enabled=False`, and when
 built for `"cuda"` on a machine without CUDA (torch's warning, then disabled). A disabled scaler
-is a no-op: no collective, no host read; [`step`][distscaler.GradScaler.step] only calls
-`optimizer.step()`.
+only clips: `clip_grad_norm_` is `torch.nn.utils.clip_grad_norm_` over the optimizer's parameters,
+`step` calls `optimizer.step()`, every other method is a no-op; no collective, no host read.
 
 Returns:
     Whether the scaler scales, checks and updates.
