@@ -121,6 +121,11 @@ RUN_HERE: dict[tuple[str, str], str] = {
         "docs/troubleshooting.md",
         "torchrun --standalone --nproc-per-node=2 probe.py",
     ): "test_the_replica_probe_finds_the_rank_local_write_on_2_gloo_ranks",
+    (
+        "docs/integrations/lightning.md",
+        "python launch/train_lightning.py --devices 2 --strategy ddp --inject-inf 5     "
+        "# or --strategy fsdp2",
+    ): "test_the_lightning_job_runs_as_the_page_shows",
     ("docs/install.md", "pip install .          # a regular install"): (
         "test_core_pages_run_with_the_library_alone (the wheel of `pip install .`, no extra)"
     ),
@@ -389,6 +394,23 @@ def test_the_replica_probe_finds_the_rank_local_write_on_2_gloo_ranks(tmp_path: 
     assert done.returncode == 0, done.stderr[-6000:]
     assert done.stdout.strip().splitlines()[-1] == "skipped 0, drifted ['module.2.bias']"
     assert "replica mismatch" not in done.stderr
+
+
+@pytest.mark.slow
+def test_the_lightning_job_runs_as_the_page_shows(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the lightning extra")
+    block = _block(
+        "docs/integrations/lightning.md",
+        "python launch/train_lightning.py --devices 2 --strategy ddp --inject-inf 5     "
+        "# or --strategy fsdp2",
+    )
+    # From a folder of its own holding the tree's launch/ (Lightning writes its logs there).
+    (tmp_path / "launch").symlink_to(ROOT / "launch")
+    done = _shell(block.body, tmp_path)
+    assert done.returncode == 0, done.stderr[-6000:]
+    summaries = re.findall(r"^rank (\d): 1 of 8 steps skipped, params (\w+)$", done.stdout, re.M)
+    assert sorted(r for r, _ in summaries) == ["0", "1"], done.stdout
+    assert len({p for _, p in summaries}) == 1  # the same parameters on both ranks
 
 
 # ---------------------------------------------------------------- logging, as Concepts says it

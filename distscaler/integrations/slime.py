@@ -38,6 +38,13 @@ growth and hysteresis trackers; the smallest of a chain's). Then, in slime's own
 * the scale is saved in slime's Megatron checkpoints under Megatron's keys, as stock, and
   resumed.
 
+Checkpoints carry Megatron's keys only (the scale and its trackers): after a resume distscaler's
+own counters (``skip_totals``, the replica ledger, the overflow record) start again.
+
+Install: ``pip install 'distscaler[slime]'`` on Python >= 3.12 (megatron-core 0.19.2 declares it);
+on 3.11 also ``pip install --ignore-requires-python --no-deps megatron-core==0.19.2``. Without
+megatron-core this module refuses to import, saying so.
+
 Settings: Megatron's (``--initial-loss-scale``, ``--min-loss-scale``, ``--loss-scale-window``,
 ``--hysteresis``, ``--loss-scale`` for a static scale), or ``DISTSCALER_SLIME_SCALER`` in the
 workers' environment: a DeepSpeed fp16 config JSON path (DeepSpeed's semantics). In bf16 the hook
