@@ -493,6 +493,26 @@ def _page_script(page: str) -> str:
     return "\n".join(body for _, body in sorted(parts))
 
 
+_PRINTED = re.compile(r"^\s*print\(.*\)\s+# (?P<shown>.+)$", re.M)
+
+#: Comments after a print() that describe its output rather than show it.
+DESCRIBED = {
+    "invalid GradScaler state_dict: the bad scale and every missing key, one per line",
+}
+
+
+def _shown_prints(page: str) -> list[str]:
+    """What the page's examples show their print() calls print: the comment after each, up to a
+    gloss (two spaces, then an aside) or a closing " ..." (the line goes on)."""
+    shown = []
+    for b in BLOCKS:
+        if b.page == page and b.lang == "python" and not b.info and not b.marker:
+            for m in _PRINTED.finditer(b.body):
+                if m["shown"] not in DESCRIBED:
+                    shown.append(m["shown"].split("  ")[0].removesuffix(" ..."))
+    return shown
+
+
 def _link_torch(site: Path) -> None:
     """torch and what it requires, linked from this interpreter into ``site``: no network, and
     nothing else of this environment (no extra, no test package)."""
@@ -585,4 +605,7 @@ def test_core_pages_run_with_the_library_alone(tmp_path: Path) -> None:
         )
         if done.returncode != 0:
             failed[page] = done.stderr[-2000:]
+        for shown in _shown_prints(page):  # the output the page shows, where it shows one
+            if shown not in done.stdout:
+                failed[page] = f"{shown!r} not printed:\n{done.stdout[-2000:]}"
     assert failed == {}
