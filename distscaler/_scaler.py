@@ -330,9 +330,10 @@ class GradScaler(torch.amp.GradScaler):
             norm_type (float): p of the p-norm, greater than 0, or ``math.inf``. Default: 2.0.
 
         Returns:
-            0-dim float32 tensor on the scale's device: the global norm before clipping, the same on
-            every rank; non-finite when any rank saw inf/NaN (the step is then skipped everywhere). A
-            disabled scaler returns what ``torch.nn.utils.clip_grad_norm_`` returns.
+            0-dim float32 tensor on the scale's device: the global norm before clipping, the same
+                on every rank; non-finite when any rank saw inf/NaN (the step is then skipped
+                everywhere). A disabled scaler returns what ``torch.nn.utils.clip_grad_norm_``
+                returns.
 
         Raises:
             ValueError: ``max_norm`` or ``norm_type`` out of range.

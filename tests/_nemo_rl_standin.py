@@ -21,7 +21,8 @@ batching:
   (``param_dtype`` the precision, ``reduce_dtype``/``output_dtype`` float32), fp32 master weights;
 * ``__init__(config, weights_path=None, optimizer_path=None, init_optimizer=True, ...)`` loads a
   checkpoint when given one, as NeMo-RL's resume does; ``save_checkpoint(weights_path,
-  optimizer_path=None, tokenizer_path=None, checkpointing_cfg=None)`` and
+  optimizer_path=None, tokenizer_path=None, checkpointing_cfg=None)`` (raising NeMo-RL's
+  ``ValueError`` without ``checkpointing_cfg``, before it writes anything) and
   ``load_checkpoint(weights_path, optimizer_path=None)``;
 * the attributes ``dtype``, ``model``, ``optimizer``, ``scheduler``, ``device_mesh``,
   ``moe_mesh``, ``cpu_offload``, ``max_grad_norm``.
@@ -206,6 +207,8 @@ class StandInWorkerImpl:
         tokenizer_path: str | None = None,
         checkpointing_cfg: Any = None,
     ) -> None:
+        if checkpointing_cfg is None:  # NeMo-RL's words (its Automodel checkpoint setup)
+            raise ValueError("checkpointing_cfg must be provided when saving checkpoint")
         rank = dist.get_rank()
         os.makedirs(weights_path, exist_ok=True)
         torch.save(self.model.state_dict(), os.path.join(weights_path, f"model_{rank}.pt"))
@@ -371,7 +374,12 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
     worker = build(config(), ours=True)
     out["ours"] = run(worker, range(3), inf_steps=(1,))
     weights, optim = os.path.join(root[0], "w"), os.path.join(root[0], "o")
-    worker.save_checkpoint(weights, optimizer_path=optim)
+    try:  # NeMo-RL's save needs its `checkpointing` settings; nothing is written without them
+        worker.save_checkpoint(weights, optimizer_path=optim)
+        out["save_without_cfg"] = "no error"
+    except ValueError as e:
+        out["save_without_cfg"] = f"{e}; written: {os.path.exists(optim)}"
+    worker.save_checkpoint(weights, optimizer_path=optim, checkpointing_cfg={"is_async": False})
     out["listing"] = sorted(os.listdir(optim))
     out["ours"] += run(worker, range(3, 5))
     out["ours_warnings"] = list(warnings_printed)

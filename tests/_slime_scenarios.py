@@ -297,6 +297,8 @@ def _everything(rank: int, world_size: int) -> dict[str, Any]:
             out["ours_saved"] = _scaler_entry(state)
             out["ours_inf"] += train(run, range(4, 5))
             out["ours_after_step4"] = _scaler_entry(run.optimizer.state_dict())
+            totals = ds_megatron.installed_scaler(run.optimizer).skip_totals
+            out["ours_totals"] = (totals.num_updates, totals.num_skipped)
         # A second unscale of a step's main gradients: Megatron's own prepare_grads after the
         # step's (the one optimizer.step() runs in stock slime), called on the optimizer itself.
         run.step = 9
@@ -324,5 +326,8 @@ def _everything(rank: int, world_size: int) -> dict[str, Any]:
     out["resumed_before_hook"] = _scale(run.optimizer)
     out["resumed"] = train(run, range(4, 5))
     out["resumed_state"] = _scaler_entry(run.optimizer.state_dict())
+    # distscaler's own counters are not in Megatron's keys: they start again at the resume.
+    totals = ds_megatron.installed_scaler(run.optimizer).skip_totals
+    out["resumed_totals"] = (totals.num_updates, totals.num_skipped)
     dist.barrier()
     return out

@@ -51,6 +51,42 @@ def test_the_areal_stage_has_the_tested_areal():
     assert FOUND == TESTED, f"CI's AReaL stage installs AReaL {TESTED}, found {FOUND}"
 
 
+@needs_areal
+def test_areals_default_attention_is_flash_attention_2_and_the_job_sets_sdpa():
+    """docs/integrations/areal.md: AReaL's engines default to ``attn_impl="flash_attention_2"``;
+    on a CPU the page, the job and these tests set ``"sdpa"``."""
+    import inspect
+
+    from areal.api.cli_args import PPOActorConfig
+    from areal_job import actor_config
+
+    assert PPOActorConfig.__dataclass_fields__["attn_impl"].default == "flash_attention_2"
+    assert 'attn_impl="sdpa"' in inspect.getsource(actor_config)
+
+
+def test_flash_attention_2_does_not_build_without_flash_attn():
+    """What AReaL's default attention gives on a machine without flash-attn (a CPU): transformers
+    refuses to build the model (measured with the suite's transformers and AReaL's)."""
+    import importlib.util
+
+    transformers = pytest.importorskip("transformers")
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
+    with pytest.raises(ImportError, match="FlashAttention2"):
+        transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="flash_attention_2"
+        )
+    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 #: The spawn's results, once per test session: the first worker that asks spawns and writes them
 #: where every xdist worker finds them (pytest 9.2 with xdist 3.8 ignores ``xdist_group``: xdist
 #: renames ``item._nodeid``, pytest 9 reads ``item._id``, so the tests of a group can land on both

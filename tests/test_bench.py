@@ -208,6 +208,8 @@ def test_compiled_contender_steps_and_says_when_it_cannot(world_of_one):
     assert c.phase is None and c.error is not None and "fused optimizer" in c.error
 
 
+# A whole job launched (about 50 CPU-seconds on 2 cores, 2026-11-28): CI's slow stage runs it.
+@pytest.mark.slow
 @pytest.mark.xdist_group("bench_quick")
 def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "bench"

@@ -10,6 +10,8 @@ that needs GPUs or several ranks carries ``<!-- skip: next "reason" -->`` right 
 not run, and ``test_doc_example_skipped`` reports it as skipped with that reason. Hidden setup
 goes in ``<!-- invisible-code-block: python ... -->``. ``mkdocs build --strict`` (CI's docs stage)
 checks the links and the API reference; this module checks that the examples work.
+tests/test_doc_blocks.py accounts for every other block (the shell commands, run or marked
+``<!-- not run: reason -->``) and runs the core pages' examples with the library alone.
 """
 
 from __future__ import annotations

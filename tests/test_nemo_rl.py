@@ -259,6 +259,10 @@ def test_standin_inf_skip_lr_and_resume(standin):
         assert r["resumed_scale"] == 32768.0
         assert r["resumed"] == ours[3:] and r["resumed_final"] == r["ours_final"]
         assert r["module_untouched"]
+        # docs/integrations/nemo_rl.md: the save needs NeMo-RL's `checkpointing_cfg`.
+        assert r["save_without_cfg"] == (
+            "checkpointing_cfg must be provided when saving checkpoint; written: False"
+        )
 
 
 @TWO_RANKS

@@ -100,6 +100,9 @@ def test_the_scale_is_in_megatrons_checkpoint_and_carries_on_after_the_hook(runs
         # The hook installs with the stock scaler's state: the growth tracker goes on from 2.
         assert r["resumed_state"] == r["ours_after_step4"]
         assert r["resumed"][0]["scale"] == 4.0
+        # docs/integrations/slime.md: distscaler's own counters restart after the resume.
+        assert r["ours_totals"] == [5, 1]  # (updates, skipped), through JSON
+        assert r["resumed_totals"] == [1, 0]
 
 
 @TWO_RANKS

@@ -18,7 +18,9 @@ scaler = install(trainer.actor)             # PPOTrainer's actor; install(traine
 ``install`` turns that engine into distscaler's subclass of its own class (``FSDPPPOActor``,
 ``FSDPPPOCritic``, ``FSDPLMEngine``..., ``isinstance`` checks still hold) with one
 [`distscaler.GradScaler`][distscaler.GradScaler] on AReaL's device
-(``current_platform.device_type``). What the engine then does, on every rank:
+(``current_platform.device_type``). On a machine without flash-attn (a CPU), the engine's
+config needs ``attn_impl="sdpa"``: AReaL's default, ``"flash_attention_2"``, makes transformers
+refuse to build the model. What the engine then does, on every rank:
 
 * **Backward** (``forward_backward_batch``, which ``train_batch`` calls): the loss AReaL
   back-propagates is multiplied by the scale (``scaler.scale(loss)``); forward-only passes

@@ -48,7 +48,8 @@ global batch:
   ``distscaler/skipped`` (skipped optimizer steps in the call) and, after a skip,
   ``distscaler/overflow_step`` and ``distscaler/overflow_tensors``, with a warning naming the ranks
   and parameters (one ``all_gather``, only after a skip).
-* **Checkpoints**: ``save_checkpoint(..., optimizer_path=...)`` also writes the scaler's state
+* **Checkpoints**: ``save_checkpoint(..., optimizer_path=..., checkpointing_cfg=...)`` (NeMo-RL's
+  save raises without its ``checkpointing_cfg``) also writes the scaler's state
   (scale, growth tracker, skip counts) to ``distscaler_world_size_{W}_rank_{R}.pt`` in
   ``optimizer_path`` and returns once every rank's file exists (one ``barrier``);
   ``load_checkpoint`` and a worker built with ``optimizer_path`` (NeMo-RL's resume) read it. A

@@ -38,6 +38,13 @@ growth and hysteresis trackers; the smallest of a chain's). Then, in slime's own
 * the scale is saved in slime's Megatron checkpoints under Megatron's keys, as stock, and
   resumed.
 
+Checkpoints carry Megatron's keys only (the scale and its trackers): after a resume distscaler's
+own counters (``skip_totals``, the replica ledger, the overflow record) start again.
+
+Install: ``pip install 'distscaler[slime]'`` on Python >= 3.12 (megatron-core 0.19.2 declares it);
+on 3.11 also ``pip install --ignore-requires-python --no-deps megatron-core==0.19.2``. Without
+megatron-core this module refuses to import, saying so.
+
 Settings: Megatron's (``--initial-loss-scale``, ``--min-loss-scale``, ``--loss-scale-window``,
 ``--hysteresis``, ``--loss-scale`` for a static scale), or ``DISTSCALER_SLIME_SCALER`` in the
 workers' environment: a DeepSpeed fp16 config JSON path (DeepSpeed's semantics). In bf16 the hook
@@ -54,12 +61,42 @@ rollout_id, step_id, model, optimizer, opt_param_scheduler)`` after ``optimizer.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from typing import Any
 
 from .. import GradScaler
 from ..errors import CallOrderError
+from ._common import TESTED_VERSIONS
 from ._scaler_arg import scaler_from_argument
+
+
+def _has_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # no `megatron` package at all
+        return False
+
+
+# The hook runs the Megatron integration at slime's first step; refuse here, where slime imports the
+# hook by its path, rather than there. `distscaler[slime]` installs megatron-core only on Python
+# >= 3.12 (what megatron-core 0.19.2 declares); its 3.11 wheel runs, installed without the check.
+if not _has_megatron_core():
+    _PIN = f"megatron-core=={TESTED_VERSIONS['megatron-core']}"
+    if sys.version_info < (3, 12):
+        _FIX = (
+            f"{_PIN} declares Python >= 3.12, so on Python {sys.version_info[0]}."
+            f"{sys.version_info[1]} the `slime` extra leaves it out; install its wheel without "
+            f"the check: pip install --ignore-requires-python --no-deps {_PIN}"
+        )
+    else:
+        _FIX = "pip install 'distscaler[slime]'"
+    raise ImportError(
+        f"distscaler.integrations.slime needs megatron-core {TESTED_VERSIONS['megatron-core']}: "
+        f"{_FIX}",
+        name="megatron",
+    )
 
 __all__ = ["HOOK", "TESTED_COMMIT", "before_train_step", "install"]
 
