@@ -8,16 +8,16 @@ object the scaler holds (the replica check from its settings; others through
 the three protocols below. The scaler, the plan and the pass call them in this order and name
 none of them:
 
-| when | called by | the call |
-|---|---|---|
-| an entry point plans its pass | ``GradScaler`` | `Check.contribution()`: this step's `Contribution`, or None (not due) |
-| the pass reads the gradients | ``distscaler._inf_check`` | `Contribution.local()`: this rank's slots, float32 |
-| after the collective | ``distscaler._inf_check`` | `Contribution.read()`: a `Reading`, or None (nothing to act on) |
-| the optimizer's step | ``distscaler._step_record`` | `Reading.step_flag()`: what the step takes as ``found_inf`` |
-| ``update()`` | ``GradScaler.update`` | `Reading.settle()`, then `Reading.close()`; then `Check.end_iteration()` |
-| a host read of the scaler | ``GradScaler`` | `Check.count()`: skips that readings found on the device |
-| the periodic read (every rank) | ``GradScaler`` | `Check.name()`: what those skips were; an error to raise |
-| an overflow or collapse report, a loaded state, a new config | ``GradScaler`` | `Check.note_overflow()`, `Check.at_fault()`, `Check.nonfinite_seen()`, `Check.forget()`, `Check.configure()` |
+| when | the call |
+|---|---|
+| ``unscale_``, ``clip_grad_norm_`` or ``step`` plans the step's pass | `Check.contribution()`: this step's `Contribution`, or None (not due) |
+| the pass reads the gradients | `Contribution.local()`: this rank's slots, float32 |
+| right after the collective, on every rank | `Contribution.read()`: a `Reading`, or None (nothing to act on) |
+| the optimizer's step | `Reading.step_flag()`: what the step takes as ``found_inf`` |
+| ``update()`` | `Reading.settle()`, then `Reading.close()`; then `Check.end_iteration()` |
+| a host read of the scaler (``skip_totals``, ``state_dict``, ``metrics``...) | `Check.count()`: skips that readings found on the device |
+| the periodic read (every rank, every ``skip_log_interval`` updates) | `Check.name()`: what those skips were; an error to raise |
+| an overflow report, a collapse report, a loaded state, a new config | `Check.note_overflow()`, `Check.at_fault()`, `Check.nonfinite_seen()`, `Check.forget()`, `Check.configure()` |
 
 **The rules the scaler applies to every settlement alike.** A `Settlement` with a ``cause``
 skips the iteration for that cause without moving the loss scale, the growth tracker or the
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from ._plan import StepPlan
     from .config import ScalerConfig
 
 __all__ = ["Check", "Contribution", "KernelPart", "Reading", "Settlement"]
@@ -143,11 +142,15 @@ class Check(Protocol):
     scaler's group at the same point (module docstring's table)."""
 
     def contribution(
-        self, plan: StepPlan, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
+        self, plan: Any, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
     ) -> Contribution | None:
         """This step's part of the collective for ``optimizer``, or None when the check is not
-        due. ``plan``: the step's plan (its world, how a reading may be read: `StepPlan`);
-        ``layouts``: the scaler's `distscaler.layouts.LayoutResolver`; ``device``: the scale's."""
+        due. ``plan``: what the step does, decided up front; a check reads ``plan.world`` (its
+        ``group``, ``size``, and ``dynamic``: a group whose membership changes),
+        ``plan.reading_free`` (a host read at this step costs no sync of its own) and
+        ``plan.reading_may_wait`` (a reading may wait on the device until the scaler's next host
+        read). ``layouts``: the scaler's layout resolver
+        (``replica_set()`` of a parameter); ``device``: the scale's."""
         ...
 
     def end_iteration(self, cause: str | None, optimizers: Sequence[torch.optim.Optimizer]) -> None:
