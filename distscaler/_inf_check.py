@@ -269,7 +269,9 @@ class _Collective:
         reduced: list[torch.Tensor] = []
         if plan.collective_op == "gather":
             rows = joint.new_empty(world.size * joint.numel())
-            dist.all_gather_into_tensor(rows, joint, group=world.group)
+            # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(rows, joint, group=world.group)
             table = rows.view(world.size, -1)
             buffer.copy_(table[:, :n].amax(0).view_as(buffer))
             start = n

@@ -275,7 +275,9 @@ class GradScaler(torch.amp.GradScaler):
 
         Same semantics and errors as `torch.amp.GradScaler.unscale_()`, plus the agreement: one
         read+write pass (torch's check-and-unscale kernel, one launch per device/dtype group), then
-        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call). No host read.
+        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call), 4 float32 more
+        where the replica check rides in it (8 at a parameter check; each check added with
+        [`add_check()`][distscaler.GradScaler.add_check] adds its own). No host read.
         Prefer [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] to ``unscale_`` +
         ``torch.nn.utils.clip_grad_norm_``.
 
@@ -314,12 +316,16 @@ class GradScaler(torch.amp.GradScaler):
         pass and collective, the norm returned, the gradients only unscaled (fused optimizers get
         ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
-        Cost: one read pass (``_foreach_norm``), one collective of 2 float32 (more where the replica check rides in it) when the group has
-        several ranks (every rank must call; it *is* the step's collective), a few device ops
-        ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read. Fused optimizers get ``grad_scale = scale /
-        clip_coef`` (gradients not rewritten); others are divided in place. After an explicit
-        [`unscale_()`][distscaler.GradScaler.unscale_] the norm is taken from the unscaled gradients
-        (a second all_reduce unless all are replicated).
+        Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group has
+        several ranks (every rank must call; it *is* the step's collective), 4 float32 more where
+        the replica check rides in it (8 at a parameter check; then at ``norm_type=inf`` one
+        ``all_gather`` of as many float32 per rank instead, reduced on each rank), a few device
+        ops ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read.
+        Fused optimizers get ``grad_scale = scale / clip_coef`` (gradients not rewritten); others
+        are divided in place. After an explicit [`unscale_()`][distscaler.GradScaler.unscale_]
+        the norm is taken from the unscaled gradients with a second ``all_reduce`` of 2 float32,
+        replicated gradients too (so that a rank whose copy differs cannot give the ranks two
+        norms).
 
         A disabled scaler only clips: it returns ``torch.nn.utils.clip_grad_norm_(params, max_norm,
         norm_type)`` over the optimizer's parameters, torch's norm and torch's clipping of the
@@ -391,7 +397,8 @@ class GradScaler(torch.amp.GradScaler):
         torch's semantics, return value and errors. Without an earlier
         [`unscale_()`][distscaler.GradScaler.unscale_] or
         [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] the inf check runs here (one
-        ``all_reduce`` of 1 or 2 float32; every rank must call). Fused optimizers: one read-only
+        ``all_reduce`` of 1 float32 for a fused optimizer, 2 for another, 4 more where the replica
+        check rides in it; every rank must call). Fused optimizers: one read-only
         check pass, then ``grad_scale`` and ``found_inf`` go to the kernel, no host read
         (torch's fused-optimizer contract); others: the unscale pass and one host read of the agreed
         ``found_inf``, and on a skipped step one more read pass for the per-tensor flags of

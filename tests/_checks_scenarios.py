@@ -113,11 +113,12 @@ def _run(rank: int, clip: bool, replica_check: bool) -> dict[str, Any]:
     check = AmaxCheck()
     scaler.add_check(check)
     calls: list[str] = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor")}
+    names = ("all_reduce", "all_gather_into_tensor", "all_gather_single")
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
+            calls.append("all_gather" if name.startswith("all_gather") else name)
             return real[name](*args, **kwargs)
 
         return call
