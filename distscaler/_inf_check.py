@@ -81,7 +81,7 @@ class StepResult:
         flags_taken: whether this result speaks for the step's per-tensor flags (else a later
             pass of the iteration takes them).
         clean_read: ``found_inf`` was read on the host and no flags were taken for it (a clean
-            step): the optimizer's overflow record stays as it is.
+            step): the optimizer's overflow flags stays as it is.
         flags_after_read: the flags were taken after the host read ``found_inf`` (on a skip only).
         next_counters: the update's counters made by this pass (``DeviceState.next_counters``), or None
             (the update makes them).
@@ -313,7 +313,7 @@ def _run_triton(
     max_norm_t: torch.Tensor | None,
 ) -> StepResult | None:
     """The pass as one multi-tensor Triton read of every gradient (``distscaler._triton``):
-    the flag, the per-tensor flags, the norm statistic and the contributions' fingerprint moments
+    the flag, the per-tensor flags, the norm statistic and the contributions' checksum moments
     in 2 launches, the collective, then 1 launch for ``found_inf``, ``grad_scale`` and the norm,
     and 1 write pass where gradients are unscaled or clipped in place: at most 4 launches and the
     collective, at any number of tensors (where the host does not read ``found_inf``, the

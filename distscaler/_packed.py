@@ -4,7 +4,7 @@ Run plainly ([`DeepSpeedPolicy`][distscaler.policies.DeepSpeedPolicy],
 [`MegatronPolicy`][distscaler.policies.MegatronPolicy]), a hysteresis rule costs a dozen small
 device ops. Here the same rule keeps its counters in two float32 values of one device tensor and
 moves them in ops the update runs anyway: the terms it needs are made in the inf check's one
-``_foreach_addcdiv`` (`PackedCounters.operands()`), the overflow values ride in the skip record's
+``_foreach_addcdiv`` (`PackedCounters.operands()`), the overflow values ride in the skip counters'
 ``_foreach_lerp_``, and torch's scale kernel moves the scale, so that `packed_update_()` adds one
 ``_foreach_clamp_min`` and one ``_foreach_lerp_`` to the torch rule (pinned in
 ``tests/test_step_cost.py``). The plain rules are its reference: ``tests/test_policies.py`` runs
@@ -17,7 +17,7 @@ what differs in its update (`PackedCounters.backoff_input()`, `PackedCounters.le
 `packed_update_()` runs any of them without asking which it is. This module imports nothing of the
 package: ``distscaler.policies`` imports it.
 
-The two values, with ``n`` the skip record's update count (so that a clean step changes nothing
+The two values, with ``n`` the skip counters' update count (so that a clean step changes nothing
 here) and ``W`` the growth interval:
 
 * ``anchor = n - g + W - 2``, where ``g`` is the growth counter (Megatron's growth tracker;
@@ -25,7 +25,7 @@ here) and ``W`` the growth interval:
   = g - (W - 2)`` is 1.0 exactly when this clean step grows, <= 0.0 otherwise;
 * ``hyst = 2 - hysteresis counter``: > 0.0 exactly when an overflow now backs off.
 
-DeepSpeed's ``cur_iter`` and ``last_overflow_iter`` are the record's update count and last skipped
+DeepSpeed's ``cur_iter`` and ``last_overflow_iter`` are the skip counters' update count and last skipped
 update (every overflow skips its step) plus host offsets, exact at any length. Counters are exact
 while ``growth_interval`` <= `EXACT_GROWTH_INTERVAL` and the hysteresis fits float32's 24-bit
 integers.
@@ -54,7 +54,7 @@ EXACT_GROWTH_INTERVAL = 1 << 22
 #: ``tracker + 1 == interval`` only for 1.0.
 _GROW_BITS = 0x3F800000 + 1
 
-#: One in-place lerp of the skip record's ``_foreach_lerp_``: (tensor, end, weight of 0.0 or 1.0).
+#: One in-place lerp of the skip counters' ``_foreach_lerp_``: (tensor, end, weight of 0.0 or 1.0).
 Lerp = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 #: In-place lerps as three lists (tensors, ends, weights), and the overflow lerps.
 Lerps = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[Lerp]]
@@ -134,7 +134,7 @@ class PackedCounters:
 
     def set_rule(self, rule: Rule, num_updates: torch.Tensor) -> None:
         """Follow changed settings; a changed growth interval keeps the count, and past the new
-        interval the next clean step grows (``num_updates``: the record's count)."""
+        interval the next clean step grows (``num_updates``: the skip counters' count)."""
         old = self.rule.growth_interval
         if old != rule.growth_interval:
             self.anchor.add_(rule.growth_interval - old)
@@ -148,27 +148,27 @@ class PackedCounters:
         anchor = rule.growth_interval - 2 - tracker
         return [float(anchor), float(2 - values["hysteresis_tracker"])], {}
 
-    def read(self, values: list[float], record: list[float]) -> tuple[int, dict[str, int]]:
-        """(growth tracker, counters) from `tensors()` and the skip record read on the host
+    def read(self, values: list[float], counts: list[float]) -> tuple[int, dict[str, int]]:
+        """(growth tracker, counters) from `tensors()` and the skip counters read on the host
         (``[num_updates, num_skipped, last_skipped, scale]`` since the last fold)."""
         anchor, hyst = values
-        tracker = int(record[0] - anchor) + self.rule.growth_interval - 2
+        tracker = int(counts[0] - anchor) + self.rule.growth_interval - 2
         return tracker, {"hysteresis_tracker": 2 - int(hyst)}
 
     def tensors(self) -> list[torch.Tensor]:
         """The two packed values, for the host read."""
         return [self.anchor, self.hyst]
 
-    def fold(self, record: list[float], num_updates: torch.Tensor) -> None:
-        """The record's counts (``record``, as read) move to the host: rebase ``anchor`` on the
-        record's ``num_updates`` before the state zeroes it (one op)."""
+    def fold(self, counts: list[float], num_updates: torch.Tensor) -> None:
+        """The skip counters (``counts``, as read) move to the host: rebase ``anchor`` on their
+        ``num_updates`` before the state zeroes them (one op)."""
         self.anchor.sub_(num_updates)
 
     def operands(
         self, n: torch.Tensor, one: torch.Tensor, zero: torch.Tensor, minus_one: torch.Tensor
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """``(a, b, c)`` lists of the ``a + b / c`` the inf check's ``_foreach_addcdiv`` makes
-        (``n``: the record's update count), in the order of `PackedTerms`."""
+        (``n``: the skip counters' update count), in the order of `PackedTerms`."""
         # G = n - anchor, n + W - 1, hyst + 1
         return [n, n, self.hyst], [self.anchor, self.interval_minus_one, one], [minus_one, one, one]
 
@@ -190,7 +190,7 @@ class PackedCounters:
         one: torch.Tensor,
     ) -> Lerps:
         """The counters' lerps of one update: those of `packed_update_()`'s ``_foreach_lerp_`` (the
-        counters as after a clean step) and the overflow lerps that ride in the skip record's."""
+        counters as after a clean step) and the overflow lerps that ride in the skip counters'."""
         anchor, hyst = self.anchor, self.hyst
         # clean: a growth resets the tracker and refills; overflow: reset, hysteresis - 1.
         overflow = [(anchor, terms.reset, found), (hyst, terms.hyst_plus_one, found)]
@@ -198,8 +198,8 @@ class PackedCounters:
 
 
 class DeepSpeedCounters(PackedCounters):
-    """DeepSpeed's: ``cur_iter`` and ``last_overflow_iter`` are host offsets plus the skip
-    record's counts; the growth counter restarts at -1 after an overflow; with ``hysteresis`` 1
+    """DeepSpeed's: ``cur_iter`` and ``last_overflow_iter`` are host offsets plus the
+    skip counters; the growth counter restarts at -1 after an overflow; with ``hysteresis`` 1
     every overflow backs off."""
 
     num_terms = 5
@@ -211,8 +211,8 @@ class DeepSpeedCounters(PackedCounters):
         host = {"iter": values["cur_iter"], "last": values["last_overflow_iter"]}
         return [float(rule.growth_interval - 2 - g), float(2 - values["cur_hysteresis"])], host
 
-    def read(self, values, record):  # type: ignore[no-untyped-def]
-        num_updates, _, last, _ = record
+    def read(self, values, counts):  # type: ignore[no-untyped-def]
+        num_updates, _, last, _ = counts
         counters = {
             "cur_iter": self.host["iter"] + int(num_updates),
             "last_overflow_iter": self.host["iter"] + int(last) - 1
@@ -222,12 +222,12 @@ class DeepSpeedCounters(PackedCounters):
         }
         return self.policy.growth_tracker_from(counters, self.rule.growth_interval), counters
 
-    def fold(self, record, num_updates):  # type: ignore[no-untyped-def]
-        n, _, last, _ = record
+    def fold(self, counts, num_updates):  # type: ignore[no-untyped-def]
+        n, _, last, _ = counts
         if last > 0:
             self.host["last"] = self.host["iter"] + int(last) - 1
         self.host["iter"] += int(n)
-        super().fold(record, num_updates)
+        super().fold(counts, num_updates)
 
     def operands(self, n, one, zero, minus_one):  # type: ignore[no-untyped-def]
         a, b, c = super().operands(n, one, zero, minus_one)
@@ -255,7 +255,7 @@ def packed_update_(
     counters: PackedCounters,
     found_inf: torch.Tensor,
     terms: PackedTerms,
-    record: Callable[[list[Lerp]], None],
+    lerp_counters: Callable[[list[Lerp]], None],
     *,
     scale: torch.Tensor,
     one: torch.Tensor,
@@ -273,7 +273,7 @@ def packed_update_(
        refills the hysteresis; the form's `PackedCounters.lerps()`), the overflow values, and for
        the scale kernel a "grow now" flag (``grow`` unless overflow) and a "back off now" flag
        (``found_inf * exhausted``);
-    3. ``record`` runs the skip record's ``_foreach_lerp_`` (there anyway) with the counters'
+    3. ``lerp_counters`` runs the skip counters' ``_foreach_lerp_`` (there anyway) with the counters'
        overflow lerps (to their overflow values where ``found_inf`` is 1.0);
     4. ``torch._amp_update_scale_`` backs off where "back off now" is nonzero and grows where the
        int32 view of "grow now" is the bits of 1.0 (`_GROW_BITS`), so growth and backoff are torch's
@@ -291,7 +291,7 @@ def packed_update_(
     torch._foreach_lerp_(
         [*selves, grow_now, backoff_now], [*targets, zero, exhausted], [*weights, found, found]
     )
-    record(overflow)
+    lerp_counters(overflow)
     torch._amp_update_scale_(
         scale, grow_now.view(torch.int32), backoff_now, rule.growth_factor, rule.backoff_factor,
         _GROW_BITS,

@@ -141,7 +141,7 @@ class GradScaler(torch.amp.GradScaler):
             scale at ``min_scale`` (one host read per update).
         skip_nonfinite (bool): keyword-only, default True; False steps on inf/NaN gradients too
             (``"static"`` only).
-        skip_log_interval (int): keyword-only, updates between two reads of the skip record for
+        skip_log_interval (int): keyword-only, updates between two reads of the skip counters for
             the skip log, default 100 (0: only when read anyway).
         replica_check (bool): keyword-only, default True: ranks holding the same gradients
             (DDP, HSDP's replicate dimension, ``grad_layout="replicated"``) compare them on the
@@ -149,7 +149,7 @@ class GradScaler(torch.amp.GradScaler):
             ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
         replica_check_interval (int | None): keyword-only, updates between two gradient checks
             (at least 1); default None: every update where a host read is free (the CPU), and on
-            CUDA with ``kernels="triton"`` (the fingerprint rides in the kernel's read): with a
+            CUDA with ``kernels="triton"`` (the checksum rides in the kernel's read): with a
             fused optimizer and ``skip_log_interval > 0`` the check's reading waits for the
             periodic read (its mismatch flag skips the step and holds the update on the device: no
             host read; see [`distscaler.replica_check`][distscaler.replica_check]), with another
@@ -464,7 +464,7 @@ class GradScaler(torch.amp.GradScaler):
 
         torch's semantics (``policy="torch"``; others:
         [`distscaler.policies`][distscaler.policies]), clamped to ``[min_scale, max_scale]``. A
-        handful of device ops (one ``lerp_`` per optimizer keeps the overflow record,
+        handful of device ops (one ``lerp_`` per optimizer keeps the overflow flags,
         [`distscaler.attribution`][distscaler.attribution]), no collective, no host read but one
         every ``skip_log_interval`` calls (never inside CUDA graph capture): the periodic skip
         report, which, when a step was skipped since the last one, also attributes it
@@ -497,7 +497,7 @@ class GradScaler(torch.amp.GradScaler):
         own: Settlement | None = next((x for x in settled if x.cause is not None), None)
         found_inf = state.zero
         counters: NextCounters | None = None
-        lerps: list = []  # the overflow record's, run beside the skip record's lerp
+        lerps: list = []  # the overflow flags', run beside the skip counters' lerp
         if new_scale is None and own is None:
             records = [r for r in self._records.values() if r.found_inf is not None]
             if not records:

@@ -7,11 +7,11 @@ a value on the host and a CUDA graph replay advances it exactly as an eager step
 |---|---|
 | ``scale`` | 0-dim float32, the loss scale (torch's ``_scale``). |
 | ``growth_tracker`` | 0-dim int32, clean steps since the last backoff or growth (torch's ``_growth_tracker``, for ``torch._amp_update_scale_``). |
-| ``policy`` | the policy holding its counters ([`distscaler.policies`][distscaler.policies]), or for the DeepSpeed and Megatron rules ``packed``: their counters packed in two float32 values, updated with the skip record (`distscaler._packed`); made at the first update, until then host numbers. |
-| ``record`` | float32 ``(4,)``: updates, skipped updates, the number (1-based) of the last skipped update, all counted since the last *fold*, and the loss scale that update used. |
+| ``policy`` | the policy holding its counters ([`distscaler.policies`][distscaler.policies]), or for the DeepSpeed and Megatron rules ``packed``: their counters packed in two float32 values, updated with the skip counters (`distscaler._packed`); made at the first update, until then host numbers. |
+| ``skip_counters`` | float32 ``(4,)``: updates, skipped updates, the number (1-based) of the last skipped update, all counted since the last *fold*, and the loss scale that update used. |
 | constants | ``zero``, ``one``, ``minus_one``, ``inf`` and one tensor per ``max_norm``, made once, so that no step writes a host number into a tensor. |
 
-The record's counts are float32 so that one foreach op updates them together with the scale used
+The skip counters are float32 so that one foreach op updates them together with the scale used
 (float32 counts integers exactly up to 2**24); the host folds them into Python ints whenever it
 reads them between iterations (`DeviceState.fold()`), which the scaler does at least every
 ``skip_log_interval`` updates and every `FOLD_EVERY` updates.
@@ -41,27 +41,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FOLD_EVERY",
-    "RECORD_KEYS",
+    "SKIP_COUNTER_KEYS",
     "DeviceState",
     "NextCounters",
     "HostValues",
     "ScalerState",
 ]
 
-#: Names of the record's values, in order.
-RECORD_KEYS = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
-#: The host folds the record at least this often (in updates): float32 counts stay exact.
+#: Names of the skip counters' values, in order.
+SKIP_COUNTER_KEYS = ("num_updates", "num_skipped", "last_skipped", "last_skipped_scale")
+#: The host folds the skip counters at least this often (in updates): float32 counts stay exact.
 FOLD_EVERY = 1 << 20
 
 
 class NextCounters(NamedTuple):
     """The counters' next values an update needs, computed ahead by the inf check in the one
-    ``_foreach_addcdiv`` it runs anyway (`DeviceState.counter_terms()`): the skip record's next
+    ``_foreach_addcdiv`` it runs anyway (`DeviceState.counter_terms()`): the skip counters' next
     counts and the packed counters' terms, each 0-dim float32 on the scale's device."""
 
-    #: The record's ``num_updates + 1``.
+    #: The skip counters' ``num_updates + 1``.
     num_updates: torch.Tensor
-    #: The record's ``num_skipped + 1``.
+    #: The skip counters' ``num_skipped + 1``.
     num_skipped: torch.Tensor
     #: The packed counters' terms (`PackedCounters.terms()`); ``()`` when not packed.
     policy: tuple[torch.Tensor | None, ...]
@@ -116,9 +116,9 @@ class DeviceState:
         self._operands_for: PackedCounters | None = None
         self._operands_key: object | None = None
         self._terms: tuple[Any, tuple[list, list, list]] | None = None
-        self.record = torch.zeros(len(RECORD_KEYS), dtype=torch.float32, device=device)
-        #: 0-dim views of the record's values, for the foreach update.
-        self.counts = list(self.record.unbind())
+        self.skip_counters = torch.zeros(len(SKIP_COUNTER_KEYS), dtype=torch.float32, device=device)
+        #: 0-dim views of the skip counters' values, for the foreach update.
+        self.counts = list(self.skip_counters.unbind())
         self.zero = full(0.0, torch.float32)
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
@@ -146,18 +146,18 @@ class DeviceState:
             self._max_norm = (value, torch.full((), value, dtype=torch.float32, device=self.device))
         return self._max_norm[1]
 
-    # ------------------------------------------------------------------ the skip record
+    # ------------------------------------------------------------------ the skip counters
 
-    def record_(self, found_inf: torch.Tensor, counters: NextCounters, extra: Sequence[Lerp] = ()) -> None:
+    def skip_counters_(self, found_inf: torch.Tensor, counters: NextCounters, extra: Sequence[Lerp] = ()) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
         and the scale it used; ``extra`` lerps of 0-dim tensors (the policy's) ride in the same
-        ``_foreach_lerp_``, the one op of this call with no overflow record; one of a vector (the
-        overflow record's) is a ``lerp_`` of its own. Call before the policy changes the scale.
+        ``_foreach_lerp_``, the one op of this call with no overflow flags; one of a vector (the
+        overflow flags') is a ``lerp_`` of its own. Call before the policy changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
             counters: `next_counters()`'s: ``num_updates + 1``, ``num_skipped + 1``.
-            extra: ``(tensor, end, weight)`` triples, lerped in place with the record.
+            extra: ``(tensor, end, weight)`` triples, lerped in place with the skip counters.
         """
         nu1, ns1 = counters.num_updates, counters.num_skipped
         one = self.one
@@ -169,7 +169,7 @@ class DeviceState:
                 targets.append(t)
                 ends.append(e)
                 weights.append(w)
-            else:  # a vector (the overflow record's flags) with a 0-dim weight: torch's CUDA
+            else:  # a vector (the overflow flags' flags) with a 0-dim weight: torch's CUDA
                 # foreach kernels take their per-tensor path for the whole list when one entry's
                 # sizes differ (a kernel per entry, 5 in place of 1, seen on an H100), so it
                 # runs apart, one lerp_ of its own
@@ -198,7 +198,7 @@ class DeviceState:
 
     def next_counters(self, values: Sequence[torch.Tensor]) -> NextCounters:
         """The results of `counter_terms()`' ``_foreach_addcdiv`` (past the inf check's own), named:
-        the record's next counts and the packed counters' terms."""
+        the skip counters' next counts and the packed counters' terms."""
         packed = self._operands_for
         policy = packed.terms(list(values[2:])) if packed is not None else ()
         return NextCounters(values[0], values[1], policy, self._operands_key)
@@ -258,11 +258,11 @@ class DeviceState:
         extra: Sequence[Lerp] = (),
         held: torch.Tensor | None = None,
     ) -> None:
-        """The skip record (with ``extra`` lerps) and the policy's update, after `prepare()`
+        """The skip counters (with ``extra`` lerps) and the policy's update, after `prepare()`
         (``counters``: `next_counters()` of the counters as they are now).
 
         ``held``: 0-dim float32, exactly 1.0 or 0.0, a mismatch flag read on no host (a deferred
-        replica check): where it is 1.0 the record counts the update as skipped, and where
+        replica check): where it is 1.0 the skip counters count the update as skipped, and where
         ``found_inf`` is 0.0 too the scale, the growth tracker and the policy's counters stay as
         they were (a copy of each before, one ``_foreach_lerp_`` back for the float ones, a
         ``where`` into each integer one): `ScalerState.skip()` without a host read."""
@@ -285,7 +285,7 @@ class DeviceState:
                     torch.where(hold, s, t, out=t)  # t in place (it overlaps out whole)
 
     def _held_tensors(self) -> list[torch.Tensor]:
-        # What an update moves besides the record: the scale, the growth tracker, the packed
+        # What an update moves besides the skip counters: the scale, the growth tracker, the packed
         # counters or every tensor the policy holds (its counters, its own, as DeepSpeed's count).
         tensors = [self.scale, self.growth_tracker]
         if self.packed is not None:
@@ -308,14 +308,14 @@ class DeviceState:
     ) -> None:
         if self.packed is not None:
 
-            def record(lerps: list[Lerp]) -> None:
-                self.record_(skipped, counters, [*extra, *lerps])
+            def lerp_counters(lerps: list[Lerp]) -> None:
+                self.skip_counters_(skipped, counters, [*extra, *lerps])
 
             packed_update_(
                 self.packed,
                 found_inf,
                 counters.policy,  # type: ignore[arg-type]
-                record,
+                lerp_counters,
                 scale=self.scale,
                 one=self.one,
                 zero=self.zero,
@@ -327,15 +327,15 @@ class DeviceState:
         assert policy is not None
         if raise_at_minimum:
             policy.rule.check_minimum(found_inf, policy.scale, policy.exhausted())
-        self.record_(skipped, counters, extra)
+        self.skip_counters_(skipped, counters, extra)
         policy.update_(found_inf)
 
     # ------------------------------------------------------------------ host reads
 
     def read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, list[float]]:
-        """Read ``extra`` 0-dim tensors, the state and the record in one host transfer.
+        """Read ``extra`` 0-dim tensors, the state and the skip counters in one host transfer.
 
-        Returns (values of ``extra``, the state as host numbers, the record's four values).
+        Returns (values of ``extra``, the state as host numbers, the skip counters' four values).
         """
         if self.packed is not None:
             counters = self.packed.tensors()
@@ -343,14 +343,14 @@ class DeviceState:
             counters = list(self.policy.counters.values()) if self.policy is not None else []
         parts = [t.reshape(1).to(torch.float64) for t in (*extra, self.scale, self.growth_tracker)]
         parts += [t.reshape(1).to(torch.float64) for t in counters]
-        parts.append(self.record.to(torch.float64))
+        parts.append(self.skip_counters.to(torch.float64))
         values = torch.cat(parts).tolist()
         n = len(extra)
         tracker = int(values[n + 1])
-        record = values[-len(RECORD_KEYS) :]
+        counts_read = values[-len(SKIP_COUNTER_KEYS) :]
         counter_values = values[n + 2 : n + 2 + len(counters)]
         if self.packed is not None:
-            tracker, policy_values = self.packed.read(counter_values, record)
+            tracker, policy_values = self.packed.read(counter_values, counts_read)
         elif self.policy is not None:
             policy = self.policy
             policy_values = {k: int(v) for k, v in zip(policy.state_keys, counter_values)}
@@ -358,15 +358,15 @@ class DeviceState:
             tracker = tracker if implied is None else implied
         else:
             policy_values = dict(self.pending.policy)
-        return values[:n], HostValues(values[n], tracker, policy_values), record
+        return values[:n], HostValues(values[n], tracker, policy_values), counts_read
 
-    def fold(self, record: list[float]) -> None:
-        """Zero the record's counts (``record``: its values as read) after the host has added them to
-        its own (between iterations only: a pending inf check holds ``num_updates + 1`` from before
+    def fold(self, counts_read: list[float]) -> None:
+        """Zero the skip counters (``counts_read``: their values as read) after the host has added
+        them to its own (between iterations only: a pending inf check holds ``num_updates + 1`` from before
         the fold). Packed counters follow (one more op)."""
         if self.packed is not None:
-            self.packed.fold(record, self.counts[0])
-        self.record[:3].zero_()
+            self.packed.fold(counts_read, self.counts[0])
+        self.skip_counters[:3].zero_()
 
     def write(self, values: HostValues) -> None:
         """Set the scale, growth tracker and policy counters (``load_state_dict``), with fills; the
@@ -376,12 +376,12 @@ class DeviceState:
         self.pending = values
         self.packed = self.policy = self._rule = None
         self._packing = None
-        self.record.zero_()
+        self.skip_counters.zero_()
 
 
 class ScalerState:
     """A scaler's state wherever it lives: host numbers until the first scaled loss, then the device
-    tensors; the host's side of the skip record; the update that moves both.
+    tensors; the host's side of the skip counters; the update that moves both.
 
     Args:
         initial: scale, growth tracker and policy counters to start from.
@@ -418,16 +418,16 @@ class ScalerState:
         """Read ``extra`` 0-dim tensors and the state in one host transfer; log new skips.
 
         Returns (values of ``extra``, the state, the run's totals). With ``fold`` (between
-        iterations only) the record's counts move into the host's totals.
+        iterations only) the skip counters' counts move into the host's totals.
         """
         state = self.device
         if state is None:
             return [], self.initial, self.skips.totals(None)
-        values, host, record = state.read(*extra)
-        totals = self.skips.totals(record)
+        values, host, counts_read = state.read(*extra)
+        totals = self.skips.totals(counts_read)
         if fold:
-            self.skips.fold(record)
-            state.fold(record)
+            self.skips.fold(counts_read)
+            state.fold(counts_read)
         self.skips.report(totals, host.scale, world_size)
         return values, host, totals
 
@@ -440,7 +440,7 @@ class ScalerState:
         held: torch.Tensor | None = None,
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
-        record (with ``extra`` lerps, the overflow record's, in its one op), then the policy, on
+        skip counters (with ``extra`` lerps, the overflow flags', in its one op), then the policy, on
         the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
         the clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
         `DeviceState.counter_terms()`, else one more op makes them); ``held``: a deferred replica
@@ -470,13 +470,13 @@ class ScalerState:
 
     def skip(self, cause: str, config: ScalerConfig) -> bool:
         """A skipped update that leaves the scale, the growth tracker and the policy's counters as
-        they are (a replica mismatch; torchft's uncommitted step): the skip record counts it as
-        skipped (two device ops: its counters and the record's ``_foreach_lerp_``), the host keeps
+        they are (a replica mismatch; torchft's uncommitted step): the skip counters count it as
+        skipped (two device ops: its counters and the skip counters' ``_foreach_lerp_``), the host keeps
         its ``cause``. Returns whether the periodic host read is due, as `update()`."""
         state = self.device
         assert state is not None
         counters = state.next_counters(torch._foreach_addcdiv(*state.counter_terms()))
-        state.record_(state.one, counters)
+        state.skip_counters_(state.one, counters)
         self.last_found_inf = state.zero  # no inf/NaN was found: the step was skipped for `cause`
         self.skips.note_cause(cause)
         return self._tick(config)

@@ -10,9 +10,9 @@ clean steps a few small device ops:
    per step): each gradient's statistic when finite, [`NAN_CODE`][distscaler.attribution.NAN_CODE]
    when it holds a NaN, [`INF_CODE`][distscaler.attribution.INF_CODE] when it holds an inf or -inf
    (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
-2. **The record** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
-   ``update()``, one ``lerp_`` per optimizer beside the skip record's ``_foreach_lerp_``: inside
-   it, the record's vector among 0-dim tensors would send torch's CUDA foreach kernel down its
+2. **The overflow flags** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
+   ``update()``, one ``lerp_`` per optimizer beside the skip counters' ``_foreach_lerp_``: inside
+   it, the flags' vector among 0-dim tensors would send torch's CUDA foreach kernel down its
    per-tensor path): a device tensor per optimizer that takes the iteration's flags when the
    agreed ``found_inf`` is exactly 1.0 and keeps its own when it is 0.0. It always holds this
    rank's flags of the most recent skipped step, stays on the device and advances under CUDA
@@ -112,7 +112,7 @@ class OverflowReport:
         scale: the loss scale that iteration used.
         entries: the offending tensors, sorted by rank, then parameter name (at most
             `LISTED_PER_RANK` per rank; empty when the overflow came from a finite sum too large for
-            float32, or before the record existed).
+            float32, or before the overflow flags existed).
         unlisted: offending tensors beyond `LISTED_PER_RANK` on some rank, counted only.
     """
 
@@ -141,7 +141,7 @@ class TensorFlags(NamedTuple):
     params: tuple[torch.Tensor, ...]
     #: float32 ``(len(params),)`` on the scale's device (see
     #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
-    #: was read on the host (nothing to record, the record is kept).
+    #: was read on the host (nothing to record, the overflow flags are kept).
     flags: torch.Tensor | None
 
 
@@ -250,7 +250,7 @@ class OverflowTracker:
                     return f"param_groups[{g}][{i}]"
         return "<a parameter not in the optimizer>"
 
-    # ------------------------------------------------------------------ the record
+    # ------------------------------------------------------------------ the overflow flags
 
     def record_(
         self,
@@ -262,7 +262,7 @@ class OverflowTracker:
         """Keep this iteration's flags where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
         agreed) says the step was skipped: one ``lerp_`` per optimizer with flags, or, given
         ``lerps``, those lerps appended to it as ``(record, flags, found_inf)`` for the caller to
-        run (the scaler runs them beside the skip record's lerp: no op here).
+        run (the scaler runs them beside the skip counters' lerp: no op here).
 
         Args:
             flagged: the optimizers stepped in this iteration, their flags (None: not flagged, as a
@@ -280,7 +280,7 @@ class OverflowTracker:
                 continue
             recorded += 1
             record = self._records.get(optimizer)
-            if flags.flags is None:  # clean, read on the host: the record exists, unchanged
+            if flags.flags is None:  # clean, read on the host: the overflow flags exist, unchanged
                 if record is None:
                     self._records[optimizer] = _Record(flags.params, found_inf.device)
                 continue

@@ -100,13 +100,13 @@ class ScalerConfig:
     """Skip steps with inf/NaN gradients (False only with a policy whose scale does not react to
     overflows: ``"static"``)."""
     skip_log_interval: int = 100
-    """Updates between two reads of the skip record for logging (0: only when read anyway)."""
+    """Updates between two reads of the skip counters for logging (0: only when read anyway)."""
     replica_check: bool = True
     """Ranks holding the same gradients compare them on the step's collective; a mismatch skips
     the step on every rank ([`distscaler.replica_check`][distscaler.replica_check])."""
     replica_check_interval: int | None = None
     """Updates between two gradient comparisons (>= 1); None: every update where a host read is
-    free (the CPU) or where the Triton kernels read the fingerprint (CUDA: with a fused optimizer
+    free (the CPU) or where the Triton kernels read the checksum (CUDA: with a fused optimizer
     and ``skip_log_interval > 0`` the reading waits, with another it rides on the step's own host
     read), every 32 elsewhere on a GPU."""
     param_check_interval: int = 1000

@@ -114,11 +114,11 @@ class LayoutResolver:
         self._replica_groups = ParamTable()
         self._dtensor = ParamTable()  # param -> (mesh, placements, weight, mesh size)
         self._checked_meshes: set[tuple[int, int]] = set()
-        #: Bumped by every registration, so that cached gradient plans are rebuilt.
+        #: Bumped by every registration, so that cached gradient groupings are rebuilt.
         self.version = 0
-        #: Gradient groupings planned once per optimizer
+        #: Gradient groupings made once per optimizer
         #: (`group_grads()`), held weakly.
-        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._groupings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
         # Registrations refer to live parameters: a copy (pickle, deepcopy) starts without them.
@@ -152,7 +152,7 @@ class LayoutResolver:
             return {}, ()
         return local_grads(
             optimizer,
-            self._plans,
+            self._groupings,
             resolver=self if weighted else None,
             world_size=world_size,
             group=group,
@@ -486,8 +486,8 @@ class GradGrouping:
     """An optimizer's parameters grouped once by (device, dtype, weight), for every later step.
 
     `collect_grads()` does the grouping (and the layout lookups)
-    for every gradient at every step; a plan does it once per optimizer and parameter set. Gradients
-    are new tensors at every step after ``zero_grad(set_to_none=True)``, so the plan keys on the
+    for every gradient at every step; a grouping does it once per optimizer and parameter set. Gradients
+    are new tensors at every step after ``zero_grad(set_to_none=True)``, so the grouping keys on the
     parameters and fetches their ``.grad`` at each step: two list passes per group, no per-gradient
     lookup.
     """
@@ -503,7 +503,7 @@ class GradGrouping:
             owners.setdefault(group_key, []).extend(params)
         #: The group keys in the order `grads()` returns them.
         self.keys = list(owners)
-        #: Every planned parameter, in the order `grads()`
+        #: Every grouped parameter, in the order `grads()`
         #: returns their gradients.
         self.params: tuple[torch.Tensor, ...] = tuple(p for ps in owners.values() for p in ps)
 
@@ -512,7 +512,7 @@ class GradGrouping:
         (`params` itself when every parameter has a gradient);
         parameters without a gradient are left out.
 
-        None when the gradients no longer match the plan (a model moved or cast since: one
+        None when the gradients no longer match the grouping (a model moved or cast since: one
         gradient per group is checked), so that it is rebuilt.
         """
         out: GradGroups = {}
@@ -538,11 +538,11 @@ class GradGrouping:
         return out, tuple(p for p in self.params if p.grad is not None)
 
     def has_fp16(self) -> bool:
-        """Whether any gradient group of the plan is float16."""
+        """Whether any gradient group of the grouping is float16."""
         return any(key.dtype is torch.float16 for key, _, _ in self.groups)
 
 
-def _plan_key(optimizer: torch.optim.Optimizer, *extra: Any) -> tuple:
+def _grouping_key(optimizer: torch.optim.Optimizer, *extra: Any) -> tuple:
     return (*((id(g["params"]), len(g["params"])) for g in optimizer.param_groups), *extra)
 
 
@@ -557,31 +557,31 @@ def group_grads(
 ) -> GradGrouping | None:
     """The optimizer's cached `GradGrouping`, rebuilt when its parameter
     set, the registered layouts or the group change; None when this step's gradients cannot be
-    planned (sparse ones: use `collect_grads()`).
+    grouped (sparse ones: use `collect_grads()`).
 
     Args:
-        cache: where plans are kept, per optimizer (held weakly).
+        cache: where groupings are kept, per optimizer (held weakly).
         resolver: when given (a norm is to be taken) and ``world_size > 1``, groups carry the
             replication weight of their gradients (see
             `collect_grads()`).
-        rebuild: build a new plan even if the cached one matches (its gradients did not).
+        rebuild: build a new grouping even if the cached one matches (its gradients did not).
 
     Raises:
-        UnknownLayoutError: as `collect_grads()`, when a plan is
+        UnknownLayoutError: as `collect_grads()`, when a grouping is
             built.
     """
     weigh = resolver is not None and world_size > 1
-    key = _plan_key(optimizer, weigh, resolver.version if weigh else 0, world_size, id(group))  # type: ignore[union-attr]
-    plans = cache.get(optimizer)
-    if plans is None:
-        plans = {}
-        # Nothing cached while traced: dynamo guards on the cache it saw empty, and a plan stored
+    key = _grouping_key(optimizer, weigh, resolver.version if weigh else 0, world_size, id(group))  # type: ignore[union-attr]
+    groupings = cache.get(optimizer)
+    if groupings is None:
+        groupings = {}
+        # Nothing cached while traced: dynamo guards on the cache it saw empty, and a grouping stored
         # at the first compiled call would compile the phase again at the next.
         if not torch.compiler.is_compiling():
-            cache[optimizer] = plans
-    plan = plans.get(weigh)
-    if plan is not None and plan.key == key and not rebuild:
-        return plan
+            cache[optimizer] = groupings
+    grouping = groupings.get(weigh)
+    if grouping is not None and grouping.key == key and not rebuild:
+        return grouping
     groups: dict[tuple, list[torch.Tensor]] = {}
     unknown: list[torch.Tensor] = []
     for param_group in optimizer.param_groups:
@@ -602,16 +602,16 @@ def group_grads(
             groups.setdefault((local.device, local.dtype, weight, is_dtensor), []).append(param)
     if unknown:
         raise _unknown_layout_error(unknown, world_size)
-    plan = GradGrouping(
+    grouping = GradGrouping(
         key, [(GroupKey(d, t, w), params, dt) for (d, t, w, dt), params in groups.items()]
     )
-    plans[weigh] = plan
-    return plan
+    groupings[weigh] = grouping
+    return grouping
 
 
 def local_grads(
     optimizer: torch.optim.Optimizer,
-    plans: weakref.WeakKeyDictionary,
+    groupings: weakref.WeakKeyDictionary,
     *,
     resolver: LayoutResolver | None,
     world_size: int,
@@ -620,26 +620,26 @@ def local_grads(
     coalesce_sparse: bool = False,
 ) -> tuple[GradGroups, tuple[torch.Tensor, ...]]:
     """This step's local gradients of ``optimizer``, grouped (with replication weights if a
-    ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is planned
+    ``resolver`` is given, for a norm), and their parameters in the same order. Grouping is grouped
     once per optimizer and parameter set (`group_grads()`, cached in
-    ``plans``); sparse gradients take `collect_grads()` at every
+    ``groupings``); sparse gradients take `collect_grads()` at every
     step.
 
     Raises:
         ValueError: ``allow_fp16`` is False and a gradient is fp16 (torch's wording).
         UnknownLayoutError: a ``resolver``, more than one rank, and some layout is unknown.
     """
-    plan = planned = None
+    grouping = grouped = None
     for rebuild in (False, True):
-        plan = group_grads(
-            optimizer, plans, resolver=resolver, world_size=world_size, group=group, rebuild=rebuild
+        grouping = group_grads(
+            optimizer, groupings, resolver=resolver, world_size=world_size, group=group, rebuild=rebuild
         )
-        if plan is None:
+        if grouping is None:
             break
-        planned = plan.grads()
-        if planned is not None:
+        grouped = grouping.grads()
+        if grouped is not None:
             break
-    if plan is None or planned is None:  # sparse gradients: the per-gradient path
+    if grouping is None or grouped is None:  # sparse gradients: the per-gradient path
         params: list[torch.Tensor] = []
         groups = collect_grads(
             optimizer,
@@ -651,7 +651,7 @@ def local_grads(
             params_out=params,
         )
         return groups, tuple(params)
-    if not allow_fp16 and plan.has_fp16():
+    if not allow_fp16 and grouping.has_fp16():
         raise ValueError("Attempting to unscale FP16 gradients.")
-    return planned
+    return grouped
 

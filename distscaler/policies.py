@@ -557,7 +557,7 @@ class DeepSpeedPolicy(LossScalePolicy):
         device: torch.device,
     ) -> Any:
         """The counters packed in two float32 values (``cur_iter`` and
-        ``last_overflow_iter`` as host offsets plus the skip record's counts)."""
+        ``last_overflow_iter`` as host offsets plus the skip counters' counts)."""
         if cls.update_ is not DeepSpeedPolicy.update_:  # a subclass's own rule runs plainly
             return None
         return DeepSpeedCounters(cls, rule, growth_tracker, counters, device)

@@ -5,13 +5,13 @@ replicas) every replica holds **bit-identical** gradients. A rank whose gradient
 replicas' after the reduce has had its memory or its compute corrupted (silent data corruption).
 The check compares them where the scaler already reads every gradient and runs one collective:
 
-1. **Fingerprint** (`word_moments()`): each replicated gradient tensor read as its 16-bit words
+1. **Checksum** (`word_moments()`): each replicated gradient tensor read as its 16-bit words
    ``w_k`` (its bytes as signed ``int16``, in memory order: two words per float32 element, one per
    fp16/bf16 element), and two exact integer sums of them: ``A = sum_k w_k`` and
    ``B = sum_k k * w_k`` (``k`` the word's position), each modulo two primes ``P1 > P2``
    (`moduli()`). The sums are computed exactly (``int32`` over rows of 128 words, whose sums are
    bounded below ``2**31``, then ``int64`` residues), never wrapped.
-2. **Combined** into four float32 slots (`fingerprint_slots()`): the positions are made global over the
+2. **Combined** into four float32 slots (`checksum_slots()`): the positions are made global over the
    rank's checked tensors (a tensor's ``B`` plus its word offset times its ``A``), and each replica
    set gives its members *coefficients* ``c`` (`coefficient()`: they sum to 0, never 0) and
    *shifts* ``s`` (`shift()`: ``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This
@@ -40,7 +40,7 @@ world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is 
 
 **On a mismatch only**, one ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13)
 over the group (every rank calls it, since
-every rank reads the same slots) exchanges each rank's per-set fingerprints (``(A, B) mod P``
+every rank reads the same slots) exchanges each rank's per-set checksums (``(A, B) mod P``
 without coefficients) in a fixed-size int64 row on the collective's device (`NAMED_SETS` sets per
 rank; no pickling, so no numpy); within each replica set the ranks that differ from the majority
 are named, and with no majority (two replicas) all of the set's ranks are.
@@ -51,7 +51,7 @@ are named, and with no majority (two replicas) all of the set's ranks are.
 "replicated"`` (the whole group). Others (sharded gradients, Megatron's registered parameters)
 take no part (coefficient 0): a rank holding none still sends its zeros.
 
-**Parameters and optimizer state** every ``param_check_interval`` updates: the same fingerprint
+**Parameters and optimizer state** every ``param_check_interval`` updates: the same checksum
 over each replicated parameter and every tensor of its optimizer state, in four more slots of the
 same collective: drift from a corrupted optimizer step, a bad checkpoint load. A non-finite
 parameter seen there is reported too (the read is free).
@@ -64,7 +64,7 @@ the first checked step: turn the check off with ``replica_check=False``).
 
 **When the reading waits** (a *deferred reading*): on CUDA with the Triton kernels
 (``kernels="triton"``), a fused optimizer, the default ``replica_check_interval`` and a periodic
-read (``skip_log_interval > 0``), the fingerprint is computed in the kernel's one read of the
+read (``skip_log_interval > 0``), the checksum is computed in the kernel's one read of the
 gradients, and the reading is not taken on the host at the step: `mismatch_flag()` (3 ops) gives
 1.0 or 0.0 on the device, the fused step takes ``max(found_inf, mismatch flag)``, and the update
 counts a skip and, where ``found_inf`` is 0.0, puts the scale, the growth tracker and the policy's
@@ -87,7 +87,7 @@ summed in the kernel's read (no pass of their own) and the four slots in its red
 (`ReplicaSlots.kernel_terms()`: each tensor's coefficient, offset and shift as residues; integer
 atomics, the same sum in any order), so a checked step adds 6 small ops (the sums' zeros, their
 residues in float32, the collective's ``cat``, copy back and clamp) and each tensor's global
-fingerprint is made only on a mismatch; a deferred reading adds 12 more and no host read (counted
+checksum is made only on a mismatch; a deferred reading adds 12 more and no host read (counted
 on the CPU, `tests/test_kernels.py`).
 """
 
@@ -151,7 +151,7 @@ class ReplicaMismatch:
         what: ``"gradients"`` or ``"parameters"`` (parameters and their optimizer state).
         ranks: the global ranks that differ from their replica set's majority (with no majority,
             every rank of the set); sorted.
-        sets: each replica set that disagreed: (its ranks, each rank's fingerprint as
+        sets: each replica set that disagreed: (its ranks, each rank's checksum as
             ``(A mod P1, A mod P2, B mod P1, B mod P2)`` in the same order).
         action: what was done: ``"skip"``, ``"raise"`` or ``"callback"``.
         nonfinite: the ranks whose checked tensors held inf/NaN at that step (then the step is an

@@ -1,4 +1,4 @@
-"""The host's side of the skip record: totals folded in from the device, and the skip log.
+"""The host's side of the skip counters: totals folded in from the device, and the skip log.
 
 ``update()`` folds each iteration's agreed ``found_inf`` into a record kept on the device, with
 tensor ops only. The host reads the record, adds its counts to the totals kept

@@ -30,7 +30,7 @@ STAGES = [
     (
         f"read kernel ({LAUNCHES['grad_pass'] - 1} launch)",
         "blocks spread over all tensors;\nevery element read once:\nmax |g| (inf/NaN flag),\n"
-        "sum |g|^p (p = 1, 2; max for inf),\nfingerprint moments A, B",
+        "sum |g|^p (p = 1, 2; max for inf),\nchecksum moments A, B",
         "#cfe2f3",
     ),
     (
@@ -42,7 +42,7 @@ STAGES = [
     ),
     (
         "the one all_reduce",
-        "[found, norm_stat]\n+ each contribution's slots\n(replica fingerprint, ...)\n"
+        "[found, norm_stat]\n+ each contribution's slots\n(replica checksum, ...)\n"
         "SUM (or MAX, or one all_gather\nbeside a p = inf MAX)",
         "#fce5cd",
     ),

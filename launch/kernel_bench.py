@@ -10,7 +10,7 @@ iterations after ``--warmup``:
 * ``torch-norm``: distscaler's torch path for a fused optimizer: ``_foreach_norm(p=2)`` per dtype
   group + ``stack`` + ``vector_norm`` (read only).
 * ``triton``: ``grad_pass(norm_type=2, flags=True)`` + ``finish`` (read only: found_inf,
-  grad_scale, total norm, per-tensor norms); ``triton+moments`` with the replica fingerprint;
+  grad_scale, total norm, per-tensor norms); ``triton+moments`` with the replica checksum;
   ``triton+div``: the same + ``div_`` (read, then read + write: the non-fused step).
 * ``read-ref``: one read of the same bytes, ``torch.sum`` over a flat float32 buffer;
   ``copy-ref``: one read + one write of them (``copy_``).

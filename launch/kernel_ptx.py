@@ -1,6 +1,6 @@
 """The fused pass's kernels compiled for an NVIDIA GPU, their global loads and stores counted.
 
-Compiles ``_read_kernel`` (with and without the replica fingerprint) and ``_scale_kernel``
+Compiles ``_read_kernel`` (with and without the replica checksum) and ``_scale_kernel``
 (``distscaler/_triton/kernels.py``; each with its branches for 16-byte aligned blocks, which read
 full tiles in vectors, and for the others) for compute capability ``--arch`` (default: this
 machine's GPU, else 90, an H100), and prints the PTX's ``ld.global``/``st.global`` instructions

@@ -614,7 +614,7 @@ def test_skips_are_logged_every_interval(caplog):
             scaler.step(opt)
             scaler.update()
         reads.append(len(spy.reads))
-    # The report of step 3 reads the state, then (a step was skipped) the overflow record.
+    # The report of step 3 reads the state, then (a step was skipped) the overflow flags.
     assert reads == [0, 0, 2, 0, 0, 1]
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert len(messages) == 2

@@ -1,7 +1,7 @@
 """A scaler step a graph can replay: every counter lives on the device.
 
 ``clip_grad_norm_`` + ``step`` + ``update`` of a fused optimizer reads nothing on the host and keeps
-the scale, the growth tracker, the policy's counters and the skip record in device tensors that it
+the scale, the growth tracker, the policy's counters and the skip counters in device tensors that it
 updates in place. So a step recorded once and replayed N times must leave exactly what N eager steps
 leave, faults included. On the CPU this is proven with ``make_fx`` (the step traced once into an FX
 graph of aten ops, the host code then never runs again); on a GPU with ``torch.cuda.graph`` (marker
@@ -111,12 +111,12 @@ def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
     traced.step()
     traced.set_grads(1, faults)
     graph = make_fx(lambda: traced.step())()
-    # The skip record's four lanes in one _foreach_lerp_, the overflow record (a vector: apart,
+    # The skip counters' four lanes in one _foreach_lerp_, the overflow flags (a vector: apart,
     # so that torch's CUDA foreach keeps its one-kernel path) in a lerp_ of its own, both traced.
     (lerp,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten._foreach_lerp_.List]
     assert len(lerp.args[0]) == 4
     (record,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten.lerp_.Tensor]
-    assert record.args[2] in lerp.args[2]  # weighted by the skip record's found_inf
+    assert record.args[2] in lerp.args[2]  # weighted by the skip counters' found_inf
     for step in range(2, STEPS):
         traced.set_grads(step, faults)
         graph()

@@ -33,7 +33,7 @@ from _harness import spawn
 from _torch_gaps import guarded
 
 from distscaler._replica.checksum import (
-    fingerprint_slots,
+    checksum_slots,
     layout_terms,
     mismatched,
     moduli,
@@ -81,7 +81,7 @@ def caught(
     prime. So each changed rank's checked words are laid out as the library lays out tensors
     (`layout_terms()`): a segment of one word per change (`word_moments()` of the word after,
     less that of the word before) between segments that did not change (zero moments), however
-    large; its slots (`fingerprint_slots()`) are summed over the ranks in float32, as the
+    large; its slots (`checksum_slots()`) are summed over the ranks in float32, as the
     collective sums them, and read (`mismatched()`). Nothing of size ``words`` is allocated.
     """
     del secret
@@ -113,7 +113,7 @@ def caught(
         moments[1 : 2 * count : 2] = delta[first : first + count]
         j, i = place[rank]
         coefs, offsets, shift = _layout(sizes, ReplicaSet(tuple(sets[j]), i), primes)
-        reduced += fingerprint_slots(moments, offsets, coefs, shift, primes_t)[0]  # each rank's
+        reduced += checksum_slots(moments, offsets, coefs, shift, primes_t)[0]  # each rank's
     return mismatched(reduced.tolist(), primes)
 
 

@@ -32,18 +32,18 @@ def test_lr_on_skip_values_and_message():
         C.check_lr_on_skip("keep", "MY_ENV")
 
 
-def test_skip_ledger_holds_only_when_every_step_since_the_last_skipped():
-    ledger = C.SkipLedger()
-    assert not ledger.hold() and not ledger.last_skipped  # no step since: the scheduler steps
+def test_lr_hold_holds_only_when_every_step_since_the_last_skipped():
+    hold = C.LRHold()
+    assert not hold.hold() and not hold.last_skipped  # no step since: the scheduler steps
     one, zero = torch.tensor(1.0), torch.tensor(0.0)
     cases = [([True], True), ([True, False], False), ([one], True), ([one, one], True),
              ([one, zero], False), ([True, one], True), ([zero], False)]  # fmt: skip
     for steps, held in cases:
         for skipped in steps:
-            ledger.record(skipped)
-        assert ledger.last_skipped == bool(steps[-1])
-        assert ledger.hold() is held, steps
-        assert ledger.last_skipped == bool(steps[-1])  # kept past the scheduler's step
+            hold.record(skipped)
+        assert hold.last_skipped == bool(steps[-1])
+        assert hold.hold() is held, steps
+        assert hold.last_skipped == bool(steps[-1])  # kept past the scheduler's step
 
 
 def test_log_metrics_counts_the_skips_since_the_previous_log():

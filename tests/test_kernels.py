@@ -4,7 +4,7 @@
 On the CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): the same scaler, the
 same steps, torch's path and the kernel's side by side (scales and skips equal, norms within
 float32 rounding, parameters after the optimizer's step equal), the launches of the phase counted,
-and on 2 gloo ranks the replica check folding the kernel's fingerprint. On a GPU (``cuda``): the
+and on 2 gloo ranks the replica check folding the kernel's checksum. On a GPU (``cuda``): the
 kernels the phase launches, counted by torch's profiler.
 """
 
@@ -272,7 +272,7 @@ def two(tmp_path_factory):
 
 @interpreted
 @pytest.mark.parametrize("case", ["noclip-fused", "clip-fused", "clip-foreach", "noclip-foreach"])
-def test_two_ranks_agree_and_the_kernels_fingerprint_catches_a_flip(two, case):
+def test_two_ranks_agree_and_the_kernels_checksum_catches_a_flip(two, case):
     runs = [r[case] for r in two]
     for run in runs:
         ours, ref = run["triton"], run["torch"]
@@ -346,7 +346,7 @@ def test_a_deferred_check_reads_nothing_at_the_step_and_names_at_the_periodic_re
         assert ours["named"][S.DEFER_LOG - 1] == [flip_update, [0, 1], []]
         assert at_step["named"][S.DEFER_FLIP] == [flip_update, [0, 1], []]
         assert ours["named"][-1] == at_step["named"][-1] == [mixed_update, [0, 1], [1]]
-        # What the check adds to a clean step with the kernels (the fingerprint is in their
+        # What the check adds to a clean step with the kernels (the checksum is in their
         # read): the slot sums the reduction adds into (zeros), their residues in float32
         # (remainder, _to_copy), the collective's cat, copy_ back and clamp_: 6 ops. The
         # interpreter also copies the reduction's two more arguments (the terms, the sums) in and
@@ -490,7 +490,7 @@ def test_the_whole_phase_in_cuda_kernels_against_torchs_recipe():
     """CUDA kernels of the scaler's whole phase (clip_grad_norm_ if clipping, step, update; the
     optimizer's own kernels left out: its step does nothing) at 144 fp32 gradients, fused AdamW,
     one rank, counted by torch's profiler: distscaler's Triton path launches each kernel once
-    (nothing per tensor or per chunk of tensors: the skip record's lerp is one kernel), with
+    (nothing per tensor or per chunk of tensors: the skip counters' lerp is one kernel), with
     clipping at most half of torch's recipe (GradScaler + unscale_ + clip_grad_norm_), without
     no more than it (7 and 7 on an H100 with torch 2.11, 2026-11-27, with clipping 7 and 21, when
     a `nan_to_num` still made the overflow report's flags; the reduction writes them now)."""

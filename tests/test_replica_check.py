@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from distscaler import GradScaler, ReplicaMismatchError
 from distscaler._replica.checksum import (
     FLOAT32_EXACT,
+    checksum_slots,
     coefficient,
-    fingerprint_slots,
     layout_terms,
     mismatched,
     moduli,
@@ -84,7 +84,7 @@ def test_shifts_keep_a_clean_set_cancelling_and_are_spaced(replicas, world_size)
 
 
 def _exact(t: torch.Tensor, primes: tuple[int, int]) -> list[int]:
-    # The fingerprint in Python's integers, from the bytes.
+    # The checksum in Python's integers, from the bytes.
     w = t.contiguous().view(-1).view(torch.int16).tolist()
     a, b = sum(w), sum(k * x for k, x in enumerate(w))
     return [a % primes[0], a % primes[1], b % primes[0], b % primes[1]]
@@ -108,7 +108,7 @@ def _slots(tensors: list[torch.Tensor], replica: ReplicaSet, primes: tuple[int, 
     p_t = torch.tensor(primes)
     sizes = [t.numel() * t.element_size() // 2 for t in tensors]
     coefs, offsets, shift = layout_terms(sizes, [replica] * len(tensors), primes, p_t.device)
-    return fingerprint_slots(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
+    return checksum_slots(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
 
 
 def _caught(replica_tensors: list[list[torch.Tensor]]) -> bool:
@@ -415,7 +415,7 @@ def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
     assert ops["tensors"] == 4
     # What a checked step adds, whatever the path (and where the flag was a MAX, the clamp of its
     # SUM); one host read (the reduced slots). The all_reduce stays one.
-    # The fingerprint (replica_check.word_moments, fingerprint_slots) over the model's 4 gradients: one
+    # The checksum (replica_check.word_moments, checksum_slots) over the model's 4 gradients: one
     # cat of their words into rows (2 zero pads), two row sums, the residues; then the collective's
     # cat and copy_ back. A fixed number whatever the tensor count (one cat).
     base = {

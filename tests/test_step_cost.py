@@ -31,15 +31,15 @@ OURS_WITH_CLIP = {
     "aten._foreach_addcdiv.Scalar": 1,  # norm, norm / max_norm, flag, the record's next counts
     "aten._local_scalar_dense.default": 1,  # the flag, read on the host (no sync on a CPU)
     "aten.fmax.default": 1,  # grad_scale = scale / clip_coef
-    "aten._foreach_lerp_.List": 1,  # the skip record (and the overflow record, on a skip)
+    "aten._foreach_lerp_.List": 1,  # the skip counters (and the overflow flags, on a skip)
     "aten._amp_update_scale_.default": 1,  # torch's policy
 }
-#: The overflow record's lerp_ (the flags of a skipped step): apart from the skip record's
+#: The overflow flags' lerp_ (the flags of a skipped step): apart from the skip counters'
 #: _foreach_lerp_, since a vector among 0-dim tensors sends torch's CUDA foreach kernel down its
 #: per-tensor path (5 kernels in place of 1, on an H100; tests/test_kernels.py counts them).
-RECORD = {"aten.lerp_.Tensor": 1}
-#: The same step when it overflows: the codes instead of grad_scale, and the overflow record.
-OURS_WITH_CLIP_SKIPPED = dict(OURS_WITH_CLIP, **{"aten.nan_to_num.default": 1}, **RECORD)
+FLAGS = {"aten.lerp_.Tensor": 1}
+#: The same step when it overflows: the codes instead of grad_scale, and the overflow flags.
+OURS_WITH_CLIP_SKIPPED = dict(OURS_WITH_CLIP, **{"aten.nan_to_num.default": 1}, **FLAGS)
 del OURS_WITH_CLIP_SKIPPED["aten.fmax.default"]
 #: step + update without clipping (torch's check kernel, with a factor of 1.0).
 OURS_WITHOUT_CLIP = {
@@ -53,7 +53,7 @@ OURS_WITHOUT_CLIP = {
 OURS_WITHOUT_CLIP_SKIPPED = dict(
     OURS_WITHOUT_CLIP,
     **{"aten._foreach_norm.Scalar": 1, "aten.stack.default": 1, "aten.nan_to_num.default": 1},
-    **RECORD,
+    **FLAGS,
 )
 #: The verdict a GPU runs (no host read: the fused step's promise), counted on the CPU with
 #: the scaler on the path a GPU runs (``gpu_path``). With clipping: the per-tensor norms are stacked into one buffer with the
@@ -66,8 +66,8 @@ GPU_WITH_CLIP = {
     "aten.nan_to_num.default": 1,  # the tensor codes and T's code c, in one op
     "aten._foreach_addcdiv_.Scalar": 1,  # -c, c / max_norm, T / scale, the record's next counts
     "aten.clamp.Tensor": 1,  # the flag (exactly 0.0 or 1.0) and grad_scale = max(q, scale)
-    "aten._foreach_lerp_.List": 1,  # the skip record
-    "aten.lerp_.Tensor": 1,  # the overflow record (RECORD)
+    "aten._foreach_lerp_.List": 1,  # the skip counters
+    "aten.lerp_.Tensor": 1,  # the overflow flags (FLAGS)
     "aten._amp_update_scale_.default": 1,
 }
 #: Without clipping: each gradient's largest magnitude (p = inf), coded, its minimum the flag.
@@ -79,7 +79,7 @@ GPU_WITHOUT_CLIP = {
     "aten._foreach_addcdiv.Scalar": 1,  # -min(codes) and the record's next counts
     "aten.clamp.default": 1,  # the flag, exactly 0.0 or 1.0
     "aten._foreach_lerp_.List": 1,
-    "aten.lerp_.Tensor": 1,  # the overflow record (RECORD)
+    "aten.lerp_.Tensor": 1,  # the overflow flags (FLAGS)
     "aten._amp_update_scale_.default": 1,
 }
 #: What the DeepSpeed and Megatron rules add to the torch policy's update, with the same settings
@@ -141,7 +141,7 @@ def test_clipped_step_dispatches_at_most_half_of_torchs_ops_with_the_report_on(f
     theirs, torch_skipped = _count(torch.amp.GradScaler, clip=True, fault=fault)
     assert skipped is fault and torch_skipped is fault  # guard: the inf was seen by both
     assert ours == (OURS_WITH_CLIP_SKIPPED if fault else OURS_WITH_CLIP)
-    # at most half of torch's, + 1 on a skip: the overflow record's lerp_ (RECORD)
+    # at most half of torch's, + 1 on a skip: the overflow flags' lerp_ (FLAGS)
     assert sum(ours.values()) <= sum(theirs.values()) // 2 + fault, (ours, theirs)
 
 
@@ -151,7 +151,7 @@ def test_unclipped_step_dispatches_no_more_than_torchs_ops_with_the_report_on(fa
     theirs, torch_skipped = _count(torch.amp.GradScaler, clip=False, fault=fault)
     assert skipped is fault and torch_skipped is fault
     assert ours == (OURS_WITHOUT_CLIP_SKIPPED if fault else OURS_WITHOUT_CLIP)
-    assert sum(ours.values()) <= sum(theirs.values()) + fault, (ours, theirs)  # + RECORD
+    assert sum(ours.values()) <= sum(theirs.values()) + fault, (ours, theirs)  # + FLAGS
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
@@ -161,7 +161,7 @@ def test_the_gpu_verdict_costs_the_same_on_clean_and_skipped_steps(gpu_verdict, 
         theirs, _ = _count(torch.amp.GradScaler, clip=clip, fault=fault)
         assert skipped is fault and ours == expected
         # With clipping at most half of torch's, without no more than torch's, each + 1: the
-        # overflow record's own lerp_ (RECORD), which on CUDA saves the 4 kernels of the
+        # overflow flags' own lerp_ (FLAGS), which on CUDA saves the 4 kernels of the
         # foreach's per-tensor path (kernels counted on a GPU: tests/test_kernels.py).
         bound = sum(theirs.values()) // 2 + 1 if clip else sum(theirs.values()) + 1
         assert sum(ours.values()) <= bound, (ours, theirs)
@@ -172,9 +172,9 @@ def test_without_a_periodic_report_nothing_is_coded_or_recorded(gpu_verdict):
         distscaler.GradScaler, clip=True, fault=True, gpu=gpu_verdict, skip_log_interval=0
     )
     assert skipped
-    # The same ops but the overflow record's: the global norm's code (the flag) still takes the
+    # The same ops but the overflow flags': the global norm's code (the flag) still takes the
     # nan_to_num the codes ride in.
-    assert ours == {k: v for k, v in GPU_WITH_CLIP.items() if k not in RECORD}
+    assert ours == {k: v for k, v in GPU_WITH_CLIP.items() if k not in FLAGS}
     ours, skipped = _count(
         distscaler.GradScaler, clip=False, fault=True, gpu=gpu_verdict, skip_log_interval=0
     )

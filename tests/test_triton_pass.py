@@ -2,7 +2,7 @@
 
 On the CPU the kernels run in Triton's interpreter (the package picks it for CPU tensors, whatever
 ``TRITON_INTERPRET`` says; nothing here sets that variable, which would decide Triton's own
-functions for every other test of the worker). References: Python integers for the fingerprint's
+functions for every other test of the worker). References: Python integers for the checksum's
 moments, torch's ``_foreach_norm`` / ``linalg.vector_norm`` and a float64 sum for the norms, torch's
 ``_foreach_mul_`` / ``_foreach_div_`` / ``_amp_foreach_non_finite_check_and_unscale_`` for the
 write pass, bit for bit. The ``cuda`` variants run the same asserts on compiled kernels (``pytest
@@ -101,7 +101,7 @@ def assert_same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert torch.equal(bits(ours)[~nan], bits(theirs)[~nan])
 
 
-# ---------------------------------------------------------------------- the fingerprint
+# ---------------------------------------------------------------------- the checksum
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -228,7 +228,7 @@ def test_negative_zero_and_denormals(device):
     assert (flags[:3] == 0).all() and (flags[3:] > 0).all()  # the denormals' max is exact
     l1 = sum(float(g.double().abs().sum()) for g in grads)
     assert result.norm_stat.item() == pytest.approx(l1, rel=1e-6)
-    # -0.0's sign bit is in the fingerprint
+    # -0.0's sign bit is in the checksum
     assert result.moments.cpu().tolist() == [ref_moments(g, PRIMES) for g in grads]
     assert result.moments[0].tolist() != [0, 0, 0, 0]
 
@@ -542,14 +542,14 @@ def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_t
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
+def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
     """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
-    ops (`slot_sums`), whose residues are `_replica.checksum.fingerprint_slots()`' slots, for replica
+    ops (`slot_sums`), whose residues are `_replica.checksum.checksum_slots()`' slots, for replica
     sets of 2 to 5 ranks at every position (negative coefficients among them) and unchecked
     tensors; the checked phase and float64 gradients (torch's pass) give the same."""
     from distscaler._replica import ReplicaCheck
     from distscaler._replica.checksum import (
-        fingerprint_slots,
+        checksum_slots,
         global_rows,
         layout_terms,
         moduli_tensor,
@@ -574,7 +574,7 @@ def test_the_reduction_sums_the_replica_slots_as_fingerprint_slots(device):
         terms = ReplicaCheck(True, None, 1000, "skip").kernel_terms(grads, sets, PRIMES, primes_t)
         words = [g.numel() * g.element_size() // 2 for g in grads]
         coefs, offsets, shift = layout_terms(words, sets, PRIMES, dev)
-        slots, rows = fingerprint_slots(word_moments(grads, PRIMES, dev), offsets, coefs, shift,
+        slots, rows = checksum_slots(word_moments(grads, PRIMES, dev), offsets, coefs, shift,
                                         primes_t)  # fmt: skip
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         for validate in (False, True):
@@ -657,8 +657,8 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     assert found["st.global.b16"] > 0 and found["st.global.b32"] > 0, found
 
 
-def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
-    """Compiled for an H100 on the CPU, the read kernel with the fingerprint (``MOMENTS``) takes
+def test_the_checksum_keeps_32_warps_per_sm_in_the_read_kernel():
+    """Compiled for an H100 on the CPU, the read kernel with the checksum (``MOMENTS``) takes
     at most 64 registers per thread and spills none: 4 blocks of 8 warps, 32 warps per SM (with
     its int32 sums kept per element it took 124: 16 warps). Its rows are reshaped without a
     layout conversion (each row is one thread's), so the tile loop moves nothing through shared
@@ -728,7 +728,7 @@ def _gradient_lists(draw):
 def test_any_gradients_against_torch_and_python_integers(small_config, grads, factor):
     """Drawn gradient lists (mixed dtypes, sizes at and between the tiles' edges, views at any
     offset, inf/NaN/-0.0/denormals/extremes at drawn places) through the interpreter: ``found``
-    and the per-tensor max exactly torch's, the fingerprint exactly Python's integers, the
+    and the per-tensor max exactly torch's, the checksum exactly Python's integers, the
     2-norm within `norm_bound()`, the write pass bit for bit torch's CPU ``_foreach_div_``; the
     blocks cover every element once, and for every block the tables call aligned, what the
     kernels' aligned branches state to the compiler holds (its first element at a multiple of 16

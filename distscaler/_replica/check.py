@@ -32,7 +32,7 @@ from ..replica_check import (
 )
 from .checksum import (
     SLOTS,
-    fingerprint_slots,
+    checksum_slots,
     global_rows,
     layout_terms,
     mismatch_flag,
@@ -93,7 +93,7 @@ class ReplicaSlots:
         #: Slots in the collective: the gradients' four, then the parameters' four (zeros when
         #: not checked this step: the slots' places stay fixed).
         self.numel = SLOTS * (2 if with_params else 1)
-        #: Per checked kind, each tensor's global fingerprint rows (or what makes them, on a
+        #: Per checked kind, each tensor's global checksum rows (or what makes them, on a
         #: mismatch only) and its replica set, for naming the ranks.
         self._global: dict[str, tuple[Any, list[ReplicaSet | None]]] = {}
         self._grads: Sequence[torch.Tensor] = ()
@@ -126,7 +126,7 @@ class ReplicaSlots:
         `word_moments()` when the pass computed them in its read (the Triton kernel), else
         computed here; ``sums``: the gradients' four slots before their last residue, int64
         ``(4,)``, where the pass summed them from `kernel_terms()` (then two ops make the slots,
-        and each tensor's global fingerprint is made only on a mismatch)."""
+        and each tensor's global checksum is made only on a mismatch)."""
         primes = primes_tensor(self.primes, self.device)
         sets = [self.sets.get(id(p)) for p in params]
         self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
@@ -171,8 +171,8 @@ class ReplicaSlots:
         primes: torch.Tensor,
     ) -> torch.Tensor:
         coefs, offsets, shift = self.check.layout_terms(what, tensors, sets, self.primes, primes)
-        slots, fingerprints = fingerprint_slots(moments, offsets, coefs, shift, primes)
-        self._global[what] = (fingerprints, list(sets))
+        slots, checksums = checksum_slots(moments, offsets, coefs, shift, primes)
+        self._global[what] = (checksums, list(sets))
         return slots
 
     # -- the reading
@@ -281,7 +281,7 @@ class DeferredReading:
     `ReplicaSlots.read()`; `ReplicaCheck.count()` reads it at the host's next read of the
     scaler."""
 
-    #: The check's part of the step (its fingerprints, for naming the ranks).
+    #: The check's part of the step (its checksums, for naming the ranks).
     slots: ReplicaSlots
     #: The 1-based update the check belongs to (as `ReplicaMismatch.step`).
     step: int
@@ -443,7 +443,7 @@ class ReplicaCheck:
         """Read the pending mismatch flags on the host (one transfer; nothing when none are
         pending, no collective: safe on one rank): each mismatch is kept for `name()`. Returns ``(update, "replica_mismatch")`` for each
         mismatch whose flag held its update where no rank held inf/NaN (where one did, the agreed
-        ``found_inf`` backed the update off: an overflow, which the skip record counts as one)."""
+        ``found_inf`` backed the update off: an overflow, which the skip counters count as one)."""
         if not self.pending:
             return []
         pending, self.pending = self.pending, []

@@ -4,7 +4,7 @@ What [`distscaler.replica_check`][distscaler.replica_check] describes for users,
 each replicated tensor read as its 16-bit words ``w_k``, the sums ``A = sum_k w_k`` and
 ``B = sum_k k * w_k`` modulo two primes ``P1 > P2`` (`moduli()`), combined per replica set with
 coefficients that sum to zero (`coefficient()`) and shifts that keep a clean set cancelling
-(`shifts()`), into four float32 slots whose sum over the group is exact (`fingerprint_slots()`);
+(`shifts()`), into four float32 slots whose sum over the group is exact (`checksum_slots()`);
 the reduced slots are read by `mismatched()` on the host or `mismatch_flag()` on the device.
 
 Nothing here knows the scaler, the plan or the collective: `distscaler._replica.check` uses it.
@@ -27,7 +27,7 @@ __all__ = [
     "ROW_WORDS",
     "SLOTS",
     "coefficient",
-    "fingerprint_slots",
+    "checksum_slots",
     "global_rows",
     "layout_terms",
     "mismatch_flag",
@@ -48,7 +48,7 @@ FLOAT32_EXACT = 1 << 24
 #: Words per row of the exact sums: a row's ``sum w`` is below ``2**22`` and its ``sum j * w``
 #: (``j < 128``) below ``2**28`` in magnitude, exact in ``int32``.
 ROW_WORDS = 128
-#: Slots of one fingerprint in the collective: (G0, G1) for each of the two primes.
+#: Slots of one checksum in the collective: (G0, G1) for each of the two primes.
 SLOTS = 4
 
 
@@ -201,8 +201,8 @@ def moduli_tensor(
 
 
 def global_rows(moments: torch.Tensor, offsets: torch.Tensor, primes: torch.Tensor) -> torch.Tensor:
-    """Each tensor's global fingerprint, int64 ``(n, 4)``: ``A``, and ``B`` at positions global
-    over the checked tensors (`fingerprint_slots()`' second result), from `word_moments()` and
+    """Each tensor's global checksum, int64 ``(n, 4)``: ``A``, and ``B`` at positions global
+    over the checked tensors (`checksum_slots()`' second result), from `word_moments()` and
     the word offsets of `layout_terms()`."""
     a, b_local = moments[:, :2], moments[:, 2:]
     return torch.cat([a, (b_local + offsets * a).remainder(primes)], 1)
@@ -231,7 +231,7 @@ def _rows(sizes: tuple[int, ...], primes_t: tuple[int, int], device: torch.devic
 def word_moments(
     tensors: Sequence[torch.Tensor], primes: tuple[int, int], device: torch.device
 ) -> torch.Tensor:
-    """Each tensor's fingerprint: int64 ``(len(tensors), 4)`` on ``device``,
+    """Each tensor's checksum: int64 ``(len(tensors), 4)`` on ``device``,
     ``[A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k * w_k``
     over the tensor's 16-bit words ``w_k`` (positions ``k`` from 0 in each tensor), exact.
 
@@ -264,7 +264,7 @@ def word_moments(
     return out.remainder_(rows.moduli)
 
 
-def fingerprint_slots(
+def checksum_slots(
     moments: torch.Tensor,
     offsets: torch.Tensor,
     coefs: torch.Tensor,
@@ -272,7 +272,7 @@ def fingerprint_slots(
     primes: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's four slots, float32 ``(4,)``: ``[G0 mod P1, G0 mod P2, G1 mod P1, G1 mod P2]``
-    (module docstring), and each tensor's global fingerprint, int64 ``(n, 4)`` (``A``, and ``B``
+    (module docstring), and each tensor's global checksum, int64 ``(n, 4)`` (``A``, and ``B``
     at positions global over the checked tensors; for naming ranks).
 
     Args:
@@ -299,7 +299,7 @@ def layout_terms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(coefficients int64 ``(n,)``, word offsets int64 ``(n, 2)``, shifts int64 ``(n, 2)``) of
     tensors of ``sizes`` words in their replica ``sets`` (None: not checked, coefficient 0), the
-    inputs of `fingerprint_slots()`. Offsets count the checked tensors' words only. Host arithmetic."""
+    inputs of `checksum_slots()`. Offsets count the checked tensors' words only. Host arithmetic."""
     coefs, offsets, shift = [], [], []
     offset = 0
     for n, s in zip(sizes, sets):

@@ -35,19 +35,19 @@ def _set_key(ranks: tuple[int, ...]) -> int:
 
 
 def name_ranks(
-    fingerprints: tuple[torch.Tensor, list[ReplicaSet | None]],
+    checksums: tuple[torch.Tensor, list[ReplicaSet | None]],
     primes: tuple[int, int],
     group: dist.ProcessGroup | None,
     nonfinite: bool = False,
 ) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
-    """Exchange per-set fingerprints and whether this rank's tensors hold inf/NaN; name each
+    """Exchange per-set checksums and whether this rank's tensors hold inf/NaN; name each
     set's outliers and the ranks that held inf/NaN.
 
-    One ``all_gather_into_tensor`` of a fixed row per rank, int64 on the fingerprints' device
+    One ``all_gather_into_tensor`` of a fixed row per rank, int64 on the checksums' device
     (no pickling, no numpy): ``[rank, nonfinite, number of sets]`` then, for up to `NAMED_SETS`
     sets, ``[size, position, key, A mod P1, A mod P2, B mod P1, B mod P2]`` (zeros after the
     last). The per-set sums are made on the device; one host read of the gathered rows."""
-    rows_t, sets = fingerprints
+    rows_t, sets = checksums
     device = rows_t.device
     mine: dict[ReplicaSet, int] = {}
     owner = []

@@ -11,14 +11,14 @@ compiled branches), and from that read writes per-block partials of
 * the largest magnitude (as the int32 bits of ``|x|`` in float32: ordered like the values, and
   NaN's bits sort above inf's, so one integer max gives the max, the inf flag and the NaN flag),
 * ``sum |x|**p`` in float32 (p = 2 or 1; nothing for p = inf, which is the max),
-* the replica fingerprint's two exact integer moments of the tensor's 16-bit words.
+* the replica checksum's two exact integer moments of the tensor's 16-bit words.
 
 A second launch reduces the partials **in a fixed order** (each tensor's blocks by tiles, each tile
 by ``tl.sum``'s fixed tree; no atomics, so the same bits on every run) into the step's collective
-buffer ``stat = [found, norm_stat]``, the per-tensor statistics and the fingerprint moments.
+buffer ``stat = [found, norm_stat]``, the per-tensor statistics and the checksum moments.
 
 **Cost.** One read of the bytes (no write), about ten integer ops per element for the
-fingerprint, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
+checksum, and the partials: 20 bytes per block (``chunk`` elements, at least 32,768), re-read
 once by the reduction. On the host: per call, the tensors' addresses, sizes and dtypes gathered
 in C (``map`` over ``Tensor``'s methods: the tables' cache key) and two or three Triton launches
 (about 25 us each on the H100's host), which bound small cases in eager mode (a captured CUDA
@@ -28,15 +28,15 @@ Measured (``python launch/kernel_bench.py --iters 10``, NVIDIA H100 80GB HBM3, t
 2.11.0+cu130, Triton 3.6.0, 2026-11-27; ten calls queued back to back, CUDA events): one
 1.536e9-element bfloat16 gradient, ``grad_pass`` + ``finish`` 1.16 ms (2.66 TB/s; one
 ``torch.sum`` read of the same bytes 1.01 ms, torch's unscale + clip recipe 10.2 ms), 2.35 ms with
-the fingerprint; 500 mixed-dtype matrices of 225M elements 0.70 ms (0.73 ms with the
-fingerprint); 2 GB of float32 0.75 ms (1.07x the read). These figures are of the kernels before
-``tl.multiple_of`` (scalar loads) and before the fingerprint's row sums (124 registers per thread
+the checksum; 500 mixed-dtype matrices of 225M elements 0.70 ms (0.73 ms with the
+checksum); 2 GB of float32 0.75 ms (1.07x the read). These figures are of the kernels before
+``tl.multiple_of`` (scalar loads) and before the checksum's row sums (124 registers per thread
 then, 16 warps per SM); the kernels as they are now are not yet timed on a GPU.
 
 The package, one module per role (each holds its part of the design in its docstring):
 
 * `kernels`: the kernels, plain functions in Triton's language (int64 addressing, the
-  fingerprint's exactness, the alignment);
+  checksum's exactness, the alignment);
 * `runtime`: where they run, compiled for CUDA or in Triton's interpreter on the CPU
   (`available()`);
 * `tables`: the address tables the kernels read, their blocks, their cache and `CONFIG`;

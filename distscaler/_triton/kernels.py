@@ -8,9 +8,9 @@ with ``e0`` loaded from the int64 table, so in int64 arithmetic, and every eleme
 from there by an offset below its ``chunk`` (at most 2**22): a tensor of 2**31 elements or more is
 addressed without wrapping (``tests/test_triton_pass.py`` runs the kernels over a fake table whose
 tensor starts 2**33 elements before real memory and whose blocks start past 2**31, 2**32 and
-2**33). Word indices of the fingerprint (up to 2**35) are int64 too and enter only modulo ``P``.
+2**33). Word indices of the checksum (up to 2**35) are int64 too and enter only modulo ``P``.
 
-**Exactness of the fingerprint.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L = numel *
+**Exactness of the checksum.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L = numel *
 element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high half)),
 ``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k
 * w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <= 2**16``)
@@ -265,7 +265,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
             tl.store(moments + 4 * t + 1, ra2)
             tl.store(moments + 4 * t + 2, rc1)
             tl.store(moments + 4 * t + 3, rc2)
-            if SLOTS:  # replica_check.fingerprint_slots' terms of this tensor; products < 2**48
+            if SLOTS:  # replica_check.checksum_slots' terms of this tensor; products < 2**48
                 k1 = tl.load(terms + 6 * t)
                 k2 = tl.load(terms + 6 * t + 1)
                 b1 = (rc1 + tl.load(terms + 6 * t + 2) * ra1) % p1  # positions made global

@@ -103,7 +103,7 @@ def grad_pass(
     device: torch.device | str | None = None,
 ) -> PassResult:
     """Read every element of ``tensors`` once: the non-finite flag, the norm statistic, the
-    per-tensor statistics and the replica fingerprint, in 2 launches (read + reduce).
+    per-tensor statistics and the replica checksum, in 2 launches (read + reduce).
 
     Args:
         tensors: gradients on one device, float32/float16/bfloat16 in any mix (float64: torch's
@@ -285,7 +285,7 @@ def phase(
 ) -> tuple[PassResult, FinishResult]:
     """The scaler's whole phase over ``tensors``, in order: `grad_pass()`, then
     ``reduce(stat, moments)`` (the caller's collective, which reduces ``stat`` in place and reads
-    the fingerprint ``moments``, None without ``primes``), then `scale_()` by ``unscale`` (the 0-dim
+    the checksum ``moments``, None without ``primes``), then `scale_()` by ``unscale`` (the 0-dim
     float32 inverse scale, where gradients are unscaled in place), `finish()`, and `div_()` by its
     ``grad_scale`` where ``clip`` (gradients clipped in place). Launches: 2 + 1 + 1 (+ 1 for
     ``unscale``; + 1 for ``clip``) and the collective ``reduce`` issues, whatever the number of

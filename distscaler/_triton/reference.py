@@ -31,7 +31,7 @@ __all__ = ["norm_bound", "slot_sums", "torch_pass"]
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
     """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
     ``t``, ``k A``, and ``k ((B + o A) + s A)``, each term reduced modulo its prime, for
-    ``P1, P2, P1, P2`` (`distscaler.replica_check.fingerprint_slots()` with the coefficients as
+    ``P1, P2, P1, P2`` (`distscaler.replica_check.checksum_slots()` with the coefficients as
     residues; the sums modulo the primes are its slots). ``moments``: int64 ``(n, 4)``,
     `grad_pass()`'s; ``terms``: int64 ``(n, 6)``, per tensor ``[k mod P1, k mod P2, o mod P1,
     o mod P2, s mod P1, s mod P2]`` (its coefficient, word offset and shift). torch's int64 ops:

@@ -33,7 +33,7 @@ __all__ = [
 #: Elements per tile (``BLOCK``), tiles per int32 flush (``INNER``), warps per block of the read
 #: and write kernels; ``RT`` partials per tile of the reduction; the number of blocks the reduction
 #: aims at (``target_blocks``) and the most elements of a chunk (``max_chunk``: the bound of the
-#: fingerprint's int64 block sums, `distscaler._triton.kernels`' docstring).
+#: checksum's int64 block sums, `distscaler._triton.kernels`' docstring).
 #: ``launch/kernel_bench.py`` sweeps ``BLOCK``, ``num_warps`` and ``target_blocks``; tests shrink
 #: them, in place.
 CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024,

@@ -29,7 +29,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "LogMetrics",
     "LROnSkip",
-    "SkipLedger",
+    "LRHold",
     "check_lr_on_skip",
     "installed_scaler",
     "requires",
@@ -155,7 +155,7 @@ def check_lr_on_skip(value: Any, name: str = "lr_on_skip") -> LROnSkip:
     return value  # type: ignore[no-any-return]
 
 
-class SkipLedger:
+class LRHold:
     """The optimizer steps since an LR scheduler last stepped, for the hold rule: the scheduler
     holds when there was at least one and every one of them was skipped, so that the schedule
     counts the updates that happened (Accelerate's rule for its schedulers).

@@ -78,7 +78,7 @@ from typing import Any
 import torch
 from torch.optim import LBFGS, Optimizer
 
-from ._common import SKIPPED, SkipLedger, requires
+from ._common import SKIPPED, LRHold, requires
 
 with requires("lightning", "Lightning >= 2.4", "lightning"):
     import lightning.pytorch as pl
@@ -186,7 +186,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         self._registered: weakref.ref[torch.nn.Module] | None = None
         self._guarded: list[tuple[Any, type]] = []
         # Per guarded scheduler: its optimizer's steps since its last step (the hold rule).
-        self._ledgers: weakref.WeakKeyDictionary[Any, SkipLedger] = weakref.WeakKeyDictionary()
+        self._lr_holds: weakref.WeakKeyDictionary[Any, LRHold] = weakref.WeakKeyDictionary()
         self._backward_skipped = False
         # Set by connect(), which only the Trainer calls: Fabric casts inputs, the Trainer does not.
         self._trainer_connected = False
@@ -203,7 +203,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
             "_norms",
             "_registered",
             "_guarded",
-            "_ledgers",
+            "_lr_holds",
             "_backward_skipped",
             "_trainer_connected",
         ):
@@ -329,9 +329,9 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
         found_inf = self.scaler.found_inf
         if found_inf is not None:
             self._found_inf[optimizer] = found_inf
-            for scheduler, ledger in self._ledgers.items():
+            for scheduler, lr_hold in self._lr_holds.items():
                 if _unwrap(getattr(scheduler, "optimizer", optimizer)) is _unwrap(optimizer):
-                    ledger.record(found_inf)  # no host read: read when the scheduler steps
+                    lr_hold.record(found_inf)  # no host read: read when the scheduler steps
         if trainer is not None and self.log_metrics and found_inf is not None:
             self._log(model, optimizer, found_inf, _logs_this_step(trainer))
         return out
@@ -402,7 +402,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
             scheduler.__class__ = cls
             _SCHEDULER_OWNERS.pop(scheduler, None)
         self._guarded.clear()
-        self._ledgers.clear()
+        self._lr_holds.clear()
         self._trainer_connected = False
 
     # ------------------------------------------------------------------ helpers
@@ -416,7 +416,7 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def _guard(self, scheduler: Any) -> None:
         cls = type(scheduler)
-        self._ledgers[scheduler] = SkipLedger()
+        self._lr_holds[scheduler] = LRHold()
         if issubclass(cls, _SkipAwareScheduler):
             _SCHEDULER_OWNERS[scheduler] = self
             return
@@ -431,8 +431,8 @@ class DistScalerPrecision(FSDPPrecision, _FabricFSDPPrecision):  # type: ignore[
 
     def _holds(self, scheduler: Any) -> bool:
         """Whether ``scheduler`` holds: every step of its optimizer since its last step skipped."""
-        ledger = self._ledgers.get(scheduler)
-        return ledger is not None and ledger.hold()
+        lr_hold = self._lr_holds.get(scheduler)
+        return lr_hold is not None and lr_hold.hold()
 
     def _log(
         self, model: Any, optimizer: Optimizer, found_inf: torch.Tensor, logs_now: bool
@@ -456,7 +456,7 @@ class _SkipAwareScheduler:
 
     The steps are the owning plugin's agreed flags for the scheduler's ``optimizer`` (torch's
     ``LRScheduler`` attribute; for a scheduler without one, every optimizer's), kept in a
-    `distscaler.integrations._common.SkipLedger`. One host read.
+    `distscaler.integrations._common.LRHold`. One host read.
     """
 
     def step(self, *args: Any, **kwargs: Any) -> Any:

@@ -211,7 +211,7 @@ def _check_options(options: NemoRLScalerOptions, where: str) -> None:
 # ----------------------------------------------------------------------------- the step's parts
 
 
-class _StepLedger:
+class _StepCounts:
     """Optimizer steps and skips of one ``train()`` call, for the LR hold rule and the metrics."""
 
     def __init__(self) -> None:
@@ -265,10 +265,10 @@ class _ScaledStep:
     """The worker's optimizer during ``train()``: ``step()`` goes through the scaler, everything
     else (``zero_grad``, ``param_groups``...) is the optimizer's."""
 
-    def __init__(self, optimizer: Any, scaler: GradScaler, ledger: _StepLedger) -> None:
+    def __init__(self, optimizer: Any, scaler: GradScaler, counts: _StepCounts) -> None:
         self._optimizer = optimizer
         self._scaler = scaler
-        self._ledger = ledger
+        self._counts = counts
         self._clipped = False
 
     def __getattr__(self, name: str) -> Any:
@@ -289,7 +289,7 @@ class _ScaledStep:
         self._clipped = False
         retval = self._scaler.step(self._optimizer, *args, **kwargs)
         self._scaler.update()
-        self._ledger.record(self._scaler.step_was_skipped)
+        self._counts.record(self._scaler.step_was_skipped)
         return retval
 
 
@@ -297,16 +297,16 @@ class _HeldScheduler:
     """The worker's LR scheduler during ``train()``: ``step()`` is held when every optimizer step
     of the call was skipped (``lr_on_skip="hold"``)."""
 
-    def __init__(self, scheduler: Any, ledger: _StepLedger, lr_on_skip: str) -> None:
+    def __init__(self, scheduler: Any, counts: _StepCounts, lr_on_skip: str) -> None:
         self._scheduler = scheduler
-        self._ledger = ledger
+        self._counts = counts
         self._lr_on_skip = lr_on_skip
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._ledger.hold_lr(self._lr_on_skip):
+        if self._counts.hold_lr(self._lr_on_skip):
             return None  # held
         return self._scheduler.step(*args, **kwargs)
 
@@ -478,26 +478,26 @@ class DistScalerWorker:
         if bound.arguments.get("eval_mode", False):
             return super().train(*args, **kwargs)  # type: ignore[misc]
         bound.arguments["loss_fn"] = _ScaledLoss(bound.arguments["loss_fn"], scaler)
-        ledger = _StepLedger()
+        counts = _StepCounts()
         optimizer, scheduler = self.optimizer, self.scheduler
-        step = _ScaledStep(optimizer, scaler, ledger)
+        step = _ScaledStep(optimizer, scaler, counts)
         self._distscaler_step = step
         self.optimizer = step
-        self.scheduler = _HeldScheduler(scheduler, ledger, self._distscaler_options.lr_on_skip)
+        self.scheduler = _HeldScheduler(scheduler, counts, self._distscaler_options.lr_on_skip)
         try:
             metrics = self._distscaler_train(*bound.args, **bound.kwargs)
         finally:
             self.optimizer, self.scheduler = optimizer, scheduler
             self._distscaler_step = None
-        metrics.update(self._distscaler_metrics(scaler, ledger))
+        metrics.update(self._distscaler_metrics(scaler, counts))
         return metrics
 
-    def _distscaler_metrics(self, scaler: GradScaler, ledger: _StepLedger) -> dict[str, float]:
+    def _distscaler_metrics(self, scaler: GradScaler, counts: _StepCounts) -> dict[str, float]:
         metrics = {
             "distscaler/scale": scaler.get_scale(),
-            "distscaler/skipped": float(ledger.skipped),
+            "distscaler/skipped": float(counts.skipped),
         }
-        if ledger.skipped:
+        if counts.skipped:
             report = scaler.report_overflow()  # every rank: the skip is agreed
             if report is not None:
                 metrics["distscaler/overflow_step"] = float(report.step)

@@ -39,7 +39,7 @@ growth and hysteresis trackers; the smallest of a chain's). Then, in slime's own
   resumed.
 
 Checkpoints carry Megatron's keys only (the scale and its trackers): after a resume distscaler's
-own counters (``skip_totals``, the replica ledger, the overflow record) start again.
+own counters (``skip_totals``, the replica ledger, the overflow flags) start again.
 
 Install: ``pip install 'distscaler[slime]'`` on Python >= 3.12 (megatron-core 0.19.2 declares it);
 on 3.11 also ``pip install --ignore-requires-python --no-deps megatron-core==0.19.2``. Without

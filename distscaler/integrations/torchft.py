@@ -138,7 +138,7 @@ with requires("torchft", f"torchft {TESTED_VERSIONS['torchft']}", "torchft"):
 
 from .._process_group import ScalerGroup, has_dynamic_membership
 from .._replica.checksum import (
-    fingerprint_slots,
+    checksum_slots,
     layout_terms,
     moduli,
     primes_tensor,
@@ -176,7 +176,7 @@ _CROSS_NUMEL = 4
 _LO_BASE = float(2**20)
 #: One participating group's row in the cross-replica exchange, after the 4 elements above:
 #: [role, the gradients' fingerprint (4), the parameters' (4), the optimizer state's (4), the
-#: scaler state's (4)]. Each fingerprint is `fingerprint_slots()`'s ``[A mod P1, A mod P2,
+#: scaler state's (4)]. Each fingerprint is `checksum_slots()`'s ``[A mod P1, A mod P2,
 #: B mod P1, B mod P2]`` plus 1, so that 0 (a row nobody wrote, a healing group's zeroed part)
 #: means absent.
 _ROW = 17
@@ -932,7 +932,7 @@ def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
     sets: list[ReplicaSet | None] = [ReplicaSet((0, 1), 0)] * len(tensors)
     coefs, offsets, shift = layout_terms(sizes, sets, _PRIMES, device)
     moments = word_moments(tensors, _PRIMES, device)
-    slots, _ = fingerprint_slots(moments, offsets, coefs, shift, primes_tensor(_PRIMES, device))
+    slots, _ = checksum_slots(moments, offsets, coefs, shift, primes_tensor(_PRIMES, device))
     return slots
 
 

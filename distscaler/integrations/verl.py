@@ -93,7 +93,7 @@ from ..config import ScalerConfig
 from ._common import (
     SKIPPED,
     TESTED_VERSIONS,
-    SkipLedger,
+    LRHold,
     check_lr_on_skip,
     requires,
 )
@@ -241,7 +241,7 @@ class _DistScalerEngine:
     """What every distscaler engine adds to verl's whatever its backend: the step's metrics and
     the LR held on skipped steps. A subclass says where its scaler is and what the current LR is."""
 
-    _distscaler_ledger: SkipLedger
+    _distscaler_lr_hold: LRHold
 
     def _distscaler(self) -> GradScaler | None:
         """The engine's distscaler scaler; None in bf16/fp32 (verl's behaviour, unchanged)."""
@@ -255,14 +255,14 @@ class _DistScalerEngine:
         outputs = super().train_batch(data, loss_function)  # type: ignore[misc]
         scaler = self._distscaler()
         if scaler is not None:
-            metrics = _scaler_metrics(scaler, self._distscaler_ledger.last_skipped)
+            metrics = _scaler_metrics(scaler, self._distscaler_lr_hold.last_skipped)
             if self.is_mp_src_rank_with_outputs():  # type: ignore[attr-defined]
                 outputs["metrics"].update(metrics)
         return outputs
 
     def lr_scheduler_step(self) -> Any:
         if self._distscaler() is not None:
-            held = self._distscaler_ledger.hold()  # counts from here on either way
+            held = self._distscaler_lr_hold.hold()  # counts from here on either way
             if held and options().lr_on_skip == "hold":
                 return self._current_lr()
         return super().lr_scheduler_step()  # type: ignore[misc]
@@ -290,7 +290,7 @@ class DistScalerFSDPEngine(_DistScalerEngine):
             # overflow report names (FSDP2's DTensors give their layout themselves).
             scaler.register_model(module)
             self.scaler = scaler
-        self._distscaler_ledger = SkipLedger()
+        self._distscaler_lr_hold = LRHold()
         return module
 
     def _distscaler(self) -> GradScaler | None:
@@ -310,7 +310,7 @@ class DistScalerFSDPEngine(_DistScalerEngine):
             invalidate_all_scales(self.module)
         grad_norm = float(norm.item())
         # The norm is non-finite exactly when the agreed flag is set: no second host read.
-        self._distscaler_ledger.record(skipped=not math.isfinite(grad_norm))
+        self._distscaler_lr_hold.record(skipped=not math.isfinite(grad_norm))
         return grad_norm
 
     def _current_lr(self) -> Any:
@@ -383,7 +383,7 @@ class DistScalerMegatronEngine(_DistScalerEngine):
         if fp16:
             _check_standard_fp16_optimizer(self.optimizer_config)
         optimizer = super()._build_optimizer()  # type: ignore[misc]
-        self._distscaler_ledger = SkipLedger()
+        self._distscaler_lr_hold = LRHold()
         self._distscaler_scaler: GradScaler | None = None
         if fp16:
             from . import megatron as ds_megatron
@@ -403,7 +403,7 @@ class DistScalerMegatronEngine(_DistScalerEngine):
         if self._distscaler() is None:
             return super().optimizer_step()  # type: ignore[misc, no-any-return]
         update_successful, grad_norm, _ = self.optimizer.step()
-        self._distscaler_ledger.record(skipped=not update_successful)
+        self._distscaler_lr_hold.record(skipped=not update_successful)
         return float(grad_norm) if update_successful else math.nan
 
 
