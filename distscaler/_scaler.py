@@ -688,7 +688,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _read(self, *extra: torch.Tensor) -> tuple[list[float], HostValues, SkipTotals]:
         # ``extra`` 0-dim tensors and the state in one host transfer; new skips logged. Between
-        # iterations (no check pending) the device's counts fold into the host's. Never asks the
+        # iterations (no inf check awaiting its update) the device's counts fold into the host's. Never asks the
         # process group (safe on another thread: torchft's quorum calls state_dict there).
         fold = not self._records
         self._count_deferred()

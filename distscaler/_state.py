@@ -104,7 +104,7 @@ class DeviceState:
         self.growth_tracker = full(values.growth_tracker, torch.int32)
         self.pack_counters = pack_counters
         #: The policy's counters as host numbers, until the first update makes them tensors.
-        self.pending = values
+        self.host_counters = values
         #: The policy with its counters on the device, None before the first update or if packed.
         self.policy: LossScalePolicy | None = None
         #: The DeepSpeed or Megatron rule's packed counters, None if not packed.
@@ -217,11 +217,11 @@ class DeviceState:
         if held is policy and (self._rule is rule or self._rule == rule):
             return
         if self.policy is None and self.packed is None or held is not policy:
-            pending = self.pending
+            host = self.host_counters
             packed = None
             if self.pack_counters:  # the rule's optional hook (None: it runs plainly)
                 packed = policy.packed_counters(
-                    rule, pending.growth_tracker, pending.policy, self.device
+                    rule, host.growth_tracker, host.policy, self.device
                 )
             if packed is not None:
                 if rule.growth_interval > EXACT_GROWTH_INTERVAL:
@@ -235,7 +235,7 @@ class DeviceState:
                 self.policy = None
                 self._packing = object()
             else:
-                self.policy = policy(rule, self.scale, self.growth_tracker, pending.policy)
+                self.policy = policy(rule, self.scale, self.growth_tracker, host.policy)
                 self.packed = None
                 self._packing = None
         elif self.packed is not None:
@@ -357,12 +357,12 @@ class DeviceState:
             implied = policy.growth_tracker_from(policy_values, policy.rule.growth_interval)
             tracker = tracker if implied is None else implied
         else:
-            policy_values = dict(self.pending.policy)
+            policy_values = dict(self.host_counters.policy)
         return values[:n], HostValues(values[n], tracker, policy_values), counts_read
 
     def fold(self, counts_read: list[float]) -> None:
         """Zero the skip counters (``counts_read``: their values as read) after the host has added
-        them to its own (between iterations only: a pending inf check holds ``num_updates + 1`` from before
+        them to its own (between iterations only: an inf check not yet updated holds ``num_updates + 1`` from before
         the fold). Packed counters follow (one more op)."""
         if self.packed is not None:
             self.packed.fold(counts_read, self.counts[0])
@@ -373,7 +373,7 @@ class DeviceState:
         counters become tensors again at the next update."""
         self.scale.fill_(values.scale)
         self.growth_tracker.fill_(values.growth_tracker)
-        self.pending = values
+        self.host_counters = values
         self.packed = self.policy = self._rule = None
         self._packing = None
         self.skip_counters.zero_()

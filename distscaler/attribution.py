@@ -19,7 +19,7 @@ clean steps a few small device ops:
    graph replay.
 3. **The report** ([`OverflowTracker.report()`][distscaler.attribution.OverflowTracker.report], with
    the periodic skip report, every ``skip_log_interval`` updates on every rank at the same update):
-   when a step was skipped since the last report, each rank reads its record (one host read), names
+   when a step was skipped since the last report, each rank reads its overflow flags (one host read), names
    its offending tensors and the ranks exchange them in one all_gather (``all_gather_single``) of
    `PAYLOAD_BYTES` per rank; nothing when no step was skipped. The result,
    [`OverflowReport`][distscaler.attribution.OverflowReport], is the same on every rank and is
@@ -141,7 +141,7 @@ class TensorFlags(NamedTuple):
     params: tuple[torch.Tensor, ...]
     #: float32 ``(len(params),)`` on the scale's device (see
     #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
-    #: was read on the host (nothing to record, the overflow flags are kept).
+    #: was read on the host (nothing to record: the overflow flags are kept as they are).
     flags: torch.Tensor | None
 
 
@@ -150,7 +150,7 @@ class StepFlags(NamedTuple):
     [`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_] takes them."""
 
     optimizer: torch.optim.Optimizer
-    #: None: not flagged (a non-fused optimizer's clean step is not; its record is left as it was).
+    #: None: not flagged (a non-fused optimizer's clean step is not; its overflow flags are left as they were).
     flags: TensorFlags | None
     #: Taken after the host read the flag (then only on a skip).
     after_read: bool
@@ -164,8 +164,8 @@ def flag_tensors(per_tensor: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
 
 
-class _Record:
-    """One optimizer's record: the flags of the last skipped step, in the order of ``params``."""
+class _KeptFlags:
+    """One optimizer's overflow flags: the flags of the last skipped step, in the order of ``params``."""
 
     __slots__ = ("clean", "flags", "host_step", "params", "positions", "scatter")
 
@@ -179,7 +179,7 @@ class _Record:
         self.host_step: int | None = None
 
     def dense(self, flagged: TensorFlags) -> torch.Tensor | None:
-        """``flagged`` in this record's order (absent parameters: clean); None if it holds others."""
+        """``flagged`` in these flags' order (absent parameters: clean); None if it holds others."""
         assert flagged.flags is not None
         # (dynamo traces no `is` between tuples: compiled, the elements are compared)
         if not torch.compiler.is_compiling() and flagged.params is self.params:
@@ -202,11 +202,11 @@ class _Record:
 
 
 class OverflowTracker:
-    """The records of one scaler's optimizers, the parameter names, and the last report."""
+    """The overflow flags of one scaler's optimizers, the parameter names, and the last report."""
 
     def __init__(self) -> None:
         self._names = ParamTable()
-        self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Record] = (
+        self._kept: weakref.WeakKeyDictionary[torch.optim.Optimizer, _KeptFlags] = (
             weakref.WeakKeyDictionary()
         )
         #: The most recent report (see
@@ -215,7 +215,7 @@ class OverflowTracker:
         self._attributed = 0  # the last step reported: the same on every rank
 
     def __getstate__(self) -> dict[str, Any]:
-        # Records and names refer to live tensors: a copy keeps the report only.
+        # The flags and names refer to live tensors: a copy keeps the report only.
         return {"last_overflow": self.last_overflow, "attributed": self._attributed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -261,49 +261,49 @@ class OverflowTracker:
     ) -> None:
         """Keep this iteration's flags where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
         agreed) says the step was skipped: one ``lerp_`` per optimizer with flags, or, given
-        ``lerps``, those lerps appended to it as ``(record, flags, found_inf)`` for the caller to
+        ``lerps``, those lerps appended to it as ``(kept, flags, found_inf)`` for the caller to
         run (the scaler runs them beside the skip counters' lerp: no op here).
 
         Args:
             flagged: the optimizers stepped in this iteration, their flags (None: not flagged, as a
-                non-fused optimizer's clean step is not; its record is then left as it was) and
+                non-fused optimizer's clean step is not; its overflow flags are then left as they were) and
                 whether they were taken after the host read the flag (then only on a skip).
             step: the number of this update.
         """
-        pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        lerps_due: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
-        recorded = 0  # stepped optimizers that have a record
+        kept_for = 0  # stepped optimizers that have overflow flags
         for optimizer, flags, after_read in flagged:
             present.add(id(optimizer))
             if flags is None:
-                recorded += optimizer in self._records
+                kept_for += optimizer in self._kept
                 continue
-            recorded += 1
-            record = self._records.get(optimizer)
+            kept_for += 1
+            kept = self._kept.get(optimizer)
             if flags.flags is None:  # clean, read on the host: the overflow flags exist, unchanged
-                if record is None:
-                    self._records[optimizer] = _Record(flags.params, found_inf.device)
+                if kept is None:
+                    self._kept[optimizer] = _KeptFlags(flags.params, found_inf.device)
                 continue
-            dense = None if record is None else record.dense(flags)
-            if record is None or dense is None:
-                record = _Record(flags.params, flags.flags.device)
-                self._records[optimizer] = record
+            dense = None if kept is None else kept.dense(flags)
+            if kept is None or dense is None:
+                kept = _KeptFlags(flags.params, flags.flags.device)
+                self._kept[optimizer] = kept
                 dense = flags.flags
-            pending.append((record.flags, dense, found_inf))
-            record.host_step = step if after_read else None
-        # Records of optimizers not stepped in this iteration (none when every record's was).
-        records = list(self._records.items()) if len(self._records) > recorded else []
-        for optimizer, record in records:
-            if id(optimizer) not in present and record.host_step is None:
+            lerps_due.append((kept.flags, dense, found_inf))
+            kept.host_step = step if after_read else None
+        # The flags of optimizers not stepped in this iteration (none when every one's was).
+        kept_all = list(self._kept.items()) if len(self._kept) > kept_for else []
+        for optimizer, kept in kept_all:
+            if id(optimizer) not in present and kept.host_step is None:
                 # Not stepped in this iteration: if it was skipped, this optimizer held nothing.
-                if record.clean is None:
-                    record.clean = torch.zeros_like(record.flags)
-                pending.append((record.flags, record.clean, found_inf))
+                if kept.clean is None:
+                    kept.clean = torch.zeros_like(kept.flags)
+                lerps_due.append((kept.flags, kept.clean, found_inf))
         if lerps is not None:
-            lerps += pending
+            lerps += lerps_due
         else:
-            for record_flags, end, weight in pending:
-                record_flags.lerp_(end, weight)
+            for kept_flags, end, weight in lerps_due:
+                kept_flags.lerp_(end, weight)
 
     # ------------------------------------------------------------------ the report
 
@@ -319,7 +319,7 @@ class OverflowTracker:
         """Attribute skipped step ``step`` (the run's last, used loss scale ``scale``) unless it was
         already; every rank of ``group`` must call it at the same update (the periodic report).
 
-        Cost when ``step`` is new: one host read of the records; at world size > 1 one all_gather
+        Cost when ``step`` is new: one host read of the overflow flags; at world size > 1 one all_gather
         (``all_gather_single``) of `PAYLOAD_BYTES` per rank over ``group`` and one host read of its
         result. Otherwise nothing. Returns the new report, or None.
         """
@@ -347,23 +347,23 @@ class OverflowTracker:
 
     def _local_entries(self, step: int) -> tuple[list[tuple[str, str]], int]:
         """This rank's offending tensors at ``step``, sorted by name, and how many there were."""
-        records = [
-            (optimizer, record)
-            for optimizer, record in self._records.items()
-            if record.host_step is None or record.host_step == step
+        kept_all = [
+            (optimizer, kept)
+            for optimizer, kept in self._kept.items()
+            if kept.host_step is None or kept.host_step == step
         ]
-        if not records:
+        if not kept_all:
             return [], 0
-        values = torch.cat([r.flags for _, r in records]).tolist()  # the report's one host read
+        values = torch.cat([r.flags for _, r in kept_all]).tolist()  # the report's one host read
         found: list[tuple[str, str]] = []
         start = 0
-        for optimizer, record in records:
-            for param, flag in zip(record.params, values[start : start + len(record.params)]):
+        for optimizer, kept in kept_all:
+            for param, flag in zip(kept.params, values[start : start + len(kept.params)]):
                 if flag == NAN_CODE or flag == INF_CODE:
                     found.append(
                         (self._name(param, optimizer), "nan" if flag == NAN_CODE else "inf")
                     )
-            start += len(record.params)
+            start += len(kept.params)
         found.sort()
         return found[:LISTED_PER_RANK], len(found)
 

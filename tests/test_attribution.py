@@ -149,7 +149,7 @@ def test_parameters_without_a_gradient_this_step_are_clean():
     _train(scaler, model, opt, [[("0.weight", math.inf)]], mode="clip")
     opt.zero_grad()
     _backward(scaler, model, [("4.weight", math.nan)])
-    model[2].weight.grad = None  # a subset of the planned parameters this step
+    model[2].weight.grad = None  # a subset of the grouped parameters this step
     scaler.clip_grad_norm_(opt, 1.0)
     scaler.step(opt)
     scaler.update()
@@ -289,7 +289,7 @@ def test_report_is_exact_and_identical_on_every_rank(spawned, world_size, case, 
     for update in range(1, S.UPDATES + 1):
         injected = [[r, _clean(n), k] for r, n, k in runs[0]["all_injected"][update - 1]]
         if injected:
-            # Guard: the faults were written on the ranks the plan names.
+            # Guard: the faults were written on the ranks the scenario names.
             assert sorted({r for r, _, _ in injected}) == sorted(
                 {r for r in range(world_size) if S.faults_at(update, r, world_size)}
             )
@@ -327,16 +327,16 @@ def test_clean_steps_cost_nothing_more_and_a_report_one_gather(spawned, world_si
             assert run["reads"][7] == 1 + flag
 
 
-def test_a_rebuilt_plan_of_the_same_parameters_is_recorded_without_a_scatter():
-    from distscaler.attribution import TensorFlags, _Record
+def test_a_rebuilt_grouping_of_the_same_parameters_is_kept_without_a_scatter():
+    from distscaler.attribution import TensorFlags, _KeptFlags
 
     params = tuple(torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
-    record = _Record(params, torch.device("cpu"))
+    kept = _KeptFlags(params, torch.device("cpu"))
     codes = torch.tensor([1.0, -2.0, 3.0])
     rebuilt = tuple(list(params))  # a new tuple, as a rebuilt GradGrouping gives
     assert rebuilt is not params
-    assert record.dense(TensorFlags(rebuilt, codes)) is codes and record.params is rebuilt
+    assert kept.dense(TensorFlags(rebuilt, codes)) is codes and kept.params is rebuilt
     # A subset (a parameter without a gradient this step) is scattered, the rest clean.
-    subset = record.dense(TensorFlags((params[2], params[0]), torch.tensor([-1.0, 5.0])))
-    assert subset.tolist() == [5.0, 0.0, -1.0] and record.scatter
-    assert record.dense(TensorFlags((torch.nn.Parameter(torch.zeros(1)),), codes[:1])) is None
+    subset = kept.dense(TensorFlags((params[2], params[0]), torch.tensor([-1.0, 5.0])))
+    assert subset.tolist() == [5.0, 0.0, -1.0] and kept.scatter
+    assert kept.dense(TensorFlags((torch.nn.Parameter(torch.zeros(1)),), codes[:1])) is None
