@@ -83,8 +83,8 @@ class Reading(Protocol):
         (one sync on a GPU), for a reading whose cause depends on it; call it only where needed."""
         ...
 
-    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
-        """``update()`` is done with the reading: ``update`` is its 1-based number,
+    def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+        """``update()`` is done with the reading: ``number`` is the update's, 1-based,
         ``found_inf`` the agreed flag it ran on, ``counted`` whether it ran on this reading's
         ``held`` flag (False: a new scale was set, or another reading's cause skipped it)."""
         ...

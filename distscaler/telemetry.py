@@ -91,15 +91,15 @@ class SkipLog:
         device like any skip)."""
         self.host_causes[cause] = self.host_causes.get(cause, 0) + 1
 
-    def totals(self, record: list[float] | None) -> SkipTotals:
-        """The folded totals plus a device record read as host floats (None: nothing to add)."""
+    def totals(self, counts: list[float] | None) -> SkipTotals:
+        """The folded totals plus the skip counters read as host floats (None: nothing to add)."""
         t = self.folded
         causes = self.host_causes
         other = tuple((k, n) for k, n in causes.items() if k not in _NAMED_CAUSES)
-        if record is None:
+        if counts is None:
             return replace(t, replica_mismatches=causes["replica_mismatch"],
                            not_committed=causes["not_committed"], other_causes=other)  # fmt: skip
-        nu, ns, last, scale = record
+        nu, ns, last, scale = counts
         return SkipTotals(
             num_updates=t.num_updates + int(nu),
             num_skipped=t.num_skipped + int(ns),
@@ -110,9 +110,9 @@ class SkipLog:
             other_causes=other,
         )
 
-    def fold(self, record: list[float]) -> None:
-        """Keep the record's counts on the host (the device then zeroes its own)."""
-        self.folded = self.totals(record)
+    def fold(self, counts: list[float]) -> None:
+        """Keep the skip counters' counts on the host (the device then zeroes its own)."""
+        self.folded = self.totals(counts)
 
     def restore(self, num_updates: int, num_skipped: int, causes: dict[str, int]) -> None:
         """Continue the counts of a checkpointed run (step numbers in the log stay global),

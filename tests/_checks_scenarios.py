@@ -39,8 +39,8 @@ class AmaxReading:
     def settle(self, found_inf: Callable[[], bool]) -> Settlement:
         return Settlement("amax_limit", self.amax) if self.host_skip else Settlement()
 
-    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
-        self.check.seen.append((update, self.amax))
+    def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+        self.check.seen.append((number, self.amax))
 
 
 class AmaxSlots:

@@ -269,7 +269,7 @@ class MismatchReading:
             return Settlement()
         return Settlement("replica_mismatch", self.mismatch)
 
-    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+    def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
         """Nothing: the ledger counted it when it was read."""
 
 
@@ -306,9 +306,9 @@ class DeferredReading:
         """The mismatch flag holds the update on the device (no host read)."""
         return Settlement(held=self.mismatch)
 
-    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+    def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
         """Kept for `ReplicaCheck.count()` (`ReplicaCheck.defer()`)."""
-        self.slots.check.defer(update, [self], found_inf, counted=counted)
+        self.slots.check.defer(number, [self], found_inf, counted=counted)
 
 
 

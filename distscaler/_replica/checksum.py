@@ -331,11 +331,12 @@ def mismatch_flag(reduced: torch.Tensor, primes: tuple[int, int]) -> torch.Tenso
     return torch.fmod(reduced, mods).amax().clamp_(max=1.0)
 
 
-def set_coefficient(replica_set: ReplicaSet) -> int:
-    """This rank's coefficient in ``replica_set`` (`coefficient()` at its position)."""
-    return coefficient(replica_set.position, len(replica_set.ranks))
+def set_coefficient(members: ReplicaSet) -> int:
+    """This rank's coefficient in its replica set ``members`` (`coefficient()` at its position)."""
+    return coefficient(members.position, len(members.ranks))
 
 
-def set_shift(replica_set: ReplicaSet, primes: tuple[int, int]) -> tuple[int, int]:
-    """This rank's shift in ``replica_set`` modulo both primes (`shifts()` at its position)."""
-    return shifts(len(replica_set.ranks), primes)[replica_set.position]
+def set_shift(members: ReplicaSet, primes: tuple[int, int]) -> tuple[int, int]:
+    """This rank's shift in its replica set ``members`` modulo both primes (`shifts()` at its
+    position)."""
+    return shifts(len(members.ranks), primes)[members.position]
