@@ -5,45 +5,39 @@ replicas) every replica holds **bit-identical** gradients. A rank whose gradient
 replicas' after the reduce has had its memory or its compute corrupted (silent data corruption).
 The check compares them where the scaler already reads every gradient and runs one collective:
 
-1. **Checksum** (`word_moments()`): each replicated gradient tensor read as its 16-bit words
-   ``w_k`` (its bytes as signed ``int16``, in memory order: two words per float32 element, one per
-   fp16/bf16 element), and two exact integer sums of them: ``A = sum_k w_k`` and
-   ``B = sum_k k * w_k`` (``k`` the word's position), each modulo two primes ``P1 > P2``
-   (`moduli()`). The sums are computed exactly (``int32`` over rows of 128 words, whose sums are
-   bounded below ``2**31``, then ``int64`` residues), never wrapped.
-2. **Combined** into four float32 slots (`checksum_slots()`): the positions are made global over the
-   rank's checked tensors (a tensor's ``B`` plus its word offset times its ``A``), and each replica
-   set gives its members *coefficients* ``c`` (`coefficient()`: they sum to 0, never 0) and
-   *shifts* ``s`` (`shift()`: ``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This
-   rank sends ``G0 = sum_t c_t * A_t`` and ``G1 = sum_t c_t * (B_t + s_t * A_t)``, each ``mod P``
-   for both primes: four integers in ``[0, P)``, appended to the step's collective as a SUM.
-3. **Reading** (`mismatched()`): the reduced slots. When every replica holds the same gradients
-   each set's terms cancel and every slot is a multiple of its prime, on every rank alike (a
-   function of the reduced values only). Otherwise the step is a replica mismatch.
+1. **Checksum**: each replicated gradient tensor read as its
+   16-bit words ``w_k`` (its bytes as signed ``int16``, in memory order: two words per float32
+   element, one per fp16/bf16 element), and two exact integer sums of them, a Fletcher-style
+   checksum: ``A = sum_k w_k`` and ``B = sum_k k * w_k`` (``k`` the word's position), each modulo
+   two primes ``P1 > P2``, computed exactly (never wrapped).
+2. **Combined** into four float32 slots: the positions are made global over the rank's checked
+   tensors, and each replica set gives its members *coefficients* ``c`` (they sum to 0, never 0)
+   and *shifts* ``s`` (``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This rank
+   sends ``G0 = sum_t c_t * A_t`` and ``G1 = sum_t c_t * (B_t + s_t * A_t)``, each ``mod P`` for
+   both primes: four integers in ``[0, P)``, appended to the step's collective as a SUM.
+3. **Reading**: the reduced slots. When every replica holds the same gradients each set's terms
+   cancel and every slot is a multiple of its prime, on every rank alike (a function of the
+   reduced values only). Otherwise the step is a replica mismatch.
 
-**What is caught with certainty** (while ``P2 > 2**17``, i.e. up to 64 ranks, and a rank's
-checked tensors hold fewer than ``P1 * P2`` words, about ``2**46`` at 2 ranks): any change of one
-16-bit word (every bit flip of one fp16/bf16 element, any corruption of one fp16/bf16 element),
-any corruption confined to two words (one float32 element, whatever its bits; two flipped bits
-anywhere: one tensor, two tensors, two ranks), because the two sums are the first two rows of a
-Vandermonde system in the distinct word positions: ``d1 + d2 = 0`` and ``k1 d1 + k2 d2 = 0`` force
-``d1 = d2 = 0`` (across ranks the distinct shifts play the part of the positions). Two flips of the
-same bit in opposite directions, which cancel in a plain sum, do not cancel here. A corruption of
-three or more words is missed only when both sums cancel modulo both primes: about ``1 / (P1 P2)``
-at worst for a chosen pattern, far less for unrelated changes (measured in the tests: 10,000 random
-and every constructed pair caught). Above 64 ranks the primes shrink (``P * world_size <= 2**24``)
-and these bounds hold with ``P1 P2`` in place of certainty.
+**What is caught, and what is missed**, fault class by fault class with the counts measured by
+the tests: [Silent data corruption](../silent-data-corruption.md#what-is-caught-and-what-is-not).
+In short: a single flipped bit always; any change of one 16-bit word up to 63,791 ranks; two
+changed words on one rank or on two replicas of one set up to 64 ranks while a rank's checked words
+stay below the set's shift spacing. Two changes on ranks of two different replica sets at the same
+place can cancel (every set adds into the same slots with the same weights), and so can
+structured patterns orthogonal to the weights ``1`` and ``k`` (a second difference always; a
+faulty memory line about one time in eight). A change the unscale erases before the checksum
+reads it is not reported, and loses nothing.
 
 **Exact in float32, no float64.** Each slot a rank sends is an integer below ``P`` and ``P *
 world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is an integer below
 2**24, exact in float32; ``S mod P`` is then exact too (read on the host as integers).
 
-**On a mismatch only**, one ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13)
-over the group (every rank calls it, since
-every rank reads the same slots) exchanges each rank's per-set checksums (``(A, B) mod P``
-without coefficients) in a fixed-size int64 row on the collective's device (`NAMED_SETS` sets per
-rank; no pickling, so no numpy); within each replica set the ranks that differ from the majority
-are named, and with no majority (two replicas) all of the set's ranks are.
+**On a mismatch only**, one gather over the group (``all_gather_single``; every rank calls it,
+since every rank reads the same slots) exchanges each rank's per-set checksums (``(A, B) mod P``
+without coefficients) in a fixed-size int64 row on the collective's device (no pickling, so no
+numpy); within each replica set the ranks that differ from the majority are named, and with no
+majority (two replicas) all of the set's ranks are.
 
 **Which gradients** (`LayoutResolver.replica_set()`): the layouts already know the replicas: DDP
 (`GradScaler.register_model()`), FSDP1 ``NO_SHARD``/``HYBRID_SHARD``, DTensor gradients with
@@ -76,7 +70,7 @@ counts the skips by cause and the ledger's ``skipped``; the ranks are named at t
 read, every ``skip_log_interval`` updates, where every rank is (`ReplicaCheck.name()`: the ledger's
 mismatches, `ReplicaMismatch`, the log line, the callback, and ``"raise"`` from that update once it
 is complete). Under CUDA graph capture the replays skip and hold alike on the device; the skip
-record counts them, under the cause ``overflow`` (the host never learns theirs: a replay runs no
+counters count them, under the cause ``overflow`` (the host never learns theirs: a replay runs no
 Python), and they are not named.
 
 **Cost** on a clean checked step, torch's kernels (the CPU and other devices): one copy of the

@@ -152,9 +152,43 @@ def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+def erased_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP over the world: after the reduce, every rank's ``model[0].weight.grad[0, 0]`` is set to
+    0.0 and rank 1 alone flips the lowest bit of its low word (1.4e-45, a float32 denormal), which
+    the unscale (a loss scale of 2**16) takes back to 0.0. ``foreach``: the gradients are unscaled
+    in place before the checksum reads them; ``fused``: the checksum reads the scaled gradients,
+    the optimizer divides them itself."""
+    results: dict[str, Any] = {}
+    for name, fused in (("foreach", False), ("fused", True)):
+        model = _mlp(0)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused,
+                                foreach=None if fused else True)  # fmt: skip
+        scaler = GradScaler("cpu", init_scale=2.0**16, replica_check_interval=1).register_model(ddp)
+        opt.zero_grad()
+        torch.manual_seed(100 + rank)
+        scaler.scale(ddp(torch.randn(4, 8)).square().mean()).backward()
+        grad = model[0].weight.grad
+        grad[0, 0] = 0.0
+        if rank == 1:
+            _words(grad)[0] ^= 1  # the low word of element 0 on a little-endian machine
+        flipped = float(grad[0, 0])
+        scaler.step(opt)
+        scaler.update()
+        results[name] = {
+            "flipped": flipped,
+            "skipped": bool(scaler.step_was_skipped),
+            "mismatches": scaler.replica_ledger.mismatch_events,
+            "grad_after": float(grad[0, 0]) if not fused else None,
+            "params": digest(p for p in model.parameters()),
+        }
+    return results
+
+
 def everything_4(rank: int, world_size: int) -> dict[str, Any]:
     return {
         GAPS: torch_gaps(world_size),  # torch 2.6's own fully_shard fails on CPUs
         "hsdp": run_case(lambda: hsdp_cases(rank, world_size)),
         "ddp": run_case(lambda: ddp_cases(rank, world_size)),
+        "erased": run_case(lambda: erased_cases(rank, world_size)),
     }

@@ -492,3 +492,18 @@ def test_two_flips_on_two_replica_sets_are_skipped_on_every_rank(four, layout, c
         assert run["mismatches"] == 1 and run["replica_skipped"] == 1
     for x, y in REPLICAS:
         assert runs[x]["params"] == runs[y]["params"]
+
+
+def test_a_change_the_unscale_erases_is_not_reported_and_loses_nothing(four):
+    """The silent-data-corruption page's words: a change that leaves the optimizer's gradients
+    bit-identical is not reported and loses nothing. Rank 1's flipped lowest bit of a 0.0
+    gradient (1.4e-45) is unscaled back to 0.0 before the checksum reads it (foreach: no
+    mismatch, every replica steps to the same parameters); where the checksum reads the scaled
+    gradients (a fused step), the same flip is a mismatch and the step is skipped."""
+    runs = [r["erased"] for r in four]
+    assert runs[1]["foreach"]["flipped"] > 0.0 and runs[0]["foreach"]["flipped"] == 0.0  # guard
+    for r in runs:
+        assert not r["foreach"]["skipped"] and r["foreach"]["mismatches"] == 0
+        assert r["foreach"]["grad_after"] == 0.0  # what the optimizer read: 0.0 on every rank
+        assert r["foreach"]["params"] == runs[0]["foreach"]["params"]  # nothing lost
+        assert r["fused"]["skipped"] and r["fused"]["mismatches"] == 1
