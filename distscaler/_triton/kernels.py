@@ -249,10 +249,15 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 c1 = (c1 + (k0 % p1) * u1 + (j % p1 + p1) % p1) % p1  # < 2**48 + 2**25
                 c2 = (c2 + (k0 % p2) * u2 + (j % p2 + p2) % p2) % p2
         if PER_TENSOR:
+            mx = tl.reduce(mx_acc, 0, _MAX)
+            big = mx.to(tl.float32, bitcast=True)  # the largest magnitude: inf/NaN as held
             if NORM == 2:
+                # a finite tensor whose float32 sum of squares overflows is not an inf one: its
+                # norm saturates at float32's largest value (docs/pass-semantics.md)
                 v = tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM))
+                v = tl.where(mx >= 0x7F800000, big, tl.minimum(v, 3.4028234663852886e38))
             else:
-                v = tl.reduce(mx_acc, 0, _MAX).to(tl.float32, bitcast=True)
+                v = big
             if AS_FLAGS:  # v >= 0, inf or NaN; above float32's largest finite value: inf
                 v = tl.where(v != v, NAN_AS, tl.where(v > 3.4028234663852886e38, INF_AS, v))
             tl.store(per_tensor + t, v)
@@ -384,12 +389,14 @@ def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.c
         # statistic past float32's range), as torch's path checks it; p = 2's sum of squares
         # overflows first (torch's path checks the scaled norm there)
         bad = bad | (total == float("inf"))
-    tl.store(out, tl.where(bad, 1.0, 0.0))
     if CLIP:
         q = tl.math.div_rn(norm, tl.load(max_norm))
+        # scale / clip_coef past float32's range: an overflow, never a clean step divided by inf
+        bad = bad | (q == float("inf"))
         tl.store(out + 1, tl.where(bad, sc, tl.maximum(q, sc)))
     else:
         tl.store(out + 1, sc)
+    tl.store(out, tl.where(bad, 1.0, 0.0))
     tl.store(out + 2, total)
 
 

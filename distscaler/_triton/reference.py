@@ -27,6 +27,8 @@ from .tables import CONFIG, chunk_for
 
 __all__ = ["norm_bound", "slot_sums", "torch_pass"]
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
     """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
@@ -72,8 +74,11 @@ def torch_pass(
         stat[1] = torch.stack(sums).sum().float()
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
     if n_flags:  # the largest magnitudes: an empty tensor's is 0.0 (_foreach_norm raises)
-        maxima = torch._foreach_norm(tensors, 2.0) if mode == 2 else amax
-        per_tensor.copy_(torch.stack(maxima).float())
+        maxima = torch.stack(torch._foreach_norm(tensors, 2.0) if mode == 2 else amax)
+        # a finite statistic past float32's range saturates (an inf one is a tensor's inf/NaN)
+        finite = torch.stack([t.isfinite().all() for t in tensors])
+        maxima = torch.where(finite, maxima.clamp(max=_FLOAT32_MAX), maxima)
+        per_tensor.copy_(maxima.float())
     moments = torch.empty((n if primes else 0, 4), dtype=torch.int64, device=device)
     if primes is not None:
         for i, t in enumerate(tensors):
