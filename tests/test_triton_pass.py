@@ -648,7 +648,8 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     cfg = diag.CONFIG
     threads = 32 * cfg["num_warps"]
     vectors = sum(cfg["BLOCK"] * size // (threads * 16) for size in (4, 2, 2))  # f32, f16, bf16
-    read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False}
+    read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False,
+            "UNSCALED": True}  # fmt: skip
     write = {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}
     for moments in (False, True):
         found = diag.ptx_accesses(diag.compile_for_a_gpu("_read_kernel", {**read, "MOMENTS": moments}))
@@ -670,7 +671,7 @@ def test_the_fingerprint_keeps_32_warps_per_sm_in_the_read_kernel():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     cfg = diag.CONFIG
     consts = {"NORM": 2, "MOMENTS": True, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"],
-              "DYNAMIC": False}  # fmt: skip
+              "DYNAMIC": False, "UNSCALED": True}  # fmt: skip
     compiled = diag.compile_for_a_gpu("_read_kernel", consts)
     resources = diag.registers(compiled)
     if not resources:
@@ -689,7 +690,7 @@ def test_the_slot_sums_compile_to_relaxed_integer_reductions():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": diag.CONFIG["RT"],
               "FINISH": False, "CLIP": False, "AS_FLAGS": True, "NAN_AS": -1.0,
-              "INF_AS": -2.0}  # fmt: skip
+              "INF_AS": -2.0, "UNSCALED": False}  # fmt: skip
     with_slots = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
     without = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
     reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
