@@ -18,7 +18,8 @@ and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``
 = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. The kernel keeps its int32 sums per
 row of ``VW`` consecutive elements (16 bytes: 4 float32 or 8 16-bit elements, all held by one
 thread), tile position ``l = VW * row + col``, not per position: 62 registers per thread instead of
-124 on sm_90 (``launch/kernel_ptx.py``), so twice the warps fit an SM. Over ``INNER <= 128``
+124 on sm_90 (``launch/kernel_ptx.py``; 64 with the scaler's unscaling multiply, ``UNSCALED``,
+still 32 warps per SM), so twice the warps fit an SM. Over ``INNER <= 128``
 iterations ``it``, with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r``
 (``<= INNER * 2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col
 * u`` (``< INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the
