@@ -706,16 +706,16 @@ def _norm(
         total, per_tensor = stacked[0], stacked[1]
         a, b, c = state.counter_terms()
         zero = state.zero
-        # norm = T / scale, q = T / max_norm, F = T / inf (0, or NaN when T is inf/NaN), and
-        # the update's counters, in one multi-tensor op.
-        norm, q, nonfinite, *next_values = torch._foreach_addcdiv(
-            [zero, zero, zero, *a],
-            [total, total, total, *b],
-            [scale, max_norm_t, state.inf, *c],
+        # norm = T / scale, q = T / max_norm (grad_scale where it clips) and the update's
+        # counters, in one multi-tensor op.
+        norm, q, *next_values = torch._foreach_addcdiv(
+            [zero, zero, *a], [total, total, *b], [scale, max_norm_t, *c]
         )
         counters = state.next_counters(next_values)
         if plan.read_found_inf:  # others read it anyway
-            skipped = not math.isfinite(nonfinite.item())
+            # q is inf/NaN where T is (inf / inf is NaN: measuring only), and inf where
+            # scale / clip_coef passes float32's range: never a clean step divided by inf
+            skipped = not math.isfinite(q.item())
             found = state.one if skipped else state.zero
             grad_scale = scale if skipped else torch.fmax(q, scale)
             if not plan.fused:
@@ -740,9 +740,13 @@ def _norm(
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         coll.reduce_(local, op=op)
         norm = _p_norm(local, norm_type)
-        nonfinite_now = torch.logical_or(local[0] > 0, norm.isfinite().logical_not())
+        # scale / clip_coef, divided first: norm * scale overflows where the quotient does not.
+        # inf/NaN where the norm is, and inf where it passes float32's range: an overflow either
+        # way (never a clean step divided by inf); on a skip the gradients are only unscaled.
+        q = norm / max_norm_t * scale
+        nonfinite_now = torch.logical_or(local[0] > 0, q.isfinite().logical_not())
         found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
-        q = norm * scale / max_norm
+        q = torch.where(nonfinite_now, scale, q)
     grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
     if not plan.fused:
         _div_(grads, grad_scale)

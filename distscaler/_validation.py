@@ -84,9 +84,14 @@ def check_bool(name: str, value: object) -> bool:
 
 def check_clip(max_norm: object, norm_type: object) -> tuple[float, float]:
     """``clip_grad_norm_``'s arguments as floats: ``max_norm`` > 0 or inf (torch's "measure only":
-    the coefficient clamps to 1), ``norm_type`` > 0 or inf."""
+    the coefficient clamps to 1), ``norm_type`` > 0 or inf. A ``max_norm`` past float32's largest
+    value is taken as inf, as torch's ``clip_grad_norm_`` takes it (its float32 coefficient rounds
+    to inf and clamps to 1: it clips nothing); docs/pass-semantics.md."""
     if not is_real(max_norm) or not float(max_norm) > 0:  # type: ignore[arg-type]
         raise ValueError(f"max_norm must be a number > 0 or math.inf, got: {max_norm!r}")
     if not is_real(norm_type) or not float(norm_type) > 0:  # type: ignore[arg-type]
         raise ValueError(f"norm_type must be a number > 0 or math.inf, got: {norm_type!r}")
-    return float(max_norm), float(norm_type)  # type: ignore[arg-type]
+    clip = float(max_norm)  # type: ignore[arg-type]
+    if clip > FLOAT32_MAX:
+        clip = math.inf
+    return clip, float(norm_type)  # type: ignore[arg-type]

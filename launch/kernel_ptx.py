@@ -48,7 +48,8 @@ def main() -> None:
     print("| kernel | registers | spilled bytes | warps per SM | global loads and stores |")
     print("|---|---|---|---|---|")
     cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"],
-                               "INNER": cfg["INNER"], "DYNAMIC": False}, f"moments={m}")
+                               "INNER": cfg["INNER"], "DYNAMIC": False, "UNSCALED": True},
+              f"moments={m}")
              for m in (False, True)]  # fmt: skip
     cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
     for name, consts, what in cases:

@@ -18,7 +18,8 @@ and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``
 = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. The kernel keeps its int32 sums per
 row of ``VW`` consecutive elements (16 bytes: 4 float32 or 8 16-bit elements, all held by one
 thread), tile position ``l = VW * row + col``, not per position: 62 registers per thread instead of
-124 on sm_90 (``launch/kernel_ptx.py``), so twice the warps fit an SM. Over ``INNER <= 128``
+124 on sm_90 (``launch/kernel_ptx.py``; 64 with the scaler's unscaling multiply, ``UNSCALED``,
+still 32 warps per SM), so twice the warps fit an SM. Over ``INNER <= 128``
 iterations ``it``, with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r``
 (``<= INNER * 2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col
 * u`` (``< INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the
@@ -67,17 +68,23 @@ if TYPE_CHECKING:  # bound by `get_kernels()` in the kernels' own namespace
 # ``triton.language`` (milliseconds), which made 10,000 tiny tensors take minutes.
 
 
-def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.constexpr,
+def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM: tl.constexpr,
                  MOMENTS: tl.constexpr, BLOCK: tl.constexpr, INNER: tl.constexpr,
-                 DYNAMIC: tl.constexpr):  # fmt: skip
+                 DYNAMIC: tl.constexpr, UNSCALED: tl.constexpr):  # fmt: skip
     """Grid: one program per block (at most ``chunk`` elements of one tensor). Writes
     ``part_s[b]`` (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits),
     ``part_i[nb + b]`` (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A
     compiled branch per dtype and alignment: where the host found the block's first element
     16-byte aligned (the block table says so) it is stated to the compiler, and full tiles are
     read in 16-byte vectors (the module docstring's Alignment); a tile is masked only where it
-    passes the block's end."""
+    passes the block's end. ``UNSCALED`` (p = 1, 2): ``|x|`` is multiplied by float32's
+    ``1 / scale[0]`` before it is summed, so that the sum is of the unscaled gradients, as torch's
+    recipe sums them (docs/pass-semantics.md); the largest magnitude stays as held."""
     pid = tl.program_id(0)
+    if UNSCALED:
+        inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(scale))
+    else:
+        inv = tl.full([], 1.0, tl.float32)
     t = tl.load(blk + pid)
     e0 = tl.load(blk + num_blocks + pid)  # int64, as the address arithmetic below
     n_left = tl.load(blk + 2 * num_blocks + pid).to(tl.int32)  # the block's elements (<= chunk)
@@ -160,9 +167,14 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, NORM: tl.con
                     mx_acc = tl.maximum(mx_acc, abits)
                     if NORM == 2:
                         a = abits.to(tl.float32, bitcast=True)
+                        if UNSCALED:
+                            a = a * inv
                         s_acc += a * a
                     elif NORM == 1:
-                        s_acc += abits.to(tl.float32, bitcast=True)
+                        a = abits.to(tl.float32, bitcast=True)
+                        if UNSCALED:
+                            a = a * inv
+                        s_acc += a
                 if MOMENTS:  # the flush: int64 sums over the block's rows
                     w64 = w_acc.to(tl.int64)
                     u_f = tl.reduce(w64, 0, _SUM)
@@ -186,7 +198,8 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                    num_tensors, p1, p2, scale, max_norm, out, NORM: tl.constexpr,
                    PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr, SLOTS: tl.constexpr,
                    RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr,
-                   AS_FLAGS: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr):  # fmt: skip
+                   AS_FLAGS: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr,
+                   UNSCALED: tl.constexpr):  # fmt: skip
     """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
     them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments (with
     ``AS_FLAGS``, a NaN statistic written as ``NAN_AS`` and an inf one as ``INF_AS``: the overflow
@@ -219,7 +232,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
         tl.store(stat, flag)
         tl.store(stat + 1, s)
         if FINISH:
-            _finish_values(flag, s, scale, max_norm, out, NORM, CLIP)
+            _finish_values(flag, s, scale, max_norm, out, NORM, CLIP, UNSCALED)
     else:
         t = pid - 1
         b0 = tl.load(tab + 4 * num_tensors + t)
@@ -249,10 +262,15 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 c1 = (c1 + (k0 % p1) * u1 + (j % p1 + p1) % p1) % p1  # < 2**48 + 2**25
                 c2 = (c2 + (k0 % p2) * u2 + (j % p2 + p2) % p2) % p2
         if PER_TENSOR:
+            mx = tl.reduce(mx_acc, 0, _MAX)
+            big = mx.to(tl.float32, bitcast=True)  # the largest magnitude: inf/NaN as held
             if NORM == 2:
+                # a finite tensor whose float32 sum of squares overflows is not an inf one: its
+                # norm saturates at float32's largest value (docs/pass-semantics.md)
                 v = tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM))
+                v = tl.where(mx >= 0x7F800000, big, tl.minimum(v, 3.4028234663852886e38))
             else:
-                v = tl.reduce(mx_acc, 0, _MAX).to(tl.float32, bitcast=True)
+                v = big
             if AS_FLAGS:  # v >= 0, inf or NaN; above float32's largest finite value: inf
                 v = tl.where(v != v, NAN_AS, tl.where(v > 3.4028234663852886e38, INF_AS, v))
             tl.store(per_tensor + t, v)
@@ -363,13 +381,16 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexp
                     tl.store(ptr, out, mask=mask)
 
 
-def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
+def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr,
+                   UNSCALED: tl.constexpr):  # fmt: skip
     """Grid (1,): ``out = [found_inf, grad_scale, total_norm]`` from the reduced ``stat``."""
-    _finish_values(tl.load(stat), tl.load(stat + 1), scale, max_norm, out, NORM, CLIP)
+    _finish_values(tl.load(stat), tl.load(stat + 1), scale, max_norm, out, NORM, CLIP, UNSCALED)
 
 
-def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr):
-    """``out = [found_inf, grad_scale, total_norm]`` from the flag and the norm statistic."""
+def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr,
+                   UNSCALED: tl.constexpr):  # fmt: skip
+    """``out = [found_inf, grad_scale, total_norm]`` from the flag and the norm statistic (of
+    the unscaled gradients where ``UNSCALED`` and p = 1, 2; else of the scaled ones)."""
     sc = tl.load(scale)
     if NORM == 2:
         norm = tl.sqrt_rn(s)
@@ -377,19 +398,26 @@ def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.c
         norm = s * 0.0
     else:
         norm = s
-    total = tl.math.div_rn(norm, sc)
+    if UNSCALED and (NORM == 1 or NORM == 2):
+        total = norm
+    else:
+        total = tl.math.div_rn(norm, sc)
     bad = (flag > 0.0) | (norm != norm) | (norm == float("inf"))
     if NORM == 1 or NORM == 3:
         # p = 1, inf: the norm of the unscaled gradients too (a scale below 1 can take a finite
         # statistic past float32's range), as torch's path checks it; p = 2's sum of squares
         # overflows first (torch's path checks the scaled norm there)
         bad = bad | (total == float("inf"))
-    tl.store(out, tl.where(bad, 1.0, 0.0))
     if CLIP:
         q = tl.math.div_rn(norm, tl.load(max_norm))
+        if UNSCALED and (NORM == 1 or NORM == 2):
+            q = q * sc  # scale / clip_coef, divided first (norm * scale overflows first)
+        # scale / clip_coef past float32's range: an overflow, never a clean step divided by inf
+        bad = bad | (q == float("inf"))
         tl.store(out + 1, tl.where(bad, sc, tl.maximum(q, sc)))
     else:
         tl.store(out + 1, sc)
+    tl.store(out, tl.where(bad, 1.0, 0.0))
     tl.store(out + 2, total)
 
 

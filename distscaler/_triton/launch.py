@@ -56,6 +56,8 @@ class Finish:
     max_norm: torch.Tensor | None
     norm_type: float | None
     out: torch.Tensor  # float32 (3,), written
+    #: the statistic is of the unscaled gradients (the pass read them with ``unscale_by``)
+    unscaled: bool = False
 
 
 def grad_pass_impl(
@@ -68,22 +70,28 @@ def grad_pass_impl(
     finish: Finish | None = None,
     slots: Slots | None = None,
     as_flags: bool = False,
+    unscale_by: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
     ``finish.out`` by the reduction (no collective between them: one launch fewer); with
     ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``; with
     ``as_flags``, ``per_tensor`` as `distscaler.attribution.flag_tensors()` makes it of the
-    statistics, written so by the reduction."""
+    statistics, written so by the reduction; with ``unscale_by`` (the 0-dim float32 loss scale;
+    p = 1, 2), the norm statistic and the per-tensor 2-norms are of the gradients divided by it
+    (the scaler's phase: docs/pass-semantics.md)."""
     n = len(tensors)
     n_flags = n if flags else 0
     n_moments = n if primes is not None else 0
     dtypes, contiguous = describe(tensors)
+    unscaled = unscale_by is not None and mode in (1, 2)
     if torch.float64 in dtypes:
-        stat, per_tensor, moments = torch_pass(tensors, device, weights, mode, n_flags, primes)
+        stat, per_tensor, moments = torch_pass(tensors, device, weights, mode, n_flags, primes,
+                                               unscale_by if unscaled else None)  # fmt: skip
         if as_flags:
             per_tensor = flag_tensors(per_tensor)
         if finish is not None:
-            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type,
+                                         finish.unscaled))  # fmt: skip
         if slots is not None and primes is not None:
             slots.sums.add_(slot_sums(moments, slots.terms, primes))
         return stat, per_tensor, moments
@@ -95,10 +103,12 @@ def grad_pass_impl(
     if n == 0:
         stat.zero_()
         if finish is not None:
-            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type))
+            finish.out.copy_(finish_impl(stat, finish.scale, finish.max_norm, finish.norm_type,
+                                         finish.unscaled))  # fmt: skip
         return stat, per_tensor, moments
     tables = tables_of(tensors, dtypes, weights)
-    launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, as_flags)
+    launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, as_flags,
+                unscale_by if unscaled else None)  # fmt: skip
     return stat, per_tensor, moments
 
 
@@ -113,10 +123,12 @@ def launch_pass(
     finish: Finish | None = None,
     slots: Slots | None = None,
     as_flags: bool = False,
+    unscale_by: torch.Tensor | None = None,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place; with ``finish``, the
     reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums; with
-    ``as_flags``, ``per_tensor`` holds the overflow report's flags)."""
+    ``as_flags``, ``per_tensor`` holds the overflow report's flags; with ``unscale_by``, the sums
+    are of the gradients divided by it)."""
     k = runtime.get_kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
@@ -126,8 +138,10 @@ def launch_pass(
     if nb:
         k._read_kernel[(nb,)](
             tables.tab, tables.blk, part_s, part_i, nb, n,
+            part_s if unscale_by is None else unscale_by,
             NORM=mode, MOMENTS=primes is not None, BLOCK=CONFIG["BLOCK"],
-            INNER=CONFIG["INNER"], DYNAMIC=device.type != "cuda", num_warps=CONFIG["num_warps"],
+            INNER=CONFIG["INNER"], DYNAMIC=device.type != "cuda", UNSCALED=unscale_by is not None,
+            num_warps=CONFIG["num_warps"],
         )  # fmt: skip
     per_program = flags or primes is not None
     if finish is None:
@@ -142,7 +156,8 @@ def launch_pass(
         p1, p2, scale, max_norm, out, NORM=mode, PER_TENSOR=flags, MOMENTS=primes is not None,
         SLOTS=with_slots, RT=CONFIG["RT"], FINISH=finish is not None,
         CLIP=finish is not None and finish.max_norm is not None, AS_FLAGS=as_flags,
-        NAN_AS=NAN_CODE, INF_AS=INF_CODE, num_warps=4,
+        NAN_AS=NAN_CODE, INF_AS=INF_CODE, UNSCALED=finish is not None and finish.unscaled,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -183,13 +198,19 @@ def launch_scale(
 
 
 def finish_impl(
-    stat: torch.Tensor, scale: torch.Tensor, max_norm: torch.Tensor | None, norm_type: float | None
+    stat: torch.Tensor,
+    scale: torch.Tensor,
+    max_norm: torch.Tensor | None,
+    norm_type: float | None,
+    unscaled: bool = False,
 ) -> torch.Tensor:
-    """`finish()` without its checks: one launch, a fresh float32 ``(3,)``."""
+    """`finish()` without its checks: one launch, a fresh float32 ``(3,)``. ``unscaled``: the
+    statistic is of the unscaled gradients (p = 1, 2; `grad_pass_impl()`'s ``unscale_by``)."""
     out = torch.empty(3, dtype=torch.float32, device=stat.device)
     k = runtime.get_kernels(stat.device.type != "cuda")
     k._finish_kernel[(1,)](
         stat, scale, stat if max_norm is None else max_norm, out,
-        NORM=check_norm_type(norm_type), CLIP=max_norm is not None, num_warps=1,
+        NORM=check_norm_type(norm_type), CLIP=max_norm is not None, UNSCALED=unscaled,
+        num_warps=1,
     )  # fmt: skip
     return out

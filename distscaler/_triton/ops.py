@@ -86,7 +86,8 @@ class FinishResult:
     @property
     def total_norm(self) -> torch.Tensor:
         """The norm of the unscaled gradients, ``T / scale`` (``T``: the norm of the scaled ones,
-        ``norm_stat ** (1/p)``); 0.0 without a norm."""
+        ``norm_stat ** (1/p)``), or ``T`` itself where the statistic is of the unscaled
+        gradients (`phase()`, ``finish(unscaled=True)``); 0.0 without a norm."""
         return self.out[2]
 
 
@@ -101,6 +102,7 @@ def grad_pass(
     flags: bool = True,
     primes: Sequence[int] | None = None,
     device: torch.device | str | None = None,
+    unscale_by: torch.Tensor | None = None,
 ) -> PassResult:
     """Read every element of ``tensors`` once: the non-finite flag, the norm statistic, the
     per-tensor statistics and the replica checksum, in 2 launches (read + reduce).
@@ -114,6 +116,10 @@ def grad_pass(
         flags: compute ``per_tensor``.
         primes: ``(P1, P2)``, odd, below 2**24: compute ``moments``.
         device: where the outputs go when ``tensors`` is empty (default: the CPU).
+        unscale_by: the 0-dim float32 loss scale, or None: for p = 1 and 2, ``norm_stat`` and
+            the per-tensor 2-norms are of the tensors divided by it (the statistics of the
+            unscaled gradients, docs/pass-semantics.md), as `phase()` reads them; finish them
+            with ``finish(..., unscaled=True)``.
 
     Returns:
         `PassResult`: fresh tensors on the tensors' device.
@@ -122,14 +128,16 @@ def grad_pass(
         TypeError, ValueError: bad arguments (named), before anything is launched.
     """
     dev, mode, ps, ws = check_pass(tensors, norm_type, primes, weights, device)
+    check_float32(("unscale_by", unscale_by), device=dev)
     if torch.compiler.is_compiling() and OPS is not None:
         stat, per_tensor, moments = OPS.grad_pass(
             list(tensors), dev, None if ws is None else list(ws),
             None if norm_type is None else float(norm_type), flags,
-            None if ps is None else list(ps),
+            None if ps is None else list(ps), unscale_by,
         )  # fmt: skip
     else:
-        stat, per_tensor, moments = grad_pass_impl(list(tensors), dev, ws, mode, flags, ps)
+        stat, per_tensor, moments = grad_pass_impl(list(tensors), dev, ws, mode, flags, ps,
+                                                   unscale_by=unscale_by)  # fmt: skip
     return PassResult(
         stat,
         per_tensor if flags else None,
@@ -150,7 +158,7 @@ def _pass_finished(
 ) -> tuple[PassResult, FinishResult]:
     """`grad_pass()` and then `finish()` with no collective between them, the arguments checked
     as they check them: the reduction computes `finish()`'s values itself (2 launches; traced, one
-    custom op)."""
+    custom op). The statistics are of the unscaled gradients (``unscale_by=scale``)."""
     dev, mode, ps, ws = check_pass(tensors, norm_type, primes, weights, device)
     check_float32(("scale", scale), ("max_norm", max_norm), device=dev)
     nt = None if norm_type is None else float(norm_type)
@@ -160,8 +168,9 @@ def _pass_finished(
             None if ps is None else list(ps), scale, max_norm,
         )  # fmt: skip
     else:
-        fin = Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev))
-        stat, per_tensor, moments = grad_pass_impl(list(tensors), dev, ws, mode, flags, ps, fin)
+        fin = Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev), True)
+        stat, per_tensor, moments = grad_pass_impl(list(tensors), dev, ws, mode, flags, ps, fin,
+                                                   unscale_by=scale)  # fmt: skip
         out = fin.out
     taken = PassResult(stat, per_tensor if flags else None, moments if ps is not None else None,
                        norm_type is not None)  # fmt: skip
@@ -239,6 +248,7 @@ def finish(
     *,
     max_norm: torch.Tensor | None = None,
     norm_type: float | None = 2.0,
+    unscaled: bool = False,
 ) -> FinishResult:
     """From the all-reduced ``stat = [found, norm_stat]`` (float32 ``(2,)``), in one launch:
     ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, or ``T`` inf/NaN, or for p = 1 and inf
@@ -252,6 +262,9 @@ def finish(
         scale: 0-dim float32, the loss scale.
         max_norm: 0-dim float32 (clipping), or None.
         norm_type: the pass's ``norm_type`` (None: no norm; the total norm is 0.0).
+        unscaled: ``stat`` is of the unscaled gradients (`grad_pass()`'s ``unscale_by``; p = 1,
+            2): ``T`` is then the total norm itself, and ``grad_scale = max(scale, T / max_norm *
+            scale)``, divided first (the product overflows first).
     """
     check_float32(("stat", stat), ("scale", scale), ("max_norm", max_norm))
     if stat.shape != (2,):
@@ -259,9 +272,9 @@ def finish(
     check_norm_type(norm_type)
     nt = None if norm_type is None else float(norm_type)
     if torch.compiler.is_compiling() and OPS is not None:
-        out = OPS.finish(stat, scale, max_norm, nt)
+        out = OPS.finish(stat, scale, max_norm, nt, unscaled)
     else:
-        out = finish_impl(stat, scale, max_norm, nt)
+        out = finish_impl(stat, scale, max_norm, nt, unscaled)
     return FinishResult(out)
 
 
@@ -296,7 +309,10 @@ def phase(
     ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
     tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
     into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
-    ``reduce(stat, moments, sums)``. ``report_flags`` (with ``flags``):
+    ``reduce(stat, moments, sums)``. For p = 1 and 2 the pass reads the statistics of the
+    unscaled gradients (`grad_pass()`'s ``unscale_by=scale``: each magnitude multiplied by
+    float32's ``1 / scale`` before the sum, as torch's recipe sums them; docs/pass-semantics.md),
+    and the finish takes them so. ``report_flags`` (with ``flags``):
     ``per_tensor`` holds the overflow report's flags of the statistics
     (`distscaler.attribution.flag_tensors()`: a NaN one as ``NAN_CODE``, an inf one as
     ``INF_CODE``), written so by the reduction: no op more.
@@ -314,7 +330,7 @@ def phase(
                                          device)  # fmt: skip
         else:
             taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags,
-                              primes=primes, device=device)  # fmt: skip
+                              primes=primes, device=device, unscale_by=scale)  # fmt: skip
         if terms is not None and taken.moments is not None and primes is not None:
             sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
         if report_flags and taken.per_tensor is not None:
@@ -326,14 +342,15 @@ def phase(
         fin = None
         if reduce is None:
             nt = None if norm_type is None else float(norm_type)
-            fin = Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev))
+            fin = Finish(scale, max_norm, nt, torch.empty(3, dtype=torch.float32, device=dev),
+                         True)  # fmt: skip
             done = FinishResult(fin.out)
         slots = None
         if terms is not None and ps is not None:
             slots = Slots(terms, torch.zeros(4, dtype=torch.int64, device=dev))
             sums = slots.sums
         stat, per_tensor, moments = grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots,
-                                                    report_flags and flags)  # fmt: skip
+                                                    report_flags and flags, scale)  # fmt: skip
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:
@@ -344,7 +361,7 @@ def phase(
     if unscale is not None:
         write(ts, unscale, False, False)
     if done is None:
-        done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type)
+        done = finish(taken.stat, scale, max_norm=max_norm, norm_type=norm_type, unscaled=True)
     if clip:
         write(ts, done.grad_scale, True, factor_in_dtype)
     return taken, done
@@ -366,15 +383,16 @@ def _register_ops() -> Any:
             f"{lib}::grad_pass",
             mutates_args=(),
             schema="(Tensor[] tensors, Device device, float[]? weights, float? norm_type, "
-            "bool flags, int[]? primes) -> (Tensor, Tensor, Tensor)",
+            "bool flags, int[]? primes, Tensor? unscale_by=None) -> (Tensor, Tensor, Tensor)",
         )
-        def _grad_pass_op(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
+        def _grad_pass_op(tensors, device, weights, norm_type, flags, primes, unscale_by=None):  # type: ignore[no-untyped-def]
             mode = check_norm_type(norm_type)
             ps = None if primes is None else (int(primes[0]), int(primes[1]))
-            return grad_pass_impl(list(tensors), device, weights, mode, flags, ps)
+            return grad_pass_impl(list(tensors), device, weights, mode, flags, ps,
+                                  unscale_by=unscale_by)  # fmt: skip
 
         @_grad_pass_op.register_fake
-        def _grad_pass_fake(tensors, device, weights, norm_type, flags, primes):  # type: ignore[no-untyped-def]
+        def _grad_pass_fake(tensors, device, weights, norm_type, flags, primes, unscale_by=None):  # type: ignore[no-untyped-def]
             n = len(tensors)
             return (
                 torch.empty(2, dtype=torch.float32, device=device),
@@ -393,9 +411,9 @@ def _register_ops() -> Any:
             mode = check_norm_type(norm_type)
             ps = None if primes is None else (int(primes[0]), int(primes[1]))
             fin = Finish(scale, max_norm, norm_type, torch.empty(3, dtype=torch.float32,
-                                                                  device=device))  # fmt: skip
+                                                                  device=device), True)  # fmt: skip
             stat, per_tensor, moments = grad_pass_impl(list(tensors), device, weights, mode,
-                                                        flags, ps, fin)  # fmt: skip
+                                                        flags, ps, fin, unscale_by=scale)  # fmt: skip
             return stat, per_tensor, moments, fin.out
 
         @_pass_finished_op.register_fake
@@ -419,13 +437,14 @@ def _register_ops() -> Any:
         @torch.library.custom_op(
             f"{lib}::finish",
             mutates_args=(),
-            schema="(Tensor stat, Tensor scale, Tensor? max_norm, float? norm_type) -> Tensor",
+            schema="(Tensor stat, Tensor scale, Tensor? max_norm, float? norm_type, "
+            "bool unscaled=False) -> Tensor",
         )
-        def _finish_op(stat, scale, max_norm, norm_type):  # type: ignore[no-untyped-def]
-            return finish_impl(stat, scale, max_norm, norm_type)
+        def _finish_op(stat, scale, max_norm, norm_type, unscaled=False):  # type: ignore[no-untyped-def]
+            return finish_impl(stat, scale, max_norm, norm_type, unscaled)
 
         @_finish_op.register_fake
-        def _(stat, scale, max_norm, norm_type):  # type: ignore[no-untyped-def]
+        def _(stat, scale, max_norm, norm_type, unscaled=False):  # type: ignore[no-untyped-def]
             return stat.new_empty(3)
 
         return types.SimpleNamespace(grad_pass=_grad_pass_op, scale_=_scale_op, finish=_finish_op,

@@ -27,6 +27,8 @@ from .tables import CONFIG, chunk_for
 
 __all__ = ["norm_bound", "slot_sums", "torch_pass"]
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
     """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
@@ -53,8 +55,11 @@ def torch_pass(
     mode: int,
     n_flags: int,
     primes: tuple[int, int] | None,
+    unscale_by: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`grad_pass()`'s outputs with torch's ops (float64 gradients): several launches per tensor."""
+    """`grad_pass()`'s outputs with torch's ops (float64 gradients): several launches per tensor.
+    ``unscale_by`` (p = 1, 2): the sums and the per-tensor 2-norms of the tensors divided by it,
+    as the kernels' ``UNSCALED`` read gives them."""
     n = len(tensors)
     ws = [1.0] * n if weights is None else list(weights)
     stat = torch.zeros(2, dtype=torch.float32, device=device)
@@ -66,14 +71,21 @@ def torch_pass(
         stat[1] = torch.stack(amax).max().float()
         nan = torch.stack([t.isnan().any() for t in tensors]).any()
         stat[1] = torch.where(nan, torch.nan, stat[1])
-    elif mode in (1, 2):
+    inv = 1.0 if unscale_by is None else unscale_by.double().reciprocal().float().double()
+    if mode in (1, 2):
         p = 2 if mode == 2 else 1
-        sums = [(t.double().abs() ** p).sum() * w for t, w in zip(tensors, ws)]
+        sums = [((t.double().abs() * inv) ** p).sum() * w for t, w in zip(tensors, ws)]
         stat[1] = torch.stack(sums).sum().float()
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
     if n_flags:  # the largest magnitudes: an empty tensor's is 0.0 (_foreach_norm raises)
-        maxima = torch._foreach_norm(tensors, 2.0) if mode == 2 else amax
-        per_tensor.copy_(torch.stack(maxima).float())
+        if mode == 2:
+            maxima = torch.stack(torch._foreach_norm([t.double() * inv for t in tensors], 2.0))
+        else:
+            maxima = torch.stack(amax)
+        # a finite statistic past float32's range saturates (an inf one is a tensor's inf/NaN)
+        finite = torch.stack([t.isfinite().all() for t in tensors])
+        maxima = torch.where(finite, maxima.clamp(max=_FLOAT32_MAX), maxima)
+        per_tensor.copy_(maxima.float())
     moments = torch.empty((n if primes else 0, 4), dtype=torch.int64, device=device)
     if primes is not None:
         for i, t in enumerate(tensors):
