@@ -250,8 +250,11 @@ class _Collective:
         world = plan.world
         if not world.collective:
             return buffer
+        # one rank of no group (a check's collective at every step: `Check.every_step`)
+        alone = world.group is None and world.size == 1
         if not plan.contributions:
-            dist.all_reduce(buffer, op=op, group=world.group)
+            if not alone:
+                dist.all_reduce(buffer, op=op, group=world.group)
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
         parts = [
@@ -266,8 +269,9 @@ class _Collective:
         local = joint[:1].clone() if keep else None
         reduced: list[torch.Tensor] = []
         if plan.collective_op == "gather":
-            rows = joint.new_empty(world.size * joint.numel())
-            dist.all_gather_into_tensor(rows, joint, group=world.group)
+            rows = joint.new_empty(world.size * joint.numel()) if not alone else joint
+            if not alone:
+                dist.all_gather_into_tensor(rows, joint, group=world.group)
             table = rows.view(world.size, -1)
             buffer.copy_(table[:, :n].amax(0).view_as(buffer))
             start = n
@@ -276,13 +280,15 @@ class _Collective:
                 reduced.append(slots.amax(0) if c.combine == "max" else slots.sum(0))
                 start += c.numel
         else:
-            dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
+            if not alone:
+                dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
             buffer.copy_(joint[:n].view_as(buffer))
             if op == dist.ReduceOp.MAX:
                 buffer.clamp_(max=1.0)
             reduced = list(joint[n:].split([c.numel for c in plan.contributions]))
         for c, part in zip(plan.contributions, reduced):
-            reading = c.read(part, local if c.keeps_local_flag else None)
+            agreed = {"agreed": buffer} if getattr(c, "reads_agreed", False) else {}
+            reading = c.read(part, local if c.keeps_local_flag else None, **agreed)
             if reading is not None:
                 self.readings.append(reading)
         return buffer
