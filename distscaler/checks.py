@@ -27,6 +27,15 @@ exactly 0.0 or 1.0) holds the update on the device where it is 1.0, with no host
 scale and counters stay as they were, and the skip is counted by the check's `Check.count()`
 at the next host read. A check never moves the scale itself.
 
+**Two optional attributes** for a check that agrees beyond the scaler's group (torchft's other
+replica groups, `distscaler.integrations.torchft.TorchftCheck`): ``Check.every_step = True``
+issues the collective at every step, also at one rank of no group (nothing is reduced there; the
+contributions are still read), over a world treated as one whose membership changes (so the
+replica check, which never compares over such a group, is not due); ``Contribution.reads_agreed
+= True`` hands `Contribution.read()` the pass's reduced buffer as ``agreed=`` (the non-finite
+flag, and the norm statistic where the pass has one), which the reading may only raise, in place,
+before the pass reads it.
+
 How the slots combine (``Contribution.combine``): ``"sum"`` slots are summed over the group, in
 float32, so a check that needs exact sums keeps every partial sum an integer below ``2**24``;
 ``"max"`` slots take the group's maximum. Every rank of the group must add the same checks, in

@@ -2,7 +2,7 @@
 
 One line after the torchft objects are built (``Manager``, its ``DistributedDataParallel`` and
 ``OptimizerWrapper``); the loop is a ``GradScaler``'s, and ``scaler.step(optimizer)`` (never
-``optimizer.step()``) calls ``manager.should_commit()`` once per step, on skipped steps too:
+``optimizer.step()``) calls ``manager.should_commit()`` once per step, skipped or not:
 
 ```python
 from distscaler.integrations.torchft import install
@@ -10,38 +10,34 @@ from distscaler.integrations.torchft import install
 scaler = install(manager, optimizer, scaler=GradScaler("cuda", init_scale=2.0**16))
 ```
 
-How (the [torchft page](../integrations/torchft.md) says what it costs and what it finds):
-`install()` adds one [`Check`][distscaler.checks.Check] to the scaler, `TorchftCheck`. It rides
-the scaler's one collective inside the replica group at every step (``every_step``: also at one
-rank), and its reading, right after that collective, does torchft's part on every rank:
+`install()` adds one [`Check`][distscaler.checks.Check] to the scaler,
+[`TorchftCheck`][distscaler.integrations.torchft.TorchftCheck]. It rides the scaler's one
+collective inside the replica group at every step (``every_step``: also at one rank), and its
+reading, right after that collective, does torchft's part on every rank (the torchft page of
+the documentation gives the costs and the scenarios):
 
 * **Across replica groups**: one ``manager.allreduce(..., ReduceOp.MAX)`` of the group's agreed
-  non-finite flag and norm statistic, the replica ranks of the lowest and highest group that went
-  non-finite, and, with two or more participating groups, one row per group: its role and the
-  exact fingerprints (`_fingerprint`) of its averaged gradients (``replica_check_interval``) and,
-  at the first step where every group participates after a quorum change or a heal, of its
-  parameters, optimizer state and scaler state. The agreed flag and statistic become the MAX over
-  the groups (``reads_agreed``: an inf that appears after the average on one group skips every
-  group). The rows are compared on the host: a group that differs from the majority (a bad heal,
-  silently corrupted gradients) reports to torchft (``manager.report_error``) and does not commit
-  (skip cause ``replica_mismatch``, [`replica_divergence`][distscaler.integrations.torchft.FaultTolerantGradScaler.replica_divergence]).
+  non-finite flag and norm statistic (``reads_agreed``: raised in place to the groups' MAX, so an
+  inf that appears after the average on one group skips every group), the replica ranks of the
+  lowest and the highest group that went non-finite and, with two or more participating groups,
+  one row per group: its role and the exact fingerprints (`_fingerprint`) of its averaged
+  gradients (every ``replica_check_interval`` manager steps) and, at the first step where every
+  group participates after a quorum change or a heal, of its parameters, optimizer state and
+  scaler state. The rows are compared on the host: a group that differs (a bad heal, silently
+  corrupted gradients) reports to torchft and does not commit (skip cause ``replica_mismatch``).
 * **Commit**: then ``manager.should_commit()``. A step that does not commit is skipped (its
   found_inf forced to non-finite) and settles as skip cause ``not_committed``: the scale, the
   trackers and the policy's counters stay, as the manager leaves its step.
 * **Healing**: the scaler's ``state_dict`` is registered with the manager (``STATE_KEY``); with
   the async quorum the scaler takes its part of torchft's staged state at the step's first scaler
   call after the backward, so that a rejoiner unscales by the healed scale.
-* **A lone group** that holds inf/NaN after the average is named
-  ([`replica_overflow`][distscaler.integrations.torchft.FaultTolerantGradScaler.replica_overflow]);
-  with ``report_lone_replica=True`` it reports to torchft and heals while the others step.
 
 What it relies on in torchft 0.2.0 (pinned in the ``torchft`` extra): ``Manager.allreduce``
 (``reduce_op``; a healing group's tensor zeroed), ``should_commit``, ``report_error``,
 ``errored``, ``current_step``, ``participating_rank``, ``num_participants``,
-``register_state_dict_fn``, ``wait_quorum``, the private ``Manager._healing``,
-``Manager._quorum_id``, ``Manager._quorum_future``, ``Manager._replica_id``,
-``Manager._user_state_dicts``, ``Manager._pg.size()`` (the groups in the quorum) and
-``Manager._pending_state_dict`` (the async heal's staged state, ``{"user": {key: state}}``),
+``register_state_dict_fn``, ``wait_quorum``; the private ``Manager._healing``, ``_quorum_id``,
+``_quorum_future``, ``_replica_id``, ``_user_state_dicts``, ``_pg.size()`` (the groups in the
+quorum) and ``_pending_state_dict`` (the async heal's staged state, ``{"user": {key: state}}``);
 ``optim.OptimizerWrapper.optim``/``manager``. Not covered: LocalSGD/DiLoCo, the quantized
 all-reduce, DTensor gradients through torchft's ``ManagedDeviceMesh``.
 """
@@ -77,7 +73,7 @@ from .._replica.checksum import (
     word_moments,
 )
 from .._scaler import GradScaler
-from ..checks import Settlement
+from ..checks import Contribution, KernelPart, Reading, Settlement
 from ..errors import ReplicaMismatchError
 from ..replica_check import GPU_INTERVAL, ReplicaMismatch, ReplicaSet
 from ._scaler_arg import scaler_from_argument
@@ -102,28 +98,36 @@ logger = logging.getLogger(__name__)
 TESTED_TORCHFT = TESTED_VERSIONS["torchft"]
 #: The key of the scaler's state in torchft's healed state (``register_state_dict_fn``).
 STATE_KEY = "distscaler"
-#: Elements of the cross-replica found_inf: [flag or statistic, statistic, hi, lo].
-_CROSS_NUMEL = 4
-#: Encodes the lowest non-finite replica rank under a MAX (``_LO_BASE - (rank + 1)``); larger than
-#: any replica count.
-_LO_BASE = float(2**20)
 #: The parts of the state compared at the first step after a heal, in row order.
 STATE_PARTS = ("parameters", "optimizer", "scaler")
-#: Row roles: a group that did not heal since its last verified step (the reference), a group
-#: that healed (checked against the reference).
+#: Elements of the cross-replica found_inf: [flag or statistic, statistic, hi, lo].
+_CROSS_NUMEL = 4
+#: Encodes the lowest non-finite replica rank under a MAX (``_LO_BASE - (rank + 1)``).
+_LO_BASE = float(2**20)
+#: Row roles: a group that did not heal since its last verified step, a group that healed.
 _REFERENCE, _REJOINED = 1, 2
-#: The primes of the cross-replica fingerprints: the exchange is a MAX, so a slot never sums
-#: over groups and the largest primes of `moduli()` serve any number of groups (values below
-#: ``2**23``, exact in float32).
+#: The fingerprints' primes: the exchange is a MAX, so a slot never sums over groups and the
+#: largest primes of `moduli()` serve any number of groups (values below ``2**23``).
 _PRIMES = moduli(2)
-#: Scalers with a torchft check (install() once per scaler).
+#: Scalers with a torchft check (one per scaler).
 _INSTALLED: weakref.WeakSet[GradScaler] = weakref.WeakSet()
 
 
 class NonFiniteAfterAverage(RuntimeError):
     """Reported to torchft (``manager.report_error``) by the one replica group whose gradients were
     non-finite after the cross-replica average while every other group's were finite
-    (``report_lone_replica=True``): the group does not commit and heals from a peer."""
+    (``report_lone_replica=True``), or by a healing group whose own were: it does not commit and
+    heals from a peer."""
+
+
+class HealMismatch(RuntimeError):
+    """Reported to torchft by a replica group whose state, at its first step after a heal, differs
+    from the state of the groups it healed from: it does not commit and heals again."""
+
+
+class ReplicaGradientMismatch(RuntimeError):
+    """Reported to torchft by a replica group whose averaged gradients differed bit for bit from
+    the other participating groups' (every value finite): it does not commit that step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +135,13 @@ class ReplicaOverflow:
     """The replica group that alone held inf/NaN gradients after the average, at one step.
 
     Attributes:
-        step: the manager step (``manager.current_step()`` before the step) it happened at.
-        replica_rank: its participating replica rank in that step's quorum.
+        step: the manager step (``manager.current_step()`` before the step).
+        replica_rank: its participating replica rank in that step's quorum (-1: healing).
         this_group: whether it is the group of this process.
         num_participants: replica groups participating in that step.
         reported: whether it was reported to torchft (``report_lone_replica=True``, or a healing
             group): then that group did not commit and heals, and the others stepped.
-        healing: it was this group's heal step (its replica rank is then -1: torchft zeroes a
-            healing group's part, and its own gradients held inf/NaN after the average).
+        healing: it was this group's heal step (torchft zeroes a healing group's part).
     """
 
     step: int
@@ -157,11 +160,8 @@ class ReplicaOverflow:
                 "peer, the others stepped"
             )
         who = "this replica group" if self.this_group else f"replica group {self.replica_rank}"
-        then = (
-            "reported to torchft: it heals from a peer, the others stepped"
-            if self.reported
-            else "every group skipped the step"
-        )
+        then = ("reported to torchft: it heals from a peer, the others stepped" if self.reported
+                else "every group skipped the step")  # fmt: skip
         return (
             f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
             f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}"
@@ -175,8 +175,7 @@ class NotCommitted:
 
     Attributes:
         step: the manager step (``manager.current_step()`` before the step).
-        replica_id: this replica group's id as given to torchft's ``Manager`` (``replica_id=``),
-            None where torchft does not say.
+        replica_id: this replica group's id as given to torchft's ``Manager``, or None.
         num_participants: replica groups participating in that step's quorum.
         error: what this rank reported to torchft in that step (``manager.errored()``), None
             where another rank of the group did (should_commit is the group's answer).
@@ -197,36 +196,24 @@ class NotCommitted:
         )
 
 
-class HealMismatch(RuntimeError):
-    """Reported to torchft (``manager.report_error``) by a replica group whose state, at its first
-    step after a heal, differs from the state of the groups it healed from: it does not commit and
-    heals again at the next quorum."""
-
-
-class ReplicaGradientMismatch(RuntimeError):
-    """Reported to torchft by a replica group whose averaged gradients differed bit for bit from
-    the other participating groups' (every value finite): it does not commit that step."""
-
-
 @dataclass(frozen=True, slots=True)
 class ReplicaDivergence:
     """Participating replica groups whose values differed at one step, the same on every group
-    that compared them (see [`distscaler.integrations.torchft`][distscaler.integrations.torchft]).
+    that compared them.
 
     Attributes:
         step: the manager step (``manager.current_step()`` before the step).
         what: ``"healed state"`` (the first step after a heal: parameters, optimizer state and
             scaler state) or ``"gradients"`` (the averaged gradients, every value finite).
         replica_ranks: the participating replica ranks named: the groups that healed and differ
-            from the reference groups; else those that differ from the majority, and with no
-            majority (two groups) every group compared.
+            from the reference groups; else those that differ from the majority (with no
+            majority, every group compared).
         this_group: whether this process's group is named.
-        parts: the parts of the state that differed (``"parameters"``, ``"optimizer"``,
-            ``"scaler"``) as seen by this group against the reference; empty for gradients.
+        parts: the parts of the state that differed (``STATE_PARTS``) as seen by this group
+            against the reference; empty for gradients.
         num_participants: replica groups participating in that step.
-        reported: whether the named groups reported it to torchft (``manager.report_error``):
-            then they did not commit and heal again (or, for gradients with no majority, every
-            group retries the step), the others stepped.
+        reported: whether the named groups reported it to torchft: then they did not commit and
+            heal again (or retry the step), the others stepped.
     """
 
     step: int
@@ -258,49 +245,45 @@ class ReplicaDivergence:
         )
 
 
-
 @dataclass(slots=True)
 class _Step:
     """What the check knows about the current step (reset when the iteration ends)."""
 
-    #: The scaler's part of torchft's pending healed state was loaded before the check.
-    settled: bool = False
-    #: should_commit()'s answer, None before it is asked.
-    committed: bool | None = None
+    settled: bool = False  # the pending healed state was looked at (`settle_heal`)
+    committed: bool | None = None  # should_commit()'s answer, None before it is asked
     step: int = 0
     num_participants: int = 0
     replica_rank: int | None = None
-    #: The cross-replica found_inf (float32 (4,)) of this step, for `replica_overflow`.
-    cross: torch.Tensor | None = None
+    cross: torch.Tensor | None = None  # the cross-replica found_inf, for `replica_overflow`
     lone: ReplicaOverflow | None = None
-    #: The optimizer of the step's latest entry point (its state is what a heal check compares).
-    optimizer: torch.optim.Optimizer | None = None
-    #: A divergence this step found (it does not commit when it names this group).
-    divergence: ReplicaDivergence | None = None
-    #: This group compared its state (a heal check), and whether it passed (this group not
-    #: named), or a rejoined group was named (every group checks again at the next chance).
-    state_checked: bool = False
-    verified: bool = False
-    keep_due: bool = False
-    #: The participating replica ranks of the groups that healed, from the heal check's rows.
-    rejoined: set[int] | None = None
+    optimizer: torch.optim.Optimizer | None = None  # whose state a heal check compares
+    divergence: ReplicaDivergence | None = None  # this group does not commit when named
+    state_checked: bool = False  # a heal check ran
+    verified: bool = False  # this group passed it
+    keep_due: bool = False  # a rejoined group was named: every group checks again
+    rejoined: set[int] | None = None  # the participating replica ranks that healed
 
 
 class TorchftCheck:
-    """torchft's protocol as a [`Check`][distscaler.checks.Check] on the scaler's collective:
-    the cross-replica exchange and ``should_commit()`` in its reading (module docstring). Added
-    by [`install()`][distscaler.integrations.torchft.install]; one per scaler and manager."""
+    """torchft's protocol as a [`Check`][distscaler.checks.Check] on the scaler's collective: the
+    exchange across replica groups and ``should_commit()`` in its reading (module docstring).
+    Added by [`install()`][distscaler.integrations.torchft.install], one per scaler and manager;
+    it is its own contribution and reading (no slots inside the group: it reads the agreed
+    buffer)."""
 
-    #: The collective runs at every step, also at one rank: every group joins the exchange.
-    every_step = True
+    every_step = True  # every group joins the exchange at every step, also at one rank
+    numel: int = 0
+    combine: Literal["sum", "max"] = "sum"
+    keeps_local_flag: bool = False
+    kernel_part: KernelPart | None = None
+    reads_agreed = True  # raises the agreed flag and statistic in place to the groups' MAX
+    host_skip = False  # an uncommitted step skips on its forced found_inf
 
     def __init__(self, scaler: GradScaler, manager: Manager, report_lone_replica: bool = False):
-        self.scaler = scaler
-        self.manager = manager
-        self.report_lone = bool(report_lone_replica)
-        #: A healing group adds its own found_inf back to the exchange's (a test turns it off).
-        self.heal_counts_own = True
+        self.scaler, self.manager, self.report_lone = scaler, manager, bool(report_lone_replica)
+        self.heal_counts_own = True  # a healing group adds its own found_inf back (tests: off)
         self.state = _Step()
+        self.world: tuple[dist.ProcessGroup | None, int] = (None, 1)
         self.iteration = 0
         self.preloaded: Any = None
         self.pending_cross: tuple[torch.Tensor, int, int, int | None] | None = None
@@ -314,13 +297,47 @@ class TorchftCheck:
         self.on_mismatch: Any = "skip"
         self.host_reads = host_read_is_free(scaler.device_type)
 
-    # ------------------------------------------------------------------ the Check protocol
+    # ------------------------------------------------------------------ Check, Contribution, Reading
 
     def contribution(
         self, plan: Any, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
-    ) -> _Exchange:
-        self.state.optimizer = optimizer
-        return _Exchange(self, plan.world.group, plan.world.size)
+    ) -> Contribution | None:
+        self.state.optimizer, self.world = optimizer, (plan.world.group, plan.world.size)
+        return self
+
+    def local(
+        self,
+        params: tuple[torch.Tensor, ...],
+        grads: Sequence[torch.Tensor],
+        moments: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float32)
+
+    def read(
+        self,
+        reduced: torch.Tensor,
+        local_flag: torch.Tensor | None = None,
+        agreed: torch.Tensor | None = None,
+    ) -> Reading | None:
+        assert agreed is not None, "the scaler's collective hands the agreed buffer"
+        self.across(agreed)
+        return self
+
+    def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        return found_inf
+
+    def settle(self, found_inf: Callable[[], bool]) -> Settlement:
+        step = self.state
+        if step.committed is not False:
+            return Settlement()
+        if step.divergence is not None and step.divergence.this_group:
+            self.scaler.replica_ledger.skipped += 1
+            return Settlement("replica_mismatch", step.divergence)  # the scale stays
+        return Settlement("not_committed", step.lone or self.not_committed(step))
+
+    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+        return None
 
     def end_iteration(self, cause: str | None, optimizers: Sequence[Any] = ()) -> None:
         step, self.state = self.state, _Step()
@@ -333,8 +350,7 @@ class TorchftCheck:
             self.replica_divergence = step.divergence
         if step.state_checked:
             self.verify_due = self.verify_due and step.keep_due
-            if step.verified:
-                self.rejoined = False
+            self.rejoined = self.rejoined and not step.verified
 
     def count(self) -> list[tuple[int, str]]:
         return []  # every reading settles on the host
@@ -356,8 +372,7 @@ class TorchftCheck:
 
     def configure(self, config: Any) -> None:
         self.enabled, self.interval_setting = config.replica_check, config.replica_check_interval
-        self.param_interval = config.param_check_interval
-        self.on_mismatch = config.on_replica_mismatch
+        self.param_interval, self.on_mismatch = config.param_check_interval, config.on_replica_mismatch
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a torchft scaler holds its Manager: save its state_dict() instead")
@@ -365,14 +380,12 @@ class TorchftCheck:
     # ------------------------------------------------------------------ torchft's protocol
 
     def settle_heal(self) -> None:
-        """Once per step, before the first check: with the async quorum a healing group's staged
-        state is applied by torchft only inside should_commit(), after the check would have
-        unscaled by the stale scale. The scaler's part is taken now (the rest follows in
-        should_commit, before the optimizer steps)."""
-        step = self.state
-        if step.settled:
+        """Once per step, before the first check: with the async quorum torchft applies a healing
+        group's staged state only inside should_commit(), after the check would have unscaled by
+        the stale scale; the scaler's part is taken now (the rest follows in should_commit)."""
+        if self.state.settled:
             return
-        step.settled = True
+        self.state.settled = True
         manager = self.manager
         if getattr(manager, "_quorum_future", None) is None:
             return  # no quorum started (start_quorum / OptimizerWrapper.zero_grad not called)
@@ -388,23 +401,20 @@ class TorchftCheck:
     def load_healed(self, state: Any) -> None:
         """torchft's load function for ``STATE_KEY``: this group healed, so its next step where
         every group participates compares its state."""
-        self.rejoined = True
-        self.verify_due = True
+        self.rejoined = self.verify_due = True
         if state is self.preloaded:  # taken before the check (settle_heal)
             self.preloaded = None
-            return
-        self.scaler.load_state_dict(state)
+        else:
+            self.scaler.load_state_dict(state)
 
     def commit(self) -> bool:
         """``manager.should_commit()``, asked once per step."""
-        step = self.state
-        if step.committed is None:
-            step.committed = bool(self.manager.should_commit())
-            self.last_committed = step.committed
-        return step.committed
+        if self.state.committed is None:
+            self.state.committed = self.last_committed = bool(self.manager.should_commit())
+        return self.state.committed
 
     def lone_overflow(self) -> ReplicaOverflow | None:
-        """`replica_overflow`: the pending exchange read on the host (one read) when unread."""
+        """`replica_overflow`: a pending exchange read on the host (one read) first."""
         pending, self.pending_cross = self.pending_cross, None
         if pending is not None:
             cross, step, num_participants, replica_rank = pending
@@ -425,14 +435,13 @@ class TorchftCheck:
             error=None if error is None else repr(getattr(error, "original_exception", error)),
         )
 
-    def across(self, buffer: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> None:
-        """The agreement across replica groups, then should_commit: ``buffer`` (found_inf agreed
-        inside the replica group: a flag, or [flag or statistic, statistic]) becomes found_inf of
-        every participating group, forced to non-finite when the step does not commit. The same
-        exchange carries each participating group's row (`_rows`), compared on the host
-        (`_compare`); a group named there reports to torchft before should_commit."""
-        manager = self.manager
-        step = self.state
+    def across(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (found_inf agreed inside the replica group: a flag, or [flag or statistic,
+        statistic]) becomes found_inf of every participating group, forced to non-finite when the
+        step does not commit. The same exchange carries each participating group's row
+        (`_rows`), compared on the host (`_compare`); a group named reports to torchft before
+        should_commit."""
+        manager, step = self.manager, self.state
         flat = buffer.view(-1)
         numel = flat.numel()
         step.step = manager.current_step()
@@ -451,12 +460,10 @@ class TorchftCheck:
         parts = [values, ends] if numel == 2 else [values, values.new_zeros(2 - numel), ends]
         exchange = torch.cat([*parts, rows])  # (4 + num_participants * row width,)
         manager.allreduce(exchange, reduce_op=ReduceOp.MAX).wait()
-        cross = exchange[:_CROSS_NUMEL]  # [v0, v1, hi, lo]
-        step.cross = cross
+        cross = step.cross = exchange[:_CROSS_NUMEL]  # [v0, v1, hi, lo]
         if step.replica_rank is None and self.heal_counts_own:
-            # A healing group's part was zeroed in the exchange: its own gradients' flag is
-            # added back, so that it never steps on its own inf/NaN. It then does not commit and
-            # heals again at the next quorum, while the participants step on theirs.
+            # A healing group's part was zeroed: its own flag is added back, so that it never
+            # steps on its own inf/NaN; it then does not commit and heals again.
             cross[:numel] = torch.maximum(cross[:numel], values[:numel])
             if bool(bad):  # one host read, on a healing step only
                 step.lone = ReplicaOverflow(step.step, -1, True, step.num_participants,
@@ -466,6 +473,7 @@ class TorchftCheck:
         if grads_checked or state_checked:  # one host read of the rows
             finding = self._compare(step, exchange[_CROSS_NUMEL:].tolist(), grads_checked,
                                     state_checked)  # fmt: skip
+            group, size = self.world
             if size > 1:  # the group's ranks merge their findings (a MAX): each its own shard
                 merged = torch.tensor(finding, dtype=torch.float32, device=flat.device)
                 dist.all_reduce(merged, op=ReduceOp.MAX, group=group)
@@ -476,14 +484,11 @@ class TorchftCheck:
             lone = _lone(cross.tolist(), step.num_participants)  # the opt-in's host read
             if lone is not None:
                 mine = lone == step.replica_rank
-                step.lone = ReplicaOverflow(
-                    step.step, lone, mine, step.num_participants, reported=True
-                )
+                step.lone = ReplicaOverflow(step.step, lone, mine, step.num_participants, True)
                 if mine:
                     logger.warning("distscaler: %s", step.lone.describe())
                     manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
-                else:
-                    keep_own = True  # that group drops out; these gradients are finite
+                keep_own = not mine  # that group drops out; these gradients are finite
         if not keep_own:
             flat.copy_(cross[:numel])
         if not self.commit():
@@ -494,25 +499,20 @@ class TorchftCheck:
 
     def _note_quorum(self, step: _Step) -> None:
         # A heal check is due on every group from a quorum change or a step where some group of
-        # the quorum did not participate (it healed) until a step where every group participates:
-        # the same on every group that saw the same quorums (a new process starts due).
-        manager = self.manager
-        quorum = getattr(manager, "_quorum_id", None)
-        if (
-            quorum != self.seen_quorum
-            or step.replica_rank is None
-            or step.num_participants < _quorum_size(manager)
-        ):
+        # the quorum did not participate (it healed) until a step where every group participates.
+        quorum = getattr(self.manager, "_quorum_id", None)
+        if (quorum != self.seen_quorum or step.replica_rank is None
+                or step.num_participants < _quorum_size(self.manager)):  # fmt: skip
             self.verify_due = True
         self.seen_quorum = quorum
 
     def _rows(
         self, step: _Step, flat: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, bool, bool]:
-        """The rows of the exchange, float32 ``(num_participants * width,)``, this group's written
-        at its participating rank (empty below 2 participants), and whether it wrote its
-        gradients' and its state's fingerprints. ``bad``: this group's own found_inf (a group
-        holding inf/NaN sends no gradients' fingerprint: the overflow is the finding)."""
+        """The rows of the exchange (float32, one per participant, empty below 2), this group's
+        written at its participating rank: [role, gradients' fingerprint, the state's parts'],
+        each fingerprint plus 1 (0: absent); and whether it wrote its gradients' and its state's.
+        ``bad``: this group's found_inf (then no gradients' fingerprint: the overflow is it)."""
         n, fp = step.num_participants, _fingerprint_numel()
         width = 1 + (1 + len(STATE_PARTS)) * fp
         rows = flat.new_zeros(n * width if n >= 2 else 0, dtype=torch.float32)
@@ -526,24 +526,20 @@ class TorchftCheck:
             return rows, False, False
         row = rows[rank * width : (rank + 1) * width]
         row[0] = _REJOINED if self.rejoined else _REFERENCE
-        device = flat.device
         if grads_due:
-            grads = [
-                getattr(p.grad, "_local_tensor", p.grad)
-                for g in optimizer.param_groups
-                for p in g["params"]
-                if p.grad is not None
-            ]
-            row[1 : 1 + fp] = (_fingerprint(grads, device) + 1).mul_(1.0 - bad)
+            grads = [getattr(p.grad, "_local_tensor", p.grad)
+                     for g in optimizer.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
+            row[1 : 1 + fp] = (_fingerprint(grads, flat.device) + 1).mul_(1.0 - bad)
         if state_due:
-            row[1 + fp :] = torch.cat([_fingerprint(t, device) for t in self._state_parts(optimizer)]) + 1
+            parts = self._state_parts(optimizer)
+            row[1 + fp :] = torch.cat([_fingerprint(t, flat.device) for t in parts]) + 1
             step.state_checked = True
         return rows, grads_due, state_due
 
     def _state_parts(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-        # The tensors of the parts compared after a heal, in STATE_PARTS order: the parameters;
-        # the optimizer's state tensors and numbers (steps) and its param groups' settings
-        # (lr, betas...); the scaler's scale and growth tracker (its state_dict: one host read).
+        # STATE_PARTS' tensors: the parameters; the optimizer's state tensors and numbers (steps)
+        # and its param groups' settings (lr, betas...); the scaler's scale and growth tracker
+        # (its state_dict: one host read).
         params: list[torch.Tensor] = []
         optim: list[torch.Tensor] = []
         numbers: list[float] = []
@@ -565,61 +561,54 @@ class TorchftCheck:
     def _compare(
         self, step: _Step, host: list[float], grads_checked: bool, state_checked: bool
     ) -> list[float]:
-        """What this rank's rows show, as a finding the group's ranks merge with a MAX: float32
-        ``(2 n + 4,)`` host values, ``n`` participants: the groups named by the heal check (one
-        0/1 per participant), those named by the gradient check, the parts of the state that
-        differ (3), whether the heal check's named groups report (heal again)."""
+        """This rank's finding from the rows, merged over the group's ranks with a MAX: ``2 n + 4``
+        values for ``n`` participants: the groups the heal check names (0/1 each), those the
+        gradient check names, the state's parts that differ, whether the named groups report."""
         n, fp = step.num_participants, _fingerprint_numel()
         width = 1 + (1 + len(STATE_PARTS)) * fp
         rows = [host[i * width : (i + 1) * width] for i in range(n)]
         finding = [0.0] * (2 * n + len(STATE_PARTS) + 1)
-        me = step.replica_rank
         if state_checked:
-            state = {i: (int(r[0]), tuple(r[1 + fp :])) for i, r in enumerate(rows) if r[0] and r[1 + fp]}
+            state = {i: (int(r[0]), tuple(r[1 + fp :])) for i, r in enumerate(rows)
+                     if r[0] and r[1 + fp]}  # fmt: skip
             refs = {i: s for i, (role, s) in state.items() if role == _REFERENCE}
-            rejoined = {i for i, (role, _) in state.items() if role == _REJOINED}
+            step.rejoined = {i for i, (role, _) in state.items() if role == _REJOINED}
             reference = _majority(refs)
-            named = {i for i in rejoined if state[i][1] != reference}
+            named = {i for i in step.rejoined if state[i][1] != reference}
             reported = bool(named)  # a rejoined group heals again
             if not named and refs and reference is None:  # no rejoiner: references disagree
                 named, reported = set(refs), False  # no majority to heal from: reported only
             elif not named:
                 named = {i for i, s in refs.items() if s != reference}
-                reported = bool(named)  # a minority of three or more: it heals from the majority
-            step.rejoined = rejoined
+                reported = bool(named)  # a minority of three or more heals from the majority
             if named:
-                who = me if me in named else min(named)
+                me = step.replica_rank
+                mine = state[me if me in named else min(named)][1]
                 against = reference if reference is not None else next(
                     (state[i][1] for i in state if i not in named), None
                 )
-                mine = state[who][1]
                 for k in range(len(STATE_PARTS)):
                     part = slice(fp * k, fp * (k + 1))
-                    if against is None or mine[part] != against[part]:
-                        finding[2 * n + k] = 1.0
+                    finding[2 * n + k] = float(against is None or mine[part] != against[part])
                 for i in named:
                     finding[i] = 1.0
                 finding[-1] = float(reported)
-        if grads_checked:
-            grads = {i: tuple(r[1 : 1 + fp]) for i, r in enumerate(rows) if r[1] > 0}
-            for i in _outliers(grads):
-                finding[n + i] = 1.0
+        grads = {i: tuple(r[1 : 1 + fp]) for i, r in enumerate(rows) if grads_checked and r[1] > 0}
+        for i in _outliers(grads):
+            finding[n + i] = 1.0
         return finding
 
     def _act(self, step: _Step, finding: list[float], grads_checked: bool,
              state_checked: bool) -> None:  # fmt: skip
-        # The group's merged finding (the same on each of its ranks): counted, recorded and
-        # logged; a named group reports to torchft (it does not commit). The heal check's finding
-        # comes first: its gradients' difference follows from the states'.
-        n = step.num_participants
-        me = step.replica_rank
+        # The group's merged finding: counted, recorded, logged; a named group reports to
+        # torchft (it does not commit). The heal check's finding comes first.
+        n, me = step.num_participants, step.replica_rank
         ledger = self.scaler.replica_ledger
         ledger.checks += grads_checked
         ledger.param_checks += state_checked
         state_named = tuple(i for i in range(n) if finding[i] > 0)
         grad_named = tuple(i for i in range(n) if finding[n + i] > 0)
         if state_checked:
-            step.state_checked = True
             step.verified = me not in state_named
             step.keep_due = any(i in (step.rejoined or ()) for i in state_named)
         if state_named:
@@ -634,11 +623,9 @@ class TorchftCheck:
         step.divergence = found
         on_mismatch = self.on_mismatch
         mismatch = ReplicaMismatch(
-            self.iteration + 1,
-            "parameters" if found.what == "healed state" else "gradients",
-            found.replica_ranks,
-            action=on_mismatch if isinstance(on_mismatch, str) else "callback",
-        )
+            self.iteration + 1, "parameters" if found.what == "healed state" else "gradients",
+            found.replica_ranks, action=on_mismatch if isinstance(on_mismatch, str) else "callback",
+        )  # fmt: skip
         ledger.note_mismatch(mismatch)
         logger.warning("%s", found.describe())
         if found.this_group and found.reported:
@@ -650,71 +637,18 @@ class TorchftCheck:
             on_mismatch(mismatch)
 
 
-class _Exchange:
-    """The check's part of one step's collective: no slots of its own; its reading does the
-    exchange across groups on the agreed buffer (`Contribution`)."""
-
-    numel = 0
-    combine: Literal["sum", "max"] = "sum"
-    keeps_local_flag = False
-    kernel_part = None
-    #: read() takes the pass's agreed buffer and raises it in place to the groups' MAX.
-    reads_agreed = True
-
-    def __init__(self, check: TorchftCheck, group: dist.ProcessGroup | None, size: int):
-        self.check, self.group, self.size = check, group, size
-
-    def local(self, params: Any, grads: Any, moments: Any = None, sums: Any = None) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.float32)
-
-    def read(
-        self, reduced: torch.Tensor, local_flag: Any = None, agreed: torch.Tensor | None = None
-    ) -> _Outcome:
-        assert agreed is not None, "the scaler's collective hands the agreed buffer"
-        self.check.across(agreed, self.group, self.size)
-        return _Outcome(self.check, self.check.state)
-
-
-class _Outcome:
-    """The step's reading: a step torchft did not commit settles as a skip of its own cause
-    (``replica_mismatch`` when this group's divergence was named, else ``not_committed``); its
-    found_inf was already forced to non-finite, so the optimizer's step skips on it."""
-
-    host_skip = False
-
-    def __init__(self, check: TorchftCheck, step: _Step):
-        self.check, self.step = check, step
-
-    def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
-        return found_inf
-
-    def settle(self, found_inf: Callable[[], bool]) -> Settlement:
-        step = self.step
-        if step.committed is not False:
-            return Settlement()
-        if step.divergence is not None and step.divergence.this_group:
-            self.check.scaler.replica_ledger.skipped += 1
-            return Settlement("replica_mismatch", step.divergence)  # the scale stays
-        return Settlement("not_committed", step.lone or self.check.not_committed(step))
-
-    def close(self, update: int, found_inf: torch.Tensor, *, counted: bool) -> None:
-        return None
-
-
 class FaultTolerantGradScaler:
-    """The scaler [`install()`][distscaler.integrations.torchft.install] returns: the user's
-    [`distscaler.GradScaler`][distscaler.GradScaler] (every attribute and method of it, through
-    this object; ``scaler`` is that object) with a `TorchftCheck` added, plus what torchft's
-    loop needs: ``step()``/``unscale_()``/``clip_grad_norm_()`` take torchft's
-    ``OptimizerWrapper`` (they step the wrapped optimizer) and first take a pending healed scale,
-    and the torchft findings below."""
+    """What [`install()`][distscaler.integrations.torchft.install] returns: the user's
+    [`GradScaler`][distscaler.GradScaler] (``scaler``; every attribute and method of it, through
+    this object) with a [`TorchftCheck`][distscaler.integrations.torchft.TorchftCheck] added
+    (``check``), plus torchft's loop: ``unscale_``/``clip_grad_norm_``/``step`` take torchft's
+    ``OptimizerWrapper`` (they step the wrapped optimizer) and first take a pending healed scale."""
 
     def __init__(self, scaler: GradScaler, check: TorchftCheck) -> None:
-        self.scaler = scaler
-        self._check = check
+        self.scaler, self.check = scaler, check
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("scaler", "_check"):  # not set yet (unpickling)
+        if name in ("scaler", "check"):  # not set yet (unpickling)
             raise AttributeError(name)
         return getattr(self.scaler, name)
 
@@ -730,22 +664,14 @@ class FaultTolerantGradScaler:
         replica_group: dist.ProcessGroup | None = None,
         report_lone_replica: bool = False,
     ) -> FaultTolerantGradScaler:
-        """``scaler`` with a `TorchftCheck` on ``manager`` added (not copied: ``scaler`` itself
-        now agrees across replica groups); [`install()`][distscaler.integrations.torchft.install]
-        also registers its state with ``manager`` (healing) and the model.
-
-        Args:
-            scaler: a ``distscaler.GradScaler``; its ``process_group``, if any, is the replica
-                group's own group.
-            manager: the replica group's torchft ``Manager``.
-            replica_group: the ranks of this replica group: ``scaler.process_group`` or None.
-            report_lone_replica: see [`install()`][distscaler.integrations.torchft.install].
+        """``scaler`` with a ``TorchftCheck`` on ``manager`` added (not copied: ``scaler`` itself
+        now agrees across replica groups). ``replica_group``: None or ``scaler.process_group``
+        (the replica group's own group); ``report_lone_replica``: see `install()`.
 
         Raises:
             TypeError: ``scaler`` is not a ``distscaler.GradScaler``.
             ValueError: ``scaler`` is installed already; its process group is one of torchft's
-                (pass the replica group's own group) or not ``replica_group``. Nothing is changed
-                when it raises.
+                (pass the replica group's own group) or not ``replica_group``. Nothing changes.
 
         Cost: no collective, no host read.
         """
@@ -767,33 +693,25 @@ class FaultTolerantGradScaler:
         _INSTALLED.add(scaler)
         return cls(scaler, check)
 
-    # ------------------------------------------------------------------ the step
-
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """[`GradScaler.unscale_()`][distscaler.GradScaler.unscale_] after taking a pending healed
-        scale (async quorum)."""
+        """[`GradScaler.unscale_()`][distscaler.GradScaler.unscale_]."""
         self.scaler.unscale_(self._enter(optimizer))
 
     def clip_grad_norm_(
         self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """[`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] after taking a
-        pending healed scale; the norm is that of one replica group's averaged gradients (each value
-        once), inf when the step does not commit."""
+        """[`GradScaler.clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_]: the norm of one
+        replica group's averaged gradients (each value once), inf when the step does not commit."""
         return self.scaler.clip_grad_norm_(self._enter(optimizer), max_norm, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Step the (wrapped) optimizer only if torchft commits the step and no group found inf/NaN.
-
-        Calls ``manager.should_commit()`` exactly once per step, skipped or not (in the check's
-        reading). ``optimizer``: torchft's ``OptimizerWrapper`` (its wrapped optimizer is stepped;
-        never call the wrapper's own ``step``) or a plain optimizer.
-        """
+        """Step the (wrapped) optimizer only if torchft commits the step and no group found
+        inf/NaN; ``manager.should_commit()`` is called exactly once per step, skipped or not."""
         inner = self._enter(optimizer)
         if not self.scaler._enabled:  # no inf check: torchft's own protocol
-            return inner.step(*args, **kwargs) if self._check.commit() else None
+            return inner.step(*args, **kwargs) if self.check.commit() else None
         retval = self.scaler.step(inner, *args, **kwargs)
-        if self._check.state.committed is None:  # pragma: no cover - every enabled step reads it
+        if self.check.state.committed is None:  # pragma: no cover - every enabled step reads it
             raise RuntimeError("distscaler: the step ran without its inf check; should_commit() was not called")
         return retval
 
@@ -802,57 +720,49 @@ class FaultTolerantGradScaler:
         leaves the scale, trackers and counts as they were (the check's settlement)."""
         self.scaler.update(new_scale)
         if not self.scaler._enabled:
-            self._check.end_iteration(None)
+            self.check.end_iteration(None)
 
     def _enter(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self._check.settle_heal()
-        inner = _inner(optimizer)
-        self._check.state.optimizer = inner
+        self.check.settle_heal()
+        inner = optimizer.optim if isinstance(optimizer, OptimizerWrapper) else optimizer
+        self.check.state.optimizer = inner
         return inner
-
-    # ------------------------------------------------------------------ torchft's findings
 
     @property
     def last_step_committed(self) -> bool | None:
         """Whether torchft committed the last step (None before one). A step that did not commit
         did not change the parameters, the optimizer or the scaler."""
-        return self._check.last_committed
+        return self.check.last_committed
 
     @property
     def replica_overflow(self) -> ReplicaOverflow | None:
         """The replica group that alone held inf/NaN after the average, at the most recent step
-        where one did; None if none did. Reading it costs one host read when a step since the last
-        read has not been looked at (with ``report_lone_replica=True`` it is always current)."""
-        return self._check.lone_overflow()
+        where one did, else None. One host read when a step since the last read was not looked
+        at (with ``report_lone_replica=True`` it is always current)."""
+        return self.check.lone_overflow()
 
     @property
     def replica_divergence(self) -> ReplicaDivergence | None:
         """The most recent step where participating replica groups differed (a bad heal, or
-        averaged gradients that differ with every value finite); None if none did. No host read."""
-        return self._check.replica_divergence
+        averaged gradients that differ with every value finite), else None. No host read."""
+        return self.check.replica_divergence
 
     @property
     def manager(self) -> Manager:
         """The torchft ``Manager`` this scaler commits through."""
-        return self._check.manager
-
-    @property
-    def check(self) -> TorchftCheck:
-        """The `TorchftCheck` added to ``scaler``."""
-        return self._check
+        return self.check.manager
 
     @property
     def _heal_counts_own(self) -> bool:
-        return self._check.heal_counts_own
+        return self.check.heal_counts_own
 
     @_heal_counts_own.setter
     def _heal_counts_own(self, value: bool) -> None:
-        self._check.heal_counts_own = value
+        self.check.heal_counts_own = value
 
 
 def _quorum_size(manager: Manager) -> int:
-    # The replica groups in the quorum, participating or healing (the size of torchft's
-    # cross-replica process group).
+    # The replica groups in the quorum, participating or healing (torchft's cross-replica group).
     try:
         return int(manager._pg.size())
     except Exception:  # noqa: BLE001 - a group not configured yet: only the participants known
@@ -860,17 +770,14 @@ def _quorum_size(manager: Manager) -> int:
 
 
 def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The exact fingerprint of ``tensors`` read as one stream of 16-bit words: float32, each
-    value below ``2**23`` (`distscaler._replica.checksum`'s slots of one replica set of which this
-    group is the only member; today ``[A mod P1, A mod P2, B mod P1, B mod P2]``, ``A = sum w_k``,
-    ``B = sum k * w_k``). The integration's one use of the checksum: rows are sized from its
-    ``numel``. Tensors on another device are copied to ``device``. No host read."""
+    """The exact fingerprint of ``tensors`` read as one stream of 16-bit words, float32 values
+    below ``2**23``: the slots of `distscaler._replica.checksum` for one replica set of which
+    this group is the only member. The integration's one use of the checksum (the rows are sized
+    from its ``numel``). Tensors on another device are copied to ``device``. No host read."""
     tensors = [t.to(device) for t in tensors if t.is_floating_point() and t.numel()]
     if not tensors:  # nothing to read: the fingerprint of one zero word
         tensors = [torch.zeros(1, dtype=torch.bfloat16, device=device)]
     sizes = [t.numel() * t.element_size() // 2 for t in tensors]
-    # One replica set of which this group is the first member: coefficient 1, shift 0, so the
-    # slots are the plain sums of the concatenated words.
     sets: list[ReplicaSet | None] = [ReplicaSet((0, 1), 0)] * len(tensors)
     coefs, offsets, shift = layout_terms(sizes, sets, _PRIMES, device)
     moments = word_moments(tensors, _PRIMES, device)
@@ -880,13 +787,12 @@ def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
 
 @functools.cache
 def _fingerprint_numel() -> int:
-    # The fingerprint's size (the rows of the exchange are sized from it).
     return _fingerprint([], torch.device("cpu")).numel()
 
 
 def _collect(value: Any, tensors: list[torch.Tensor], numbers: list[float]) -> None:
-    # An optimizer setting or state entry: tensors as float64 where not floating point, numbers
-    # (bools, ints, floats, and tuples of them: betas) as float64; anything else is not compared.
+    # An optimizer setting or state entry: tensors (float64 where not floating point), numbers
+    # (bools, ints, floats, and tuples of them: betas); anything else is not compared.
     if isinstance(value, torch.Tensor):
         t = value.detach().reshape(-1)
         tensors.append(t if t.is_floating_point() else t.to(torch.float64))
@@ -921,10 +827,6 @@ def _lone(cross: list[float], num_participants: int) -> int | None:
     return int(hi) - 1
 
 
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer.optim if isinstance(optimizer, OptimizerWrapper) else optimizer
-
-
 def install(
     manager: Manager,
     optimizer: torch.optim.Optimizer | None = None,
@@ -942,26 +844,23 @@ def install(
         optimizer (OptimizerWrapper | Optimizer | None): torchft's ``OptimizerWrapper`` (checked to
             wrap ``manager``); pass it (or its wrapped optimizer) to ``scaler.step``.
         scaler: a ``distscaler.GradScaler`` (its ``process_group``, if any, is the replica group's
-            own group; the returned object is it, with the torchft check added:
-            [`from_scaler()`][distscaler.integrations.torchft.FaultTolerantGradScaler.from_scaler]),
-            a ``ScalerConfig``, a DeepSpeed config, or None (``GradScaler(device_type)``).
-        model (nn.Module | None): registered with ``scaler.register_model`` (parameter names in
-            the overflow report; DDP layouts for clipping).
+            own group; the torchft check is added to it), a ``ScalerConfig``, a DeepSpeed config,
+            or None (``GradScaler(device_type)``).
+        model (nn.Module | None): registered with ``scaler.register_model``.
         replica_group (ProcessGroup | None): the ranks of this replica group (an FSDP/TP group
             inside it): the process group of a scaler built here; a given scaler's must be it.
-            Default: the scaler's ``process_group``, else the default group once initialized
-            (the group's own ``torchrun``), else this process alone.
-        report_lone_replica (bool): report a group that alone holds inf/NaN after the average to
-            torchft (``manager.report_error``) so that it heals from a peer while the others step.
-            Default False: every group skips and backs off. One host read per step when True.
+            Default: the scaler's, else the default group once initialized, else this process.
+        report_lone_replica (bool): a group that alone holds inf/NaN after the average reports to
+            torchft and heals from a peer while the others step (one host read per step).
+            Default False: every group skips and backs off.
         device_type (str | None): the scaler's device type when ``scaler`` is not a GradScaler;
             default ``"cuda"`` when available, else ``"cpu"``.
 
     Raises:
         TypeError: ``manager`` is not a torchft ``Manager``; ``scaler`` of the wrong type.
         ValueError: ``optimizer`` wraps another manager; the scaler is installed already, or its
-            process group is one of torchft's (pass the replica group's own group) or not
-            ``replica_group``; the manager already holds a ``"distscaler"`` state.
+            process group is one of torchft's or not ``replica_group``; the manager already
+            holds a ``"distscaler"`` state.
     """
     if not isinstance(manager, Manager):
         raise TypeError(f"manager must be a torchft.Manager, got: {type(manager).__name__}")
@@ -982,7 +881,7 @@ def install(
     if built is None:
         built = GradScaler(device_type, process_group=replica_group)
     elif built is not scaler and replica_group is not None:  # built here from a config
-        built = GradScaler.from_config(built.config, process_group=replica_group)
+        built = GradScaler.from_config(built.config, device_type, process_group=replica_group)
     ft = FaultTolerantGradScaler.from_scaler(
         built, manager, replica_group=replica_group, report_lone_replica=report_lone_replica
     )  # refuses an installed scaler and a torchft group before anything changes
