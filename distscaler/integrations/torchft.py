@@ -1,45 +1,30 @@
 """torchft in fp16: replica groups that fail, rejoin and heal keep one loss scale and skip together.
 
-One line after the torchft objects are built (``Manager``, its ``DistributedDataParallel`` and
-``OptimizerWrapper``); the loop is a ``GradScaler``'s, and ``scaler.step(optimizer)`` (never
-``optimizer.step()``) calls ``manager.should_commit()`` once per step, skipped or not:
+``scaler = install(manager, optimizer, scaler=GradScaler("cuda"))`` after the torchft objects are
+built; the loop is a ``GradScaler``'s, with ``scaler.step(optimizer)`` (never ``optimizer.step()``).
+`install()` adds one [`Check`][distscaler.checks.Check],
+[`TorchftCheck`][distscaler.integrations.torchft.TorchftCheck], to the scaler. It rides the
+scaler's one collective inside the replica group at every step (``every_step``: also at one rank)
+and its reading, right after that collective, does on every rank what the torchft page of the
+documentation details (costs, scenarios):
 
-```python
-from distscaler.integrations.torchft import install
+* one ``manager.allreduce(..., ReduceOp.MAX)`` across replica groups of the agreed flag and norm
+  statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after
+  the average on one group skips every group), the lowest and highest replica rank that went
+  non-finite, and one row per participating group: the fingerprints (`_fingerprint`) of its
+  averaged gradients and, at the first step where every group participates after a quorum change
+  or a heal, of its parameters, optimizer state and scaler state, compared on the host (a group
+  that differs reports to torchft: skip cause ``replica_mismatch``);
+* then ``manager.should_commit()``, once per step: a step that does not commit is skipped (its
+  found_inf forced to non-finite) and settles as skip cause ``not_committed`` (the scale stays).
 
-scaler = install(manager, optimizer, scaler=GradScaler("cuda", init_scale=2.0**16))
-```
-
-`install()` adds one [`Check`][distscaler.checks.Check] to the scaler,
-[`TorchftCheck`][distscaler.integrations.torchft.TorchftCheck]. It rides the scaler's one
-collective inside the replica group at every step (``every_step``: also at one rank), and its
-reading, right after that collective, does torchft's part on every rank (the torchft page of
-the documentation gives the costs and the scenarios):
-
-* **Across replica groups**: one ``manager.allreduce(..., ReduceOp.MAX)`` of the group's agreed
-  non-finite flag and norm statistic (``reads_agreed``: raised in place to the groups' MAX, so an
-  inf that appears after the average on one group skips every group), the replica ranks of the
-  lowest and the highest group that went non-finite and, with two or more participating groups,
-  one row per group: its role and the exact fingerprints (`_fingerprint`) of its averaged
-  gradients (every ``replica_check_interval`` manager steps) and, at the first step where every
-  group participates after a quorum change or a heal, of its parameters, optimizer state and
-  scaler state. The rows are compared on the host: a group that differs (a bad heal, silently
-  corrupted gradients) reports to torchft and does not commit (skip cause ``replica_mismatch``).
-* **Commit**: then ``manager.should_commit()``. A step that does not commit is skipped (its
-  found_inf forced to non-finite) and settles as skip cause ``not_committed``: the scale, the
-  trackers and the policy's counters stay, as the manager leaves its step.
-* **Healing**: the scaler's ``state_dict`` is registered with the manager (``STATE_KEY``); with
-  the async quorum the scaler takes its part of torchft's staged state at the step's first scaler
-  call after the backward, so that a rejoiner unscales by the healed scale.
-
-What it relies on in torchft 0.2.0 (pinned in the ``torchft`` extra): ``Manager.allreduce``
-(``reduce_op``; a healing group's tensor zeroed), ``should_commit``, ``report_error``,
-``errored``, ``current_step``, ``participating_rank``, ``num_participants``,
-``register_state_dict_fn``, ``wait_quorum``; the private ``Manager._healing``, ``_quorum_id``,
-``_quorum_future``, ``_replica_id``, ``_user_state_dicts``, ``_pg.size()`` (the groups in the
-quorum) and ``_pending_state_dict`` (the async heal's staged state, ``{"user": {key: state}}``);
-``optim.OptimizerWrapper.optim``/``manager``. Not covered: LocalSGD/DiLoCo, the quantized
-all-reduce, DTensor gradients through torchft's ``ManagedDeviceMesh``.
+The scaler's ``state_dict`` travels with torchft's healed state (``STATE_KEY``); with the async
+quorum the scaler takes its part before the step's first check. It relies on torchft 0.2.0's
+``Manager.allreduce`` (``reduce_op``), ``should_commit``, ``report_error``, ``errored``,
+``current_step``, ``participating_rank``, ``num_participants``, ``register_state_dict_fn``,
+``wait_quorum``, the private ``_healing``, ``_quorum_id``, ``_quorum_future``, ``_replica_id``,
+``_user_state_dicts``, ``_pg.size()`` and ``_pending_state_dict``, and on
+``OptimizerWrapper.optim``/``manager``.
 """
 
 from __future__ import annotations
@@ -114,20 +99,16 @@ _INSTALLED: weakref.WeakSet[GradScaler] = weakref.WeakSet()
 
 
 class NonFiniteAfterAverage(RuntimeError):
-    """Reported to torchft (``manager.report_error``) by the one replica group whose gradients were
-    non-finite after the cross-replica average while every other group's were finite
-    (``report_lone_replica=True``), or by a healing group whose own were: it does not commit and
-    heals from a peer."""
+    """Reported to torchft by the one group non-finite after the average (``report_lone_replica``)
+    or by a healing group whose own gradients were: it does not commit and heals from a peer."""
 
 
 class HealMismatch(RuntimeError):
-    """Reported to torchft by a replica group whose state, at its first step after a heal, differs
-    from the state of the groups it healed from: it does not commit and heals again."""
+    """Reported to torchft by a group whose state after a heal differs from its peers'."""
 
 
 class ReplicaGradientMismatch(RuntimeError):
-    """Reported to torchft by a replica group whose averaged gradients differed bit for bit from
-    the other participating groups' (every value finite): it does not commit that step."""
+    """Reported to torchft by a group whose averaged gradients differ from its peers' (finite)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +120,7 @@ class ReplicaOverflow:
         replica_rank: its participating replica rank in that step's quorum (-1: healing).
         this_group: whether it is the group of this process.
         num_participants: replica groups participating in that step.
-        reported: whether it was reported to torchft (``report_lone_replica=True``, or a healing
-            group): then that group did not commit and heals, and the others stepped.
+        reported: reported to torchft: that group did not commit and heals, the others stepped.
         healing: it was this group's heal step (torchft zeroes a healing group's part).
     """
 
@@ -154,18 +134,14 @@ class ReplicaOverflow:
     def describe(self) -> str:
         """One line for a log."""
         if self.healing:
-            return (
-                f"this replica group held inf/NaN gradients after the cross-replica average in "
-                f"its heal step {self.step}; it does not step or commit and heals again from a "
-                "peer, the others stepped"
-            )
+            return (f"this replica group held inf/NaN gradients after the cross-replica average in "
+                    f"its heal step {self.step}; it does not step or commit and heals again from a "
+                    "peer, the others stepped")  # fmt: skip
         who = "this replica group" if self.this_group else f"replica group {self.replica_rank}"
         then = ("reported to torchft: it heals from a peer, the others stepped" if self.reported
                 else "every group skipped the step")  # fmt: skip
-        return (
-            f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
-            f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}"
-        )
+        return (f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
+                f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +164,10 @@ class NotCommitted:
 
     def describe(self) -> str:
         """One line for a log (the same on every rank of every group that did not commit)."""
-        return (
-            f"torchft did not commit step {self.step} on this replica group "
-            f"({self.num_participants} replica groups took part): one of its ranks reported an "
-            "error (manager.report_error), or too few replica groups took part; the scale did "
-            "not move and the group heals or retries at the next quorum"
-        )
+        return (f"torchft did not commit step {self.step} on this replica group "
+                f"({self.num_participants} replica groups took part): one of its ranks reported an "
+                "error (manager.report_error), or too few replica groups took part; the scale did "
+                "not move and the group heals or retries at the next quorum")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,18 +205,14 @@ class ReplicaDivergence:
             names = {"parameters": "parameters", "optimizer": "optimizer state",
                      "scaler": "scaler state"}  # fmt: skip
             parts = ", ".join(names[p] for p in self.parts) or "state"
-            return (
-                f"replica group(s) {who} (replica rank, of {self.num_participants}) differ in "
-                f"{parts} at step {self.step}, the first after their heal, from the groups they "
-                "healed from; "
-                + ("they do not commit and heal again" if self.reported else "reported only")
-            )
+            then = "they do not commit and heal again" if self.reported else "reported only"
+            return (f"replica group(s) {who} (replica rank, of {self.num_participants}) differ in "
+                    f"{parts} at step {self.step}, the first after their heal, from the groups they "
+                    f"healed from; {then}")  # fmt: skip
         then = "they do not commit" if self.reported else "reported only"
-        return (
-            f"the averaged gradients of replica group(s) {who} (replica rank, of "
-            f"{self.num_participants}) differ from the other groups' at step {self.step} "
-            f"(every value finite: a silent corruption); {then}"
-        )
+        return (f"the averaged gradients of replica group(s) {who} (replica rank, of "
+                f"{self.num_participants}) differ from the other groups' at step {self.step} "
+                f"(every value finite: a silent corruption); {then}")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -332,7 +302,6 @@ class TorchftCheck:
         if step.committed is not False:
             return Settlement()
         if step.divergence is not None and step.divergence.this_group:
-            self.scaler.replica_ledger.skipped += 1
             return Settlement("replica_mismatch", step.divergence)  # the scale stays
         return Settlement("not_committed", step.lone or self.not_committed(step))
 
@@ -342,6 +311,8 @@ class TorchftCheck:
     def end_iteration(self, cause: str | None, optimizers: Sequence[Any] = ()) -> None:
         step, self.state = self.state, _Step()
         self.iteration += 1
+        if cause == "replica_mismatch" and step.divergence is not None:
+            self.scaler.replica_ledger.skipped += 1  # once per iteration, whatever the optimizers
         if step.lone is not None:
             self.replica_overflow = step.lone
         elif step.cross is not None and not self.report_lone:
@@ -675,10 +646,10 @@ class FaultTolerantGradScaler:
 
         Cost: no collective, no host read.
         """
+        if not isinstance(scaler, GradScaler | FaultTolerantGradScaler):
+            raise TypeError(f"scaler must be a distscaler.GradScaler, got: {type(scaler).__name__}")
         if isinstance(scaler, FaultTolerantGradScaler) or scaler in _INSTALLED:
             raise ValueError("scaler is already installed on a torchft Manager")
-        if not isinstance(scaler, GradScaler):
-            raise TypeError(f"scaler must be a distscaler.GradScaler, got: {type(scaler).__name__}")
         own = scaler.process_group
         if own is not None and has_dynamic_membership(own):
             raise ValueError(
@@ -843,24 +814,24 @@ def install(
         manager (torchft.Manager): the replica group's manager.
         optimizer (OptimizerWrapper | Optimizer | None): torchft's ``OptimizerWrapper`` (checked to
             wrap ``manager``); pass it (or its wrapped optimizer) to ``scaler.step``.
-        scaler: a ``distscaler.GradScaler`` (its ``process_group``, if any, is the replica group's
-            own group; the torchft check is added to it), a ``ScalerConfig``, a DeepSpeed config,
-            or None (``GradScaler(device_type)``).
+        scaler: a ``distscaler.GradScaler`` (the check is added to it; its ``process_group``, if
+            any, is the replica group's own group), a ``ScalerConfig``, a DeepSpeed config, or
+            None (``GradScaler(device_type)``).
         model (nn.Module | None): registered with ``scaler.register_model``.
-        replica_group (ProcessGroup | None): the ranks of this replica group (an FSDP/TP group
-            inside it): the process group of a scaler built here; a given scaler's must be it.
-            Default: the scaler's, else the default group once initialized, else this process.
+        replica_group (ProcessGroup | None): this replica group's ranks (an FSDP/TP group inside
+            it): the process group of a scaler built here; a given scaler's must be it. Default:
+            the scaler's, else the default group once initialized, else this process alone.
         report_lone_replica (bool): a group that alone holds inf/NaN after the average reports to
-            torchft and heals from a peer while the others step (one host read per step).
-            Default False: every group skips and backs off.
-        device_type (str | None): the scaler's device type when ``scaler`` is not a GradScaler;
-            default ``"cuda"`` when available, else ``"cpu"``.
+            torchft and heals while the others step (one host read per step). Default False:
+            every group skips and backs off.
+        device_type (str | None): the device type of a scaler built here; default ``"cuda"`` when
+            available, else ``"cpu"``.
 
     Raises:
         TypeError: ``manager`` is not a torchft ``Manager``; ``scaler`` of the wrong type.
         ValueError: ``optimizer`` wraps another manager; the scaler is installed already, or its
-            process group is one of torchft's or not ``replica_group``; the manager already
-            holds a ``"distscaler"`` state.
+            process group is torchft's or not ``replica_group``; the manager holds a
+            ``"distscaler"`` state already.
     """
     if not isinstance(manager, Manager):
         raise TypeError(f"manager must be a torchft.Manager, got: {type(manager).__name__}")
