@@ -91,9 +91,6 @@ _CROSS_NUMEL = 4
 _LO_BASE = float(2**20)
 #: Row roles: a group that did not heal since its last verified step, a group that healed.
 _REFERENCE, _REJOINED = 1, 2
-#: The fingerprints' primes: the exchange is a MAX, so a slot never sums over groups and the
-#: largest primes of `moduli()` serve any number of groups (values below ``2**23``).
-_PRIMES = moduli(2)
 #: Scalers with a torchft check (one per scaler).
 _INSTALLED: weakref.WeakSet[GradScaler] = weakref.WeakSet()
 
@@ -749,10 +746,12 @@ def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
     if not tensors:  # nothing to read: the fingerprint of one zero word
         tensors = [torch.zeros(1, dtype=torch.bfloat16, device=device)]
     sizes = [t.numel() * t.element_size() // 2 for t in tensors]
+    # The exchange is a MAX: a slot never sums over groups, so the largest primes serve any number.
+    primes = moduli(2)
     sets: list[ReplicaSet | None] = [ReplicaSet((0, 1), 0)] * len(tensors)
-    coefs, offsets, shift = layout_terms(sizes, sets, _PRIMES, device)
-    moments = word_moments(tensors, _PRIMES, device)
-    slots, _ = fingerprint_slots(moments, offsets, coefs, shift, primes_tensor(_PRIMES, device))
+    coefs, offsets, shift = layout_terms(sizes, sets, primes, device)
+    moments = word_moments(tensors, primes, device)
+    slots, _ = fingerprint_slots(moments, offsets, coefs, shift, primes_tensor(primes, device))
     return slots.to(torch.float32)
 
 
