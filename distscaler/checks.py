@@ -33,8 +33,8 @@ issues the collective at every step, also at one rank of no group (nothing is re
 contributions are still read), over a world treated as one whose membership changes (so the
 replica check, which never compares over such a group, is not due); ``Contribution.reads_agreed
 = True`` hands `Contribution.read()` the pass's reduced buffer as ``agreed=`` (the non-finite
-flag, and the norm statistic where the pass has one), which the reading may only raise, in place,
-before the pass reads it.
+flag, and the norm statistic where the pass has one), which the reading may change in place
+before the pass reads it (torchft's raises it to the groups' MAX, or forces a skip).
 
 How the slots combine (``Contribution.combine``): ``"sum"`` slots are summed over the group, in
 float32, so a check that needs exact sums keeps every partial sum an integer below ``2**24``;
