@@ -252,8 +252,11 @@ class _Collective:
         world = plan.world
         if not world.collective:
             return buffer
+        # one rank of no group (a check's collective at every step: `Check.every_step`)
+        alone = world.group is None and world.size == 1
         if not plan.contributions:
-            dist.all_reduce(buffer, op=op, group=world.group)
+            if not alone:
+                dist.all_reduce(buffer, op=op, group=world.group)
             return buffer
         flat = [g for gs in self.grads.values() for g in gs]
         parts = [
@@ -268,10 +271,11 @@ class _Collective:
         local = joint[:1].clone() if keep else None
         reduced: list[torch.Tensor] = []
         if plan.collective_op == "gather":
-            rows = joint.new_empty(world.size * joint.numel())
-            # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(rows, joint, group=world.group)
+            rows = joint.new_empty(world.size * joint.numel()) if not alone else joint
+            if not alone:
+                # torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there)
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                gather(rows, joint, group=world.group)
             table = rows.view(world.size, -1)
             buffer.copy_(table[:, :n].amax(0).view_as(buffer))
             start = n
@@ -280,13 +284,15 @@ class _Collective:
                 reduced.append(slots.amax(0) if c.combine == "max" else slots.sum(0))
                 start += c.numel
         else:
-            dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
+            if not alone:
+                dist.all_reduce(joint, op=dist.ReduceOp.SUM, group=world.group)
             buffer.copy_(joint[:n].view_as(buffer))
             if op == dist.ReduceOp.MAX:
                 buffer.clamp_(max=1.0)
             reduced = list(joint[n:].split([c.numel for c in plan.contributions]))
         for c, part in zip(plan.contributions, reduced):
-            reading = c.read(part, local if c.keeps_local_flag else None)
+            reading = c.read(part, local if c.keeps_local_flag else None,
+                             buffer if c.reads_agreed else None)  # fmt: skip
             if reading is not None:
                 self.readings.append(reading)
         return buffer

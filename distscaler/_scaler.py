@@ -669,7 +669,11 @@ class GradScaler(torch.amp.GradScaler):
         # where the optimizer drives the scaler itself (torch's deprecated contract: a DRIVEN
         # plan).
         contract = step_contract(optimizer)
-        plan = plan_for(self._group.world(), contract, kernels=self._kernels,
+        world = self._group.world()
+        if not world.dynamic and any(check.every_step for check in self._checks):
+            # a check that agrees beyond the group (`Check.every_step`): a changing membership
+            world = world._replace(collective=True, dynamic=True)
+        plan = plan_for(world, contract, kernels=self._kernels,
                         host_reads=self._host_reads, periodic_read=self._attributing,
                         skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
         if plan.grad_pass is GradPass.DRIVEN:
@@ -956,6 +960,8 @@ class GradScaler(torch.amp.GradScaler):
             CallOrderError: called inside an iteration (an inf check is recorded).
         """
         missing = [name for name in _CHECK_METHODS if not callable(getattr(check, name, None))]
+        if not isinstance(getattr(check, "every_step", None), bool):
+            missing.append("every_step (a bool)")
         if missing:
             raise TypeError(
                 f"check must implement distscaler.checks.Check; {type(check).__name__} lacks: "

@@ -27,6 +27,16 @@ exactly 0.0 or 1.0) holds the update on the device where it is 1.0, with no host
 scale and counters stay as they were, and the skip is counted by the check's `Check.count()`
 at the next host read. A check never moves the scale itself.
 
+**A check that agrees beyond the scaler's group** (torchft's other replica groups: the
+`TorchftCheck` of [`distscaler.integrations.torchft`][distscaler.integrations.torchft]) declares
+two more things: ``Check.every_step`` (True: the collective runs at every step, also at one rank
+of no group, where nothing is reduced and the contributions are still read, over a world treated
+as one whose membership changes, so the replica check, which never compares over such a group, is
+not due) and ``Contribution.reads_agreed`` (True: `Contribution.read()` gets the pass's reduced
+buffer as ``agreed``, the non-finite flag and the norm statistic where the pass has one, which the
+reading may change in place before the pass reads it: torchft's raises it to the groups' MAX, or
+forces a skip). Every other check sets both to False.
+
 How the slots combine (``Contribution.combine``): ``"sum"`` slots are summed over the group, in
 float32, so a check that needs exact sums keeps every partial sum an integer below ``2**24``;
 ``"max"`` slots take the group's maximum. Every rank of the group must add the same checks, in
@@ -117,6 +127,8 @@ class Contribution(Protocol):
     keeps_local_flag: bool
     #: What the Triton pass computes for it in its read; None: `local()` reads the gradients.
     kernel_part: KernelPart | None
+    #: `read()` gets the pass's reduced buffer as ``agreed`` (module docstring).
+    reads_agreed: bool
 
     def local(
         self,
@@ -130,16 +142,26 @@ class Contribution(Protocol):
         (`kernel_part`), else None."""
         ...
 
-    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None) -> Reading | None:
+    def read(
+        self,
+        reduced: torch.Tensor,
+        local_flag: torch.Tensor | None = None,
+        agreed: torch.Tensor | None = None,
+    ) -> Reading | None:
         """What the reduced slots (float32 ``(numel,)``, the same on every rank) say: a `Reading`,
         or None when there is nothing to act on. ``local_flag``: this rank's non-finite flag
-        before the reduce, float32 ``(1,)``, where `keeps_local_flag`."""
+        before the reduce, float32 ``(1,)``, where `keeps_local_flag`; ``agreed``: the pass's
+        reduced buffer (the flag first), where `reads_agreed`."""
         ...
 
 
 class Check(Protocol):
     """A check the scaler holds for the whole run; every method is called on every rank of the
     scaler's group at the same point (module docstring's table)."""
+
+    #: The collective runs at every step, also at one rank (module docstring); False for a check
+    #: among the scaler's own ranks.
+    every_step: bool
 
     def contribution(
         self, plan: Any, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device

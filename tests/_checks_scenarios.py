@@ -48,6 +48,7 @@ class AmaxSlots:
     combine: Literal["sum", "max"] = "max"
     keeps_local_flag = False
     kernel_part: KernelPart | None = None
+    reads_agreed = False
 
     def __init__(self, check: AmaxCheck) -> None:
         self.check = check
@@ -63,12 +64,19 @@ class AmaxSlots:
         self.check.local.append(float(amax))
         return amax.reshape(1)
 
-    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None) -> AmaxReading:
+    def read(
+        self,
+        reduced: torch.Tensor,
+        local_flag: torch.Tensor | None = None,
+        agreed: torch.Tensor | None = None,
+    ) -> AmaxReading:
         return AmaxReading(self.check, float(reduced[0]))
 
 
 class AmaxCheck:
     """An FP8-style amax agreed across ranks at every step, riding the scaler's collective."""
+
+    every_step = False
 
     def __init__(self) -> None:
         self.local: list[float] = []

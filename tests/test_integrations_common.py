@@ -91,7 +91,7 @@ def test_torchft_from_scaler_takes_the_scaler_over_and_refuses_before_building()
     pytest.importorskip("torchft", reason="torchft (the torchft extra)")
     import torch.distributed as dist
 
-    from distscaler.integrations.torchft import CrossReplicaGroup, FaultTolerantGradScaler
+    from distscaler.integrations.torchft import FaultTolerantGradScaler
 
     scaler = GradScaler("cpu", init_scale=64.0, growth_interval=7, policy="megatron", hysteresis=2)
     manager = object()  # the constructor only keeps it
@@ -99,7 +99,9 @@ def test_torchft_from_scaler_takes_the_scaler_over_and_refuses_before_building()
     assert type(ft) is FaultTolerantGradScaler and type(scaler) is GradScaler
     assert ft.config == scaler.config and ft.get_scale() == 64.0
     assert ft.manager is manager and ft.last_step_committed is None and ft.replica_overflow is None
-    assert isinstance(ft._group.process_group, CrossReplicaGroup)
+    # the user's scaler itself agrees across groups: the torchft check added to it, no stand-in
+    # process group, nothing copied
+    assert ft.scaler is scaler and ft.check.scaler is scaler
     with pytest.raises(ValueError, match="already installed on a torchft Manager"):
         FaultTolerantGradScaler.from_scaler(ft, manager)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="scaler must be a distscaler.GradScaler"):

@@ -65,6 +65,8 @@ class ReplicaSlots:
     flag on the device (`DeferredReading`) for `ReplicaCheck.count()` and `ReplicaCheck.name()`."""
 
     combine: Literal["sum", "max"] = "sum"
+    #: It reads its own slots only.
+    reads_agreed = False
 
     def __init__(
         self,
@@ -178,7 +180,10 @@ class ReplicaSlots:
     # -- the reading
 
     def read(
-        self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None
+        self,
+        reduced: torch.Tensor,
+        local_flag: torch.Tensor | None = None,
+        agreed: torch.Tensor | None = None,
     ) -> MismatchReading | DeferredReading | None:
         """What the reduced slots show, counted in the ledger. At once (one host read): the
         mismatch as a `MismatchReading` (or None when the replicas agree), acted on (``"raise"``:
@@ -316,6 +321,9 @@ class ReplicaCheck:
     """The scaler's replica check (a `distscaler.checks.Check`): when it is due, its
     contribution to the step's collective, its readings' later count and naming, the ledger. See
     [`distscaler.replica_check`][distscaler.replica_check]; the settings are `ScalerConfig`'s."""
+
+    #: It compares the scaler's own ranks, at its own cadence.
+    every_step = False
 
     def __init__(
         self,
