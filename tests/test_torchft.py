@@ -314,18 +314,18 @@ def test_a_good_heal_is_verified_and_a_flip_after_it_is_found_across_groups(heal
         assert last["ledger"]["replica_checks"] >= 3  # gradients compared at every step (CPU)
 
 
-def test_the_state_fingerprint_catches_one_flip_and_a_cancelling_pair():
-    """The heal check's fingerprint (the replica check's exact moments over one stream of
+def test_the_state_checksum_catches_one_flip_and_a_cancelling_pair():
+    """The heal check's checksum (the replica check's exact moments over one stream of
     words): one flipped bit anywhere, and two flips of the same bit in opposite directions (which
     a plain sum of words cancels), in one tensor or across two, change it."""
     import torch
 
-    from distscaler.integrations.torchft import _fingerprint
+    from distscaler.integrations.torchft import _checksum
 
     cpu = torch.device("cpu")
     a = torch.linspace(-3, 3, 300)
     b = torch.linspace(1, 2, 77, dtype=torch.float64)
-    base = _fingerprint([a, b], cpu)
+    base = _checksum([a, b], cpu)
 
     def flipped(t: torch.Tensor, i: int, bit: int) -> torch.Tensor:
         t = t.clone()
@@ -334,21 +334,21 @@ def test_the_state_fingerprint_catches_one_flip_and_a_cancelling_pair():
         return t
 
     for i, bit in [(0, 0), (17, 15), (599, 7)]:
-        assert not torch.equal(_fingerprint([flipped(a, i, bit), b], cpu), base)
+        assert not torch.equal(_checksum([flipped(a, i, bit), b], cpu), base)
     # Same bit, opposite directions: word 2 has bit 3 clear, word 40 has it set (constructed).
     c = a.clone()
     w = c.view(torch.int16)
     w[2] &= ~(1 << 3)
     w[40] |= 1 << 3
-    ref = _fingerprint([c, b], cpu)
+    ref = _checksum([c, b], cpu)
     d = c.clone()
     d.view(torch.int16)[2] |= 1 << 3
     d.view(torch.int16)[40] &= ~(1 << 3)
     assert int(d.view(torch.int16).sum()) == int(c.view(torch.int16).sum())  # a plain sum cancels
-    assert not torch.equal(_fingerprint([d, b], cpu), ref)
+    assert not torch.equal(_checksum([d, b], cpu), ref)
     e = b.clone()
     e.view(torch.int16)[5] ^= 1 << 3
-    assert not torch.equal(_fingerprint([flipped(c, 2, 3), e], cpu), ref)
+    assert not torch.equal(_checksum([flipped(c, 2, 3), e], cpu), ref)
 
 
 # ---------------------------------------------------------------------- the core, outside torchft

@@ -11,7 +11,7 @@ documentation details (costs, scenarios):
 * one ``manager.allreduce(..., ReduceOp.MAX)`` across replica groups of the agreed flag and norm
   statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after
   the average on one group skips every group), the lowest and highest replica rank that went
-  non-finite, and one row per participating group: the fingerprints (`_fingerprint`) of its
+  non-finite, and one row per participating group: the checksums (`_checksum`) of its
   averaged gradients and, at the first step where every group participates after a quorum change
   or a heal, of its parameters, optimizer state and scaler state, compared on the host (a group
   that differs reports to torchft: skip cause ``replica_mismatch``);
@@ -476,10 +476,10 @@ class TorchftCheck:
         self, step: _Step, flat: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, bool, bool]:
         """The rows of the exchange (float32, one per participant, empty below 2), this group's
-        written at its participating rank: [role, gradients' fingerprint, the state's parts'],
-        each fingerprint plus 1 (0: absent); and whether it wrote its gradients' and its state's.
-        ``bad``: this group's found_inf (then no gradients' fingerprint: the overflow is it)."""
-        n, fp = step.num_participants, _fingerprint_numel()
+        written at its participating rank: [role, gradients' checksum, the state's parts'],
+        each checksum plus 1 (0: absent); and whether it wrote its gradients' and its state's.
+        ``bad``: this group's found_inf (then no gradients' checksum: the overflow is it)."""
+        n, fp = step.num_participants, _checksum_numel()
         width = 1 + (1 + len(STATE_PARTS)) * fp
         rows = flat.new_zeros(n * width if n >= 2 else 0, dtype=torch.float32)
         rank, optimizer = step.replica_rank, step.optimizer
@@ -495,10 +495,10 @@ class TorchftCheck:
         if grads_due:
             grads = [getattr(p.grad, "_local_tensor", p.grad)
                      for g in optimizer.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
-            row[1 : 1 + fp] = (_fingerprint(grads, flat.device) + 1).mul_(1.0 - bad)
+            row[1 : 1 + fp] = (_checksum(grads, flat.device) + 1).mul_(1.0 - bad)
         if state_due:
             parts = self._state_parts(optimizer)
-            row[1 + fp :] = torch.cat([_fingerprint(t, flat.device) for t in parts]) + 1
+            row[1 + fp :] = torch.cat([_checksum(t, flat.device) for t in parts]) + 1
             step.state_checked = True
         return rows, grads_due, state_due
 
@@ -530,7 +530,7 @@ class TorchftCheck:
         """This rank's finding from the rows, merged over the group's ranks with a MAX: ``2 n + 4``
         values for ``n`` participants: the groups the heal check names (0/1 each), those the
         gradient check names, the state's parts that differ, whether the named groups report."""
-        n, fp = step.num_participants, _fingerprint_numel()
+        n, fp = step.num_participants, _checksum_numel()
         width = 1 + (1 + len(STATE_PARTS)) * fp
         rows = [host[i * width : (i + 1) * width] for i in range(n)]
         finding = [0.0] * (2 * n + len(STATE_PARTS) + 1)
@@ -735,13 +735,13 @@ def _quorum_size(manager: Manager) -> int:
         return manager.num_participants()
 
 
-def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The exact fingerprint of ``tensors`` read as one stream of 16-bit words, float32 values
+def _checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The exact checksum of ``tensors`` read as one stream of 16-bit words, float32 values
     below ``2**23``: the slots of `distscaler._replica.checksum` for one replica set of which
     this group is the only member. The integration's one use of the checksum (the rows are sized
     from its ``numel``). Tensors on another device are copied to ``device``. No host read."""
     tensors = [t.to(device) for t in tensors if t.is_floating_point() and t.numel()]
-    if not tensors:  # nothing to read: the fingerprint of one zero word
+    if not tensors:  # nothing to read: the checksum of one zero word
         tensors = [torch.zeros(1, dtype=torch.bfloat16, device=device)]
     sizes = [t.numel() * t.element_size() // 2 for t in tensors]
     # The exchange is a MAX: a slot never sums over groups, so the largest primes serve any number.
@@ -754,8 +754,8 @@ def _fingerprint(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
 
 
 @functools.cache
-def _fingerprint_numel() -> int:
-    return _fingerprint([], torch.device("cpu")).numel()
+def _checksum_numel() -> int:
+    return _checksum([], torch.device("cpu")).numel()
 
 
 def _collect(value: Any, tensors: list[torch.Tensor], numbers: list[float]) -> None:
@@ -771,20 +771,20 @@ def _collect(value: Any, tensors: list[torch.Tensor], numbers: list[float]) -> N
             _collect(v, tensors, numbers)
 
 
-def _majority(fingerprints: dict[int, tuple[float, ...]]) -> tuple[float, ...] | None:
+def _majority(checksums: dict[int, tuple[float, ...]]) -> tuple[float, ...] | None:
     # The value more than half of them hold, else None.
-    if not fingerprints:
+    if not checksums:
         return None
-    value, count = collections.Counter(fingerprints.values()).most_common(1)[0]
-    return value if count * 2 > len(fingerprints) else None
+    value, count = collections.Counter(checksums.values()).most_common(1)[0]
+    return value if count * 2 > len(checksums) else None
 
 
-def _outliers(fingerprints: dict[int, tuple[float, ...]]) -> set[int]:
+def _outliers(checksums: dict[int, tuple[float, ...]]) -> set[int]:
     # Those that differ from the majority; with no majority, all of them; none when all agree.
-    if len(set(fingerprints.values())) <= 1:
+    if len(set(checksums.values())) <= 1:
         return set()
-    majority = _majority(fingerprints)
-    return {i for i, fp in fingerprints.items() if fp != majority}
+    majority = _majority(checksums)
+    return {i for i, fp in checksums.items() if fp != majority}
 
 
 def _lone(cross: list[float], num_participants: int) -> int | None:
