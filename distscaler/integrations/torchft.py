@@ -269,6 +269,7 @@ class TorchftCheck:
     def contribution(
         self, plan: Any, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
     ) -> Contribution | None:
+        """Itself, at every step (no slots: it reads the agreed buffer); `Check.contribution()`."""
         self.state.optimizer, self.world = optimizer, (plan.world.group, plan.world.size)
         return self
 
@@ -279,6 +280,7 @@ class TorchftCheck:
         moments: torch.Tensor | None = None,
         sums: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """No slots of its own: an empty float32 tensor."""
         return torch.zeros(0, dtype=torch.float32)
 
     def read(
@@ -287,14 +289,19 @@ class TorchftCheck:
         local_flag: torch.Tensor | None = None,
         agreed: torch.Tensor | None = None,
     ) -> Reading | None:
+        """The exchange across replica groups and ``should_commit()``, on the agreed buffer, which
+        it raises in place to the groups' MAX (or forces to a skip); returns itself."""
         assert agreed is not None, "the scaler's collective hands the agreed buffer"
         self.across(agreed)
         return self
 
     def step_flag(self, found_inf: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+        """What the step takes: the agreed ``found_inf`` as the exchange left it."""
         return found_inf
 
     def settle(self, found_inf: Callable[[], bool]) -> Settlement:
+        """An uncommitted step: ``replica_mismatch`` where this group was named, else
+        ``not_committed`` (the scale stays); nothing of its own otherwise."""
         step = self.state
         if step.committed is not False:
             return Settlement()
@@ -303,9 +310,12 @@ class TorchftCheck:
         return Settlement("not_committed", step.lone or self.not_committed(step))
 
     def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
+        """Nothing to keep: the exchange was read at the step."""
         return None
 
     def end_iteration(self, cause: str | None, optimizers: Sequence[Any] = ()) -> None:
+        """Keep what the step found (a lone overflow, a divergence, a verified heal) for the
+        properties and the next step."""
         step, self.state = self.state, _Step()
         self.iteration += 1
         if step.lone is not None:
@@ -319,24 +329,32 @@ class TorchftCheck:
             self.rejoined = self.rejoined and not step.verified
 
     def count(self) -> list[tuple[int, str]]:
+        """Nothing waits on the device: no skips to count later."""
         return []  # every reading settles on the host
 
     def name(self) -> tuple[list[tuple[int, Any]], Exception | None]:
+        """Nothing to name later: the exchange named the groups at the step."""
         return [], None
 
     def note_overflow(self, step: int, ranks: set[int]) -> None:
+        """Nothing: the replica check's ledger counts overflow reports."""
         return None
 
     def at_fault(self) -> tuple[str, ...]:
+        """Nothing: a collapse report names the ranks the scaler's own checks named."""
         return ()
 
     def nonfinite_seen(self) -> bool:
+        """False: the heal check reports what differs through its divergence."""
         return False
 
     def forget(self) -> None:
+        """Nothing waits across a loaded state."""
         return None
 
     def configure(self, config: Any) -> None:
+        """The replica check's settings of ``config`` (cadence, parameter check,
+        ``on_replica_mismatch``) for the comparison across groups."""
         self.enabled, self.interval_setting = config.replica_check, config.replica_check_interval
         self.param_interval, self.on_mismatch = config.param_check_interval, config.on_replica_mismatch
 
@@ -392,6 +410,7 @@ class TorchftCheck:
         return self.replica_overflow
 
     def not_committed(self, step: _Step) -> NotCommitted:
+        """The report of a step this group did not commit (`NotCommitted`)."""
         error = self.manager.errored()
         replica_id = getattr(self.manager, "_replica_id", None)  # torchft: "<replica_id>:<uuid>"
         return NotCommitted(
