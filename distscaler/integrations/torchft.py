@@ -307,7 +307,7 @@ class TorchftCheck:
             return Settlement()
         if step.divergence is not None and step.divergence.this_group:
             return Settlement("replica_mismatch", step.divergence)  # the scale stays
-        return Settlement("not_committed", step.lone or self.not_committed(step))
+        return Settlement("not_committed", step.lone or self._not_committed(step))
 
     def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
         """Nothing to keep: the exchange was read at the step."""
@@ -409,7 +409,7 @@ class TorchftCheck:
                 )
         return self.replica_overflow
 
-    def not_committed(self, step: _Step) -> NotCommitted:
+    def _not_committed(self, step: _Step) -> NotCommitted:
         """The report of a step this group did not commit (`NotCommitted`)."""
         error = self.manager.errored()
         replica_id = getattr(self.manager, "_replica_id", None)  # torchft: "<replica_id>:<uuid>"
