@@ -488,10 +488,10 @@ class GradScaler(torch.amp.GradScaler):
         # scale where it is; a flag held on the device holds the update there. The agreed
         # found_inf is read on the host only where a reading's cause depends on it.
         readings = [reading for r in self._records.values() for reading in r.readings]
-        records = list(self._records.values())
+        stepped = list(self._records.values())
 
         def found_on_host() -> bool:
-            return any(bool(r.found_inf.item()) for r in records if r.found_inf is not None)
+            return any(bool(r.found_inf.item()) for r in stepped if r.found_inf is not None)
 
         settled = [reading.settle(found_on_host) for reading in readings]
         own: Settlement | None = next((x for x in settled if x.cause is not None), None)
