@@ -106,7 +106,7 @@ class KernelPart(NamedTuple):
     Attributes:
         primes: the moduli of the per-tensor word sums the kernel takes in its read (given to
             `Contribution.local()` as ``moments``).
-        terms: ``terms(params, grads)``: per-tensor terms (int64 ``(n, 6)`` on the device) from
+        terms: ``terms(params, grads)``: per-tensor terms (int64 ``(n, 8)`` on the device) from
             which the kernel's reduction sums the contribution's slots (given to
             `Contribution.local()` as ``sums``); None where it takes no sums at this step.
     """

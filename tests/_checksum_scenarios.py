@@ -1,6 +1,6 @@
 """Scenarios of tests/test_checksum_guarantee.py on 4 gloo ranks (one spawn): a bit flipped after
 the reduce on two ranks of two different replica sets, chosen so that the two changes go the way
-that cancels in today's checksum, and the same flip on one rank alone as the control.
+that cancels where the sets share their weights, and the same flip on one rank alone as the control.
 
 - FSDP2 HSDP on a 2 x 2 mesh (replicate x shard), ``clip_grad_norm_(opt, 1.0)``: the replica sets
   are ranks (0, 2) and (1, 3); ranks 0 and 3 flip the same bit of the same word of their local

@@ -1,4 +1,4 @@
-"""What the replica checksum must guarantee (issue 53), written against today's checksum.
+"""What the replica checksum guarantees (docs/silent-data-corruption.md), case by case.
 
 The guarantee: (1) every change confined to at most K (>= 2) 16-bit words of the replicated
 gradients is caught with certainty, at every world size up to `MAX_WORLD_SIZE` and every model size
@@ -6,10 +6,9 @@ up to a stated number of words per rank, across ranks and across replica sets; (
 change pattern, structured ones included, is missed with probability at most 2**-40 over a per-run
 or per-step secret; (3) a change on a rank of one replica set never cancels a change in another.
 
-Today's checksum (two exact sums, ``sum w`` and ``sum k * w``, modulo two primes, each rank
-weighted by a coefficient and a shift that depend only on its replica set's size and its place in
-it) breaks each of them; the cases that show it are marked ``xfail(strict=True)``: they fail today,
-and the change that brings the new checksum removes the marks. The controls pass today and after.
+Each case below is one that a checksum of two position-weighted sums whose weights depend only on
+a replica's place in its set (the same weights in every set, primes shrinking with the world size)
+misses; the controls guard the adapter against answering always the same.
 
 - On 4 gloo ranks, one spawn: FSDP2 HSDP on a 2 x 2 mesh and DDP over {0, 2} and {1, 3}, two
   flips on two ranks of two replica sets that cancel (end to end: the step is taken, the replicas
@@ -22,7 +21,6 @@ and the change that brings the new checksum removes the marks. The controls pass
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Mapping, Sequence
 
@@ -33,11 +31,12 @@ from _harness import spawn
 from _torch_gaps import guarded
 
 from distscaler._replica.checksum import (
-    checksum_slots,
-    layout_terms,
+    PRIMES,
+    Key,
     mismatched,
-    moduli,
-    word_moments,
+    slot_numel,
+    to_limbs,
+    word_weights,
 )
 from distscaler.replica_check import MAX_WORLD_SIZE, ReplicaSet
 
@@ -49,8 +48,6 @@ MISS_BOUND = 2.0**-40
 #: One changed 16-bit word on a rank: (its position among the rank's checked words, the word
 #: before, the word after), the words as signed 16-bit integers.
 Change = tuple[int, int, int]
-
-_CPU = torch.device("cpu")
 
 
 def caught(
@@ -73,59 +70,33 @@ def caught(
             nothing replicated).
         world_size: the ranks of the scaler's group, whose collective sums every rank's slots.
         words: the 16-bit words of replicated gradients each rank checks (the model size).
-        secret: what a checksum keyed by a per-run or per-step secret draws its key from (a miss
-            rate is a probability over it); today's checksum has none.
+        secret: the key of the keyed weights (a miss rate is a probability over it).
 
-    Today's checksum is linear in the words: each rank's slots are those of its changes alone
-    plus those of the clean state, and the clean state's sum over the group is a multiple of each
-    prime. So each changed rank's checked words are laid out as the library lays out tensors
-    (`layout_terms()`): a segment of one word per change (`word_moments()` of the word after,
-    less that of the word before) between segments that did not change (zero moments), however
-    large; its slots (`checksum_slots()`) are summed over the ranks in float32, as the
-    collective sums them, and read (`mismatched()`). Nothing of size ``words`` is allocated.
+    The checksum is linear in the words: each rank's residues are those of its changes alone
+    plus those of the clean state, and the clean state's sum over the group is 0 modulo each
+    prime. So each changed rank's residues are its changes times `word_weights()` at their
+    positions (the rank's checked words as one tensor), as limbs (`to_limbs()`), summed over the
+    ranks in float32 as the collective sums them, and read (`mismatched()`). Nothing of size
+    ``words`` is allocated.
     """
-    del secret
-    primes, primes_t, mods = _moduli(world_size)
+    key = Key(secret)
     place = {r: (j, i) for j, s in enumerate(sets) for i, r in enumerate(s)}
-    laid_out, after, before = [], [], []
+    reduced = torch.zeros(slot_numel(world_size), dtype=torch.float32)
     for rank, rank_changes in changes.items():
         if not rank_changes or rank not in place:
             continue
-        ordered = sorted(rank_changes)
-        assert len({c[0] for c in ordered}) == len(ordered) and ordered[-1][0] < words
-        sizes, start = [], 0
-        for position, _, _ in ordered:
-            sizes += [position - start, 1]
-            start = position + 1
-        sizes.append(words - start)
-        laid_out.append((rank, tuple(sizes), len(after), len(ordered)))
-        after += [c[2] for c in ordered]
-        before += [c[1] for c in ordered]
-    reduced = torch.zeros(4, dtype=torch.float32)
-    if not laid_out:
-        return mismatched(reduced.tolist(), primes)
-    n = len(after)  # every changed word's moments, after and before, in one call
-    both = torch.tensor(after + before, dtype=torch.int16).view(torch.float16)
-    m = word_moments(both.split(1), primes, _CPU)
-    delta = (m[:n] - m[n:]).remainder(mods)
-    for rank, sizes, first, count in laid_out:
-        moments = torch.zeros(len(sizes), 4, dtype=torch.int64)
-        moments[1 : 2 * count : 2] = delta[first : first + count]
+        assert len({c[0] for c in rank_changes}) == len(rank_changes)
+        assert max(c[0] for c in rank_changes) < words
         j, i = place[rank]
-        coefs, offsets, shift = _layout(sizes, ReplicaSet(tuple(sets[j]), i), primes)
-        reduced += checksum_slots(moments, offsets, coefs, shift, primes_t)[0]  # each rank's
-    return mismatched(reduced.tolist(), primes)
+        positions = torch.tensor([c[0] for c in rank_changes], dtype=torch.int64)
+        delta = torch.tensor([c[2] - c[1] for c in rank_changes], dtype=torch.int64)
+        weights = word_weights(positions, ReplicaSet(tuple(sets[j]), i), key)
+        residues = (weights * delta.unsqueeze(1)).sum(0).remainder(_MODULI)
+        reduced += to_limbs(residues, world_size)
+    return mismatched(reduced.tolist(), world_size)
 
 
-@functools.cache
-def _moduli(world_size: int) -> tuple[tuple[int, int], torch.Tensor, torch.Tensor]:
-    primes = moduli(world_size)
-    return primes, torch.tensor(primes), torch.tensor([*primes, *primes])
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(sizes: tuple[int, ...], replica: ReplicaSet, primes: tuple[int, int]) -> tuple:
-    return layout_terms(sizes, [replica] * len(sizes), primes, _CPU)
+_MODULI = torch.tensor([PRIMES[i % 2] for i in range(8)])
 
 
 # ---------------------------------------------------------------------- helpers of the cases
@@ -179,21 +150,13 @@ def test_the_adapter_reads_a_clean_step_as_clean_and_one_flip_as_a_mismatch(
 # ---------------------------------------------------------------------- certainty: K words
 
 
-#: (world size, D): today's least distance in words between two replicas' shifts
-#: (`shift_spacing()` at those sizes' primes, ranks 0 and 1 of one set of every rank): a rank
-#: checking more than 10 + D words (D / 2 float32 gradient values: 183M, 436M, 1.49B) lets two
-#: flips D words apart on those two ranks cancel.
+#: (world size, D): distances in words at which two flips on ranks 0 and 1 of one set of every rank
+#: cancel where two replicas' positions are D words apart (a shift spacing from primes that shrink
+#: with the world size); here a rank checks 10 + D + 1 words (D / 2 float32 gradient values: 183M,
+#: 436M, 1.49B).
 LARGE = [(64, 365_506_821), (48, 872_566_693), (32, 2_987_689_360)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: the shifts of two replicas are D words apart, so two flips D words apart "
-        "on them cancel once a rank holds more than D words"
-    ),
-)
 @pytest.mark.parametrize(("world_size", "distance"), LARGE, ids=[str(w) for w, _ in LARGE])
 def test_two_flips_on_two_ranks_of_a_large_model_are_caught(world_size, distance):
     """One replica set of every rank (DDP), each rank checking 10 + D + 1 words: rank 1 flips bit
@@ -207,8 +170,8 @@ def test_two_flips_on_two_ranks_of_a_large_model_are_caught(world_size, distance
 
 @pytest.mark.parametrize(("world_size", "distance"), LARGE, ids=[str(w) for w, _ in LARGE])
 def test_each_flip_of_the_large_model_pair_alone_is_caught(world_size, distance):
-    """The control of the case above: either flip alone, and the pair one word nearer, are caught
-    today."""
+    """The control of the case above: either flip alone, and the pair one word nearer, are
+    caught."""
     words = 10 + distance + 1
     sets = [tuple(range(world_size))]
     assert caught({1: [(10, 0, 128)]}, sets, world_size, words=words)
@@ -217,14 +180,6 @@ def test_each_flip_of_the_large_model_pair_alone_is_caught(world_size, distance)
     assert caught(nearer, sets, world_size, words=words)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: above 64 ranks the primes shrink (P1 * P2 = 14,351 at 131,072 ranks): a "
-        "word changed by a multiple of P1 * P2 cancels"
-    ),
-)
 @pytest.mark.parametrize("position", [0, 10, 12_345])
 def test_one_word_changed_by_p1_p2_at_the_largest_world_is_caught(position):
     """131,072 ranks (HSDP, replicate 2), one fp16 word of one rank changed by +14,351
@@ -234,13 +189,13 @@ def test_one_word_changed_by_p1_p2_at_the_largest_world_is_caught(position):
 
 
 def test_one_word_changed_by_less_than_p1_p2_at_the_largest_world_is_caught():
-    """The control of the case above: +14,350 and +1 are caught today."""
+    """The control of the case above: +14,350 and +1 are caught."""
     sets = _pairs(MAX_WORLD_SIZE)
     for after in (7_350, -6_999):
         assert caught({5: [(10, -7_000, after)]}, sets, MAX_WORLD_SIZE, words=1 << 20)
 
 
-#: Cross-set pairs at 4 and 6 ranks that today's weights cancel: the same place in two sets of the
+#: Cross-set pairs at 4 and 6 ranks that weights shared by the sets cancel: the same place in two sets of the
 #: same size has the same weight (opposite changes cancel), places 0 and 1 of two sets of 2 have
 #: opposite weights (equal changes cancel). (world size, sets, rank a, rank b, same change?)
 CROSS_SETS = [
@@ -251,14 +206,6 @@ CROSS_SETS = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: a rank's weight depends only on its replica set's size and its place in "
-        "it, and every set adds into the same slots"
-    ),
-)
 @pytest.mark.parametrize(("world_size", "sets", "a", "b", "same"), CROSS_SETS,
                          ids=["hsdp-0-3", "hsdp-0-1", "three-4-5", "stages-1-2"])  # fmt: skip
 def test_a_change_in_one_replica_set_never_cancels_one_in_another(world_size, sets, a, b, same):
@@ -282,14 +229,6 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: a second difference (+2**b, -2**(b+1), +2**b on three neighbouring words) "
-        "cancels both sums, sum w and sum k * w"
-    ),
-)
 def test_a_second_difference_on_one_rank_is_caught():
     """+2**b at words k - 1 and k + 1, -2**(b + 1) at word k, on one rank: every bit b of 0..13
     (the words 0 to 2**b and 2**(b + 1) to 0), k at the start, middle and end of 8,192 words, 4
@@ -306,14 +245,6 @@ def test_a_second_difference_on_one_rank_is_caught():
     assert missed == 0, f"{missed} of {total} second differences on one rank missed"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: a second difference split over two replicas (+2**b at k - 1 and k + 1 on "
-        "one, +2**(b+1) at k on the other) cancels"
-    ),
-)
 def test_a_second_difference_split_over_two_replicas_is_caught():
     """The replicas' difference is the second difference: rank a of a 2-replica set changes words
     k - 1 and k + 1 by +2**b, its replica word k by +2**(b + 1). Every bit of 0..13, 3 places, 3
@@ -342,19 +273,12 @@ def _second_differences(words: int):
 # ---------------------------------------------------------------------- measured miss rates
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: one bit of 4 words at a stride of 7 cancels both sums whenever the flips' "
-        "directions are +, -, -, + or -, +, +, -"
-    ),
-)
 def test_a_faulty_memory_line_4000_samples_none_missed():
     """One bit (uniform over 0..15) flipped in 4 words at a stride of 7 (k, k + 7, k + 14,
     k + 21; k uniform) of uniformly random 16-bit data, on one replica of two (either), 4,096
     words per rank, a fresh secret per sample. N = 4,000 samples; at a miss rate of at most
-    2**-40 the expected misses are below 4e-9, so none may be missed. Today: 502 of 4,000."""
+    2**-40 the expected misses are below 4e-9, so none may be missed (a checksum of two
+    position-weighted sums missed 502 of 4,000)."""
     rng = random.Random(2053)
     n, missed = 4_000, 0
     for _ in range(n):
@@ -391,21 +315,13 @@ def _rate(seed: int, n: int, change) -> int:
     return missed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: three flips of bits b, b and b + 1 on words k1, k3 and k2 = (k1 + k3) / 2 "
-        "cancel both sums (measured: 3 of 20,000)"
-    ),
-)
 def test_three_random_bit_flips_in_a_4_word_gradient_20000_samples_none_missed():
     """3 bit flips (each on a uniform replica of two, word of 4 and bit of 16) in a 4-word fp16
     gradient of uniformly random words; samples where the replicas still agree are drawn again.
     N = 20,000 samples, a fresh secret each; at most 2**-40 per sample: expected misses below
-    2e-8, so none may be missed. Today: 3 of 20,000 (about 1.7e-4 a sample: two flips of bit b
-    on words k1 and k3 and one of bit b + 1 on their middle word, in the directions that cancel;
-    the issue: 16 of 30,000)."""
+    2e-8, so none may be missed (two position-weighted sums missed 3 of 20,000, about 1.7e-4 a
+    sample: two flips of bit b on words k1 and k3 and one of bit b + 1 on their middle word, in
+    the directions that cancel)."""
     n = 20_000
     missed = _rate(3053, n, lambda w, rng: _flipped(w, rng.randrange(16)))
     assert missed <= n * MISS_BOUND, f"{missed} of {n} triples of bit flips missed"
@@ -414,7 +330,7 @@ def test_three_random_bit_flips_in_a_4_word_gradient_20000_samples_none_missed()
 def test_three_random_word_values_in_a_4_word_gradient_3000_samples_none_missed():
     """The control of the case above: 3 changes that write a uniformly random 16-bit value into a
     uniform word of a uniform replica. N = 3,000 samples; at most 2**-40 per sample: none may be missed
-    (today none is, nor in the issue's 30,000)."""
+    (two position-weighted sums missed none either)."""
     n = 3_000
     missed = _rate(4053, n, lambda w, rng: rng.randrange(-(1 << 15), 1 << 15))
     assert missed <= n * MISS_BOUND, f"{missed} of {n} triples of random words missed"
@@ -471,21 +387,14 @@ def test_one_flip_on_one_rank_is_skipped_on_every_rank(four, layout):
         assert runs[x]["params"] == runs[y]["params"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "issue 53: two flips on two ranks of two replica sets, weighted alike by their places "
-        "in sets of the same size, cancel"
-    ),
-)
 @pytest.mark.parametrize(("layout", "case", "flipped", "same"), PAIRS, ids=PAIR_IDS)
 def test_two_flips_on_two_replica_sets_are_skipped_on_every_rank(four, layout, case, flipped,
                                                                  same):  # fmt: skip
     """HSDP 2 x 2 with clipping and DDP over {0, 2} and {1, 3}: the flips of the guard above (the
     sign of one gradient element on each of two ranks of two replica sets) are caught at that
     step: skipped on every rank, one mismatch counted, every replica set's ranks holding the same
-    parameters after. Today the step is taken and the replicas diverge."""
+    parameters after (with weights shared by the sets, the step is taken and the replicas
+    diverge)."""
     runs = [r[layout][case] for r in four]
     for run in runs:
         assert run["skipped"][S.FLIP_STEP], run["skipped"]

@@ -23,15 +23,20 @@ from hypothesis import strategies as st
 
 from distscaler import GradScaler, ReplicaMismatchError
 from distscaler._replica.checksum import (
-    FLOAT32_EXACT,
-    checksum_slots,
+    PRIMES,
+    Key,
     coefficient,
     layout_terms,
+    limbs,
     mismatched,
-    moduli,
-    shift_spacing,
-    shifts,
+    offsets,
+    rank_slots,
+    slot_residues,
+    spacing,
+    to_limbs,
     word_moments,
+    word_weights,
+    words,
 )
 from distscaler.replica_check import (
     MAX_WORLD_SIZE,
@@ -55,35 +60,38 @@ def test_coefficients_sum_to_zero_and_are_never_zero(replicas):
     assert coefficient(0, 1) == 0
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 1000, 16384, MAX_WORLD_SIZE])
-def test_moduli_are_primes_whose_sums_stay_exact_in_float32(world_size):
-    p1, p2 = moduli(world_size)
-    assert p1 > p2 >= 3
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 1000, 4096, 4097, 16384, MAX_WORLD_SIZE])
+def test_limbs_keep_every_partial_sum_exact_in_float32_and_the_primes_fixed(world_size):
+    p1, p2 = PRIMES
+    assert p1 > p2 > 1 << 23 and p1 < 1 << 24
     for p in (p1, p2):
         assert all(p % f for f in range(2, int(p**0.5) + 1))
-        assert p * world_size <= FLOAT32_EXACT
+    count, bits = limbs(world_size)
+    assert count * bits >= 24  # a residue fits its limbs
+    assert world_size * ((1 << bits) - 1) <= 1 << 24  # their sum over the group is exact
+    assert count == (2 if world_size <= 4096 else 3 if world_size <= 65536 else 4)
+    residues = torch.tensor([0, 1, p1 - 1, p2 - 1, 12345, 1 << 23, 7, p1 - 2])
+    limbs_t = to_limbs(residues, world_size)
+    assert limbs_t.dtype == torch.float32 and limbs_t.numel() == 8 * count
+    assert limbs_t.max() < 1 << bits
     with pytest.raises(ValueError, match="world_size"):
-        moduli(MAX_WORLD_SIZE + 1)
+        limbs(1 << 19)
 
 
-@pytest.mark.parametrize("replicas", range(2, 12))
-@pytest.mark.parametrize("world_size", [2, 64, 16384])
-def test_shifts_keep_a_clean_set_cancelling_and_are_spaced(replicas, world_size):
-    primes = moduli(world_size)
-    s = shifts(replicas, primes)
+@pytest.mark.parametrize("replicas", [*range(2, 40), 1000, 1001, 1002, 1003, 4096, MAX_WORLD_SIZE])
+def test_offsets_keep_a_clean_set_cancelling_and_are_distinct(replicas):
+    v = offsets(replicas)
     coefs = [coefficient(i, replicas) for i in range(replicas)]
-    for j, p in enumerate(primes):
-        assert sum(c * v[j] for c, v in zip(coefs, s)) % p == 0
-    if replicas >= 3:  # pairwise at least the spacing apart, modulo P1 * P2 (CRT)
-        m = primes[0] * primes[1]
-        crt = [next(x for x in range(v[0], m, primes[0]) if x % primes[1] == v[1]) for v in s]
-        gap = min(min((a - b) % m, (b - a) % m) for a, b in itertools.combinations(crt, 2))
-        assert gap >= shift_spacing(replicas, primes)
-        if world_size <= 64:  # the docs' certainty bound: more words than a rank checks
-            assert shift_spacing(replicas, primes) > 2**28
+    assert sum(c * x for c, x in zip(coefs, v)) == 0
+    assert len(v) == replicas and min(v) >= 0 and max(v) <= replicas + 1
+    if replicas >= 3:
+        assert len(set(v)) == replicas
+    # positions k + D * v stay distinct modulo P1 * P2 for k below the spacing
+    assert spacing(replicas) * (max(v) + 1) <= PRIMES[0] * PRIMES[1]
+    assert spacing(replicas) >= 1 << 30  # words per rank: 2.1e9 at 131,072 replicas
 
 
-def _exact(t: torch.Tensor, primes: tuple[int, int]) -> list[int]:
+def _exact(t: torch.Tensor, primes: tuple[int, int] = PRIMES) -> list[int]:
     # The checksum in Python's integers, from the bytes.
     w = t.contiguous().view(-1).view(torch.int16).tolist()
     a, b = sum(w), sum(k * x for k, x in enumerate(w))
@@ -95,38 +103,51 @@ def _exact(t: torch.Tensor, primes: tuple[int, int]) -> list[int]:
     dtypes=st.lists(st.sampled_from(sorted(DTYPES)), min_size=1, max_size=5),
     sizes=st.lists(st.integers(0, 700), min_size=5, max_size=5),
     scale=st.sampled_from([1.0, 1e4, 6e4, 1e-6]),
-    world_size=st.sampled_from([2, 7, 1000]),
+    secret=st.integers(0, 2**63 - 1),
 )
-def test_word_moments_are_exact_integers(dtypes, sizes, scale, world_size):
-    primes = moduli(world_size)
+def test_word_moments_are_exact_integers_and_the_dense_sums_equal_the_sparse_weights(
+    dtypes, sizes, scale, secret
+):
+    """`word_moments()` against Python's integers; `rank_slots()` (one matrix product over rows
+    of words) against `word_weights()` word by word (the sparse form the guarantee tests use)."""
     tensors = [(torch.randn(n) * scale).to(DTYPES[d]) for d, n in zip(dtypes, sizes)]
-    got = word_moments(tensors, primes, torch.device("cpu")).tolist()
-    assert got == [_exact(t, primes) for t in tensors]
+    got, _ = word_moments(tensors, torch.device("cpu"))
+    assert got.tolist() == [_exact(t) for t in tensors]
+    key, replica = Key(secret), ReplicaSet((1, 4, 6), 2)
+    sets = [replica if i % 3 != 1 else None for i in range(len(tensors))]
+    dense = rank_slots(tensors, sets, key, torch.device("cpu")).residues
+    _, starts = layout_terms([t.numel() * t.element_size() // 2 for t in tensors], sets,
+                             torch.device("cpu"))  # fmt: skip
+    sparse = [0] * 8
+    for t, owner, start in zip(tensors, sets, starts):
+        w = words(t)
+        if owner is None or w is None or not w.numel():
+            continue
+        weights = word_weights(torch.arange(w.numel()) + start, owner, key).tolist()
+        for x, row in zip(w.tolist(), weights):
+            sparse = [acc + x * v for acc, v in zip(sparse, row)]
+    assert dense.tolist() == [v % PRIMES[i % 2] for i, v in enumerate(sparse)]
 
 
-def _slots(tensors: list[torch.Tensor], replica: ReplicaSet, primes: tuple[int, int]) -> torch.Tensor:
-    p_t = torch.tensor(primes)
-    sizes = [t.numel() * t.element_size() // 2 for t in tensors]
-    coefs, offsets, shift = layout_terms(sizes, [replica] * len(tensors), primes, p_t.device)
-    return checksum_slots(word_moments(tensors, primes, p_t.device), offsets, coefs, shift, p_t)[0]
+def _slots(tensors: list[torch.Tensor], replica: ReplicaSet, world_size: int) -> torch.Tensor:
+    taken = rank_slots(tensors, [replica] * len(tensors), Key(world_size), torch.device("cpu"))
+    return to_limbs(taken.residues, world_size)
 
 
 def _caught(replica_tensors: list[list[torch.Tensor]]) -> bool:
     """The check's reading for one list of tensors per replica, the all-reduce done in float32 in a
     random order, as a ring would."""
     n = len(replica_tensors)
-    primes = moduli(n)
-    slots = [_slots(ts, ReplicaSet(tuple(range(n)), i), primes)
-             for i, ts in enumerate(replica_tensors)]  # fmt: skip
+    slots = [_slots(ts, ReplicaSet(tuple(range(n)), i), n) for i, ts in enumerate(replica_tensors)]
     order = list(range(n))
     random.Random(n).shuffle(order)
-    total = torch.zeros(4, dtype=torch.float32)
-    exact = [0] * 4
+    total = torch.zeros(slots[0].numel(), dtype=torch.float32)
+    exact = [0] * slots[0].numel()
     for i in order:
         total += slots[i]
-        exact = [exact[j] + int(slots[i][j]) for j in range(4)]
+        exact = [exact[j] + int(slots[i][j]) for j in range(len(exact))]
     assert total.tolist() == exact  # every partial sum exact in float32
-    return mismatched(total.tolist(), primes)
+    return mismatched(total.tolist(), n)
 
 
 @settings(max_examples=300, deadline=None)
@@ -232,17 +253,19 @@ def test_ten_thousand_random_pairs_are_all_caught():
     assert missed == 0, f"{missed} of {total} random pairs missed"
 
 
-def test_a_three_word_pattern_can_cancel_as_the_docs_say():
-    """The certainty ends at two words: +d, -2d, +d on three consecutive words cancels both sums
-    (the docs state k = 2 words, and a chosen pattern of three may cancel)."""
+def test_a_three_word_pattern_the_fixed_sums_miss_is_caught_by_the_keyed_sums():
+    """The certainty of the fixed weights ends at two words: +d, -2d, +d on three consecutive
+    words cancels ``A``, ``B`` and ``C`` (a second difference); the keyed ``R`` catches it."""
     g = torch.zeros(8, dtype=torch.float16)
     bad = g.clone()
-    words = bad.view(torch.int16)
-    words[2] += 1
-    words[3] -= 2
-    words[4] += 1
-    assert _caught([[g], [bad]]) is False
-    words[5] += 1  # a fourth word breaks the pattern
+    changed = bad.view(torch.int16)
+    changed[2] += 1
+    changed[3] -= 2
+    changed[4] += 1
+    device, replicas = torch.device("cpu"), ReplicaSet((0, 1), 0)
+    terms, _ = layout_terms([8], [replicas], device)
+    fixed = [slot_residues(word_moments([t], device)[0], terms) for t in (g, bad)]
+    assert torch.equal(fixed[0], fixed[1])  # A, B, C: the same
     assert _caught([[g], [bad]]) is True
 
 
@@ -415,20 +438,25 @@ def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
     assert ops["tensors"] == 4
     # What a checked step adds, whatever the path (and where the flag was a MAX, the clamp of its
     # SUM); one host read (the reduced slots). The all_reduce stays one.
-    # The checksum (replica_check.word_moments, checksum_slots) over the model's 4 gradients: one
-    # cat of their words into rows (2 zero pads), two row sums, the residues; then the collective's
-    # cat and copy_ back. A fixed number whatever the tensor count (one cat).
+    # The checksum (distscaler._replica.checksum.rank_slots) over the model's 4 gradients: one cat
+    # of their words into rows (2 zero pads), the conversion and one matrix product (every row's
+    # sums, the keyed ones included), the residues per row and per tensor, the keyed rows'
+    # products (their weights made once per layout), the limbs; then the collective's cat and
+    # copy_ back. A fixed number whatever the tensor count (one cat).
     base = {
-        "aten.zeros.default": 3,
-        "aten.cat.default": 5,
+        "aten.zeros.default": 4,
+        "aten.cat.default": 7,
         "aten._to_copy.default": 4,
+        "aten.mm.default": 1,
         "aten.sum.dim_IntList": 4,
-        "aten.mul_.Tensor": 1,
-        "aten.remainder.Tensor": 6,
-        "aten.mul.Tensor": 5,
-        "aten.add.Tensor": 3,
-        "aten.index_add_.default": 1,
+        "aten.mul.Tensor": 10,
+        "aten.add.Tensor": 4,
+        "aten.remainder.Tensor": 14,
         "aten.remainder_.Tensor": 1,
+        "aten.index_add_.default": 2,
+        "aten.arange.default": 1,
+        "aten.__rshift__.Tensor": 1,
+        "aten.bitwise_and.Scalar": 1,
         "aten.copy_.default": 1,
     }
     for path, clip in itertools.product(("cpu", "gpu"), ("noclip", "clip")):
@@ -439,7 +467,13 @@ def test_a_check_adds_one_read_pass_and_a_fixed_number_of_ops(two):
             extra = {k: on[i]["ops"].get(k, 0) - off[i]["ops"].get(k, 0)
                      for k in set(on[i]["ops"]) | set(off[i]["ops"])}  # fmt: skip
             extra = {k: v for k, v in extra.items() if v}
-            if i in checked:
+            if i in checked and path == "gpu":
+                # the run's first check: the key's one broadcast and host read, and its keyed
+                # row weights made once for the layout, beside the steady state
+                assert extra["c10d.broadcast_.default"] == 1, (path, clip, i)
+                assert all(extra.get(k, 0) >= v for k, v in expected.items()), (path, clip, i)
+                assert on[i]["reads"] == off[i]["reads"] + 2
+            elif i in checked:
                 assert extra == expected, (path, clip, i)
                 assert on[i]["reads"] == off[i]["reads"] + 1
             else:  # a clean step between two checks pays nothing

@@ -12,6 +12,7 @@ ranks `distscaler._replica.naming`'s; what users see (the ledger, the mismatch) 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,16 +32,17 @@ from ..replica_check import (
     warn_rank0,
 )
 from .checksum import (
-    SLOTS,
-    checksum_slots,
+    PRIMES,
+    Key,
     global_rows,
     layout_terms,
     mismatch_flag,
     mismatched,
-    moduli,
     moduli_tensor,
-    primes_tensor,
-    word_moments,
+    rank_slots,
+    slot_numel,
+    slot_residues,
+    to_limbs,
     words,
 )
 from .naming import name_ranks
@@ -88,62 +90,68 @@ class ReplicaSlots:
         self.sets = sets
         self.optimizer = optimizer
         self.group = group
-        self.primes = moduli(world_size)
+        self.world_size = world_size
         self.device = device
         self.with_grads = with_grads
         self.with_params = with_params
-        #: Slots in the collective: the gradients' four, then the parameters' four (zeros when
-        #: not checked this step: the slots' places stay fixed).
-        self.numel = SLOTS * (2 if with_params else 1)
+        #: Slots in the collective: the gradients' limbs, then the parameters' (zeros when not
+        #: checked this step: the slots' places stay fixed).
+        self.slots = slot_numel(world_size)
+        self.numel = self.slots * (2 if with_params else 1)
+        #: The keyed weights of this run (`ReplicaCheck.key()`: one broadcast, once).
+        self.key = check.key(group, device)
         #: Per checked kind, each tensor's global checksum rows (or what makes them, on a
         #: mismatch only) and its replica set, for naming the ranks.
         self._global: dict[str, tuple[Any, list[ReplicaSet | None]]] = {}
         self._grads: Sequence[torch.Tensor] = ()
         self.param_nonfinite: torch.Tensor | None = None
         #: The Triton pass takes the word sums in its read and sums the slots in its reduction.
-        self.kernel_part: KernelPart | None = KernelPart(self.primes, self.kernel_terms)
+        self.kernel_part: KernelPart | None = KernelPart(PRIMES, self.kernel_terms)
 
     # -- the local part
 
     def kernel_terms(
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor]
     ) -> torch.Tensor | None:
-        """The gradients' terms for a pass that sums this check's four slots in its own
-        reduction (`distscaler._triton.slot_sums()`): int64 ``(len(grads), 6)`` on the
-        device, per tensor its coefficient, word offset and shift modulo each prime; made once
-        per layout. None where the gradients are not compared at this step. ``grads`` in the
-        order of ``params``; the pass gives the sums to `local()`."""
+        """The gradients' terms for a pass that sums this check's ``A, B, C`` residues in its own
+        reduction (`distscaler._triton.slot_sums()`): `layout_terms()`' int64 ``(len(grads),
+        8)`` on the device; made once per layout. None where the gradients are not compared at
+        this step. ``grads`` in the order of ``params``; the pass gives the sums to `local()`."""
         if not self.with_grads:
             return None
         sets = [self.sets.get(id(p)) for p in params]
-        primes = primes_tensor(self.primes, self.device)
-        return self.check.kernel_terms(grads, sets, self.primes, primes)
+        return self.check.layout_terms("gradients", grads, sets, self.device)
 
     def local(
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
         moments: torch.Tensor | None = None, sums: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """This rank's slots, float32 ``(numel,)`` on the device. ``grads``: the gathered
-        gradients in the order of ``params`` (as the pass reads them); ``moments``: their
-        `word_moments()` when the pass computed them in its read (the Triton kernel), else
-        computed here; ``sums``: the gradients' four slots before their last residue, int64
-        ``(4,)``, where the pass summed them from `kernel_terms()` (then two ops make the slots,
-        and each tensor's global checksum is made only on a mismatch)."""
-        primes = primes_tensor(self.primes, self.device)
+        """This rank's slots, float32 ``(numel,)`` on the device: the limbs of its residues
+        (`distscaler._replica.checksum`). ``grads``: the gathered gradients in the order of
+        ``params`` (as the pass reads them); ``moments``: their `word_moments()` when the pass
+        computed them in its read (the Triton kernel), else all is computed here (one read, the
+        keyed sums included); ``sums``: the gradients' ``A, B, C`` residues before their last
+        reduction, int64 ``(6,)``, where the pass summed them from `kernel_terms()` (then a few
+        ops make the slots, and each tensor's global checksum is made only on a mismatch). The
+        kernel's read has no keyed sums: there ``R`` is 0 on every rank (two words still
+        certain; the bound on other changes holds on the torch path only)."""
         sets = [self.sets.get(id(p)) for p in params]
         self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
         parts: list[torch.Tensor] = []
-        if self.with_grads and sums is not None and moments is not None:
-            _, offsets, _ = self.check.layout_terms("gradients", grads, sets, self.primes, primes)
-            parts.append(sums.remainder(moduli_tensor(self.primes, self.device)).to(torch.float32))
-            self._global["gradients"] = (functools.partial(global_rows, moments, offsets, primes),
+        if self.with_grads and moments is not None:
+            terms = self.check.layout_terms("gradients", grads, sets, self.device)
+            residues = (sums.remainder(moduli_tensor(self.device, 6)) if sums is not None
+                        else slot_residues(moments, terms))  # fmt: skip
+            residues = torch.cat([residues, residues.new_zeros(2)])
+            parts.append(to_limbs(residues, self.world_size))
+            self._global["gradients"] = (functools.partial(_kernel_rows, moments, terms),
                                          list(sets))  # fmt: skip
         elif self.with_grads:
-            if moments is None:
-                moments = word_moments(grads, self.primes, self.device)
-            parts.append(self._slots("gradients", moments, grads, sets, primes))
+            taken = rank_slots(grads, sets, self.key, self.device, self.check.row_weights)
+            parts.append(to_limbs(taken.residues, self.world_size))
+            self._global["gradients"] = (taken.rows, list(sets))
         else:
-            parts.append(torch.zeros(SLOTS, dtype=torch.float32, device=self.device))
+            parts.append(torch.zeros(self.slots, dtype=torch.float32, device=self.device))
         if self.with_params:
             tensors: list[torch.Tensor] = []
             owners: list[ReplicaSet | None] = []
@@ -160,22 +168,10 @@ class ReplicaSlots:
                 self.param_nonfinite = torch.stack(
                     [w.detach().isfinite().all() for w in weights]
                 ).all().logical_not()
-            moments = word_moments(tensors, self.primes, self.device)
-            parts.append(self._slots("parameters", moments, tensors, owners, primes))
+            taken = rank_slots(tensors, owners, self.key, self.device)
+            parts.append(to_limbs(taken.residues, self.world_size))
+            self._global["parameters"] = (taken.rows, list(owners))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _slots(
-        self,
-        what: str,
-        moments: torch.Tensor,
-        tensors: Sequence[torch.Tensor],
-        sets: Sequence[ReplicaSet | None],
-        primes: torch.Tensor,
-    ) -> torch.Tensor:
-        coefs, offsets, shift = self.check.layout_terms(what, tensors, sets, self.primes, primes)
-        slots, checksums = checksum_slots(moments, offsets, coefs, shift, primes)
-        self._global[what] = (checksums, list(sets))
-        return slots
 
     # -- the reading
 
@@ -202,7 +198,7 @@ class ReplicaSlots:
         if self.deferred:
             assert local_flag is not None
             self._grads = ()  # nothing is read again: the flag before the reduce says it
-            return DeferredReading(self, step, reduced, mismatch_flag(reduced, self.primes),
+            return DeferredReading(self, step, reduced, mismatch_flag(reduced, self.world_size),
                                    local_flag.reshape(-1)[:1])  # fmt: skip
         values = reduced.tolist()
         if self.param_nonfinite is not None and bool(self.param_nonfinite):
@@ -220,8 +216,9 @@ class ReplicaSlots:
     def differs(self, values: Sequence[float]) -> list[str]:
         """What the reduced slots (host floats) show differing: ``"gradients"``, ``"parameters"``
         or both, in that order; empty when the replicas agree."""
-        parts = [("gradients", values[0:SLOTS]), ("parameters", values[SLOTS : 2 * SLOTS])]
-        return [what for what, slots in parts if slots and mismatched(slots, self.primes)]
+        n = self.slots
+        parts = [("gradients", values[0:n]), ("parameters", values[n : 2 * n])]
+        return [what for what, slots in parts if slots and mismatched(slots, self.world_size)]
 
     def settle(self, step: int, values: Sequence[float], local_nonfinite: bool) -> ReplicaMismatch:
         """The mismatch the reduced slots (``values``, host floats, some differing) show at update
@@ -233,8 +230,7 @@ class ReplicaSlots:
         rows, owners = self._global[what]
         if callable(rows):
             rows = rows()
-        ranks, sets, nonfinite = name_ranks((rows, owners), self.primes, self.group,
-                                             local_nonfinite)  # fmt: skip
+        ranks, sets, nonfinite = name_ranks((rows, owners), self.group, local_nonfinite)
         on_mismatch = check.on_mismatch
         action = on_mismatch if isinstance(on_mismatch, str) else "callback"
         mismatch = ReplicaMismatch(step, what, ranks, sets, action, nonfinite)  # type: ignore[arg-type]
@@ -342,8 +338,12 @@ class ReplicaCheck:
         self.iteration = 0
         #: The parameter check saw a non-finite parameter (the collapse watch takes it).
         self.nonfinite_parameters = False
-        self._terms: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._kernel_terms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._terms: dict[tuple, torch.Tensor] = {}
+        #: The keyed row weights per layout (`distscaler._replica.checksum.rank_slots()`).
+        self.row_weights: dict[tuple, torch.Tensor] = {}
+        #: The secret of the keyed weights: None draws one at the first check (`key()`).
+        self.secret: int | None = None
+        self._key: Key | None = None
         self._sets: dict[tuple, dict[int, ReplicaSet | None]] = {}
         #: Deferred readings of updates done, with the update's number, its agreed found_inf and
         #: whether its mismatch flag held the update (`defer()`), not read on the host yet.
@@ -366,15 +366,19 @@ class ReplicaCheck:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_terms"], state["_sets"], state["_kernel_terms"] = {}, {}, {}
+        state["_terms"], state["_sets"], state["row_weights"] = {}, {}, {}
+        state["_key"] = None  # a run's own: the next run draws its own
         state["pending"], state["unnamed"] = [], []  # device tensors and a process group
         if not isinstance(self.on_mismatch, str):
             state["on_mismatch"] = "skip"  # a callable is not copied
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # (a check pickled before deferred readings and kernel terms existed)
-        state.setdefault("_kernel_terms", {})
+        # (a check pickled before deferred readings and keyed weights existed)
+        state.pop("_kernel_terms", None)
+        state.setdefault("row_weights", {})
+        state.setdefault("secret", None)
+        state.setdefault("_key", None)
         state.setdefault("pending", [])
         state.setdefault("unnamed", [])
         self.__dict__.update(state)
@@ -512,38 +516,33 @@ class ReplicaCheck:
         what: str,
         tensors: Sequence[torch.Tensor],
         sets: Sequence[ReplicaSet | None],
-        primes: tuple[int, int],
-        primes_t: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`layout_terms()`, cached per layout (host arithmetic once)."""
+        device: torch.device,
+    ) -> torch.Tensor:
+        """`layout_terms()`' terms, cached per layout (host arithmetic once)."""
         sizes = tuple(0 if w is None else w.numel() for w in map(words, tensors))
-        key = (what, sizes, tuple(sets), primes, primes_t.device)
+        key = (what, sizes, tuple(sets), device)
         cached = self._terms.get(key)
         if cached is None:
             if len(self._terms) > 4:
                 self._terms.clear()
-            cached = self._terms[key] = layout_terms(sizes, sets, primes, primes_t.device)
+            cached = self._terms[key] = layout_terms(sizes, sets, device)[0]
         return cached
 
-    def kernel_terms(
-        self,
-        tensors: Sequence[torch.Tensor],
-        sets: Sequence[ReplicaSet | None],
-        primes: tuple[int, int],
-        primes_t: torch.Tensor,
-    ) -> torch.Tensor:
-        """`layout_terms()` of the gradients as one int64 ``(n, 6)`` for a kernel: per tensor
-        ``[c mod P1, c mod P2, offset mod P1, offset mod P2, shift mod P1, shift mod P2]``, the
-        coefficient as a residue; cached per layout (the ops once)."""
-        coefs, offsets, shift = self.layout_terms("gradients", tensors, sets, primes, primes_t)
-        key = (id(coefs), primes)
-        cached = self._kernel_terms.get(key)
-        if cached is None or cached[0] is not coefs:
-            residues = coefs.unsqueeze(1).remainder(primes_t)
-            if len(self._kernel_terms) > 4:
-                self._kernel_terms.clear()
-            cached = self._kernel_terms[key] = (coefs, torch.cat([residues, offsets, shift], 1))
-        return cached[1]
+    def key(self, group: dist.ProcessGroup | None, device: torch.device) -> Key:
+        """This run's keyed weights: the ``secret`` set, or one drawn on the group's first rank
+        and broadcast (one ``broadcast`` of 8 bytes and one host read, once per run: every rank
+        of the group calls it at the same check)."""
+        if self._key is None:
+            secret = self.secret
+            if secret is None:
+                drawn = int.from_bytes(os.urandom(8), "little") >> 1
+                value = torch.tensor([drawn], dtype=torch.int64, device=device)
+                if dist.is_available() and dist.is_initialized():
+                    src = dist.get_global_rank(group, 0) if group is not None else 0
+                    dist.broadcast(value, src=src, group=group)
+                secret = int(value.item())
+            self._key = Key(secret)
+        return self._key
 
     def nonfinite_seen(self) -> bool:
         """Whether the parameter check saw a non-finite parameter since the last call."""
@@ -576,3 +575,9 @@ class ReplicaCheck:
         if cause == "replica_mismatch":  # the skip account counted it under this cause
             self.ledger.skipped += 1
         self.iteration = n
+
+
+def _kernel_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    # The naming rows of the Triton pass: A, B global, and no keyed sums (zeros).
+    rows = global_rows(moments, terms)
+    return torch.cat([rows, rows.new_zeros(rows.shape[0], 2)], 1)

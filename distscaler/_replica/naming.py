@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..replica_check import ReplicaSet
-from .checksum import moduli_tensor
+from .checksum import moduli_tensor, set_key
 
 __all__ = ["NAMED_SETS", "name_ranks"]
 
@@ -18,25 +18,14 @@ __all__ = ["NAMED_SETS", "name_ranks"]
 NAMED_SETS = 8
 #: Per rank: its global rank, whether its tensors held inf/NaN, its number of replica sets.
 _HEAD = 3
-#: Per set: its size, this rank's position in it, its key (`_set_key()`), its four residues.
-_PER_SET = 7
-
-
-def _set_key(ranks: tuple[int, ...]) -> int:
-    """A replica set's key in the exchange of `name_ranks()`: a polynomial hash of its ranks
-    modulo the prime ``2**61 - 1``, the same on every process (no Python ``hash()``). Two
-    distinct sets of one size share it with probability about ``2**-61``, and then they merge
-    visibly (two ranks at one position): their ranks are all named."""
-    m = (1 << 61) - 1
-    h = len(ranks)
-    for r in ranks:
-        h = (h * 1_000_003 + r + 1) % m
-    return h
+#: Per set: its size, this rank's position in it, its key (`set_key()`: two distinct sets of one
+#: size share it with probability about ``2**-61``, and then they merge visibly, two ranks at one
+#: position, and their ranks are all named), its six residues.
+_PER_SET = 9
 
 
 def name_ranks(
     checksums: tuple[torch.Tensor, list[ReplicaSet | None]],
-    primes: tuple[int, int],
     group: dist.ProcessGroup | None,
     nonfinite: bool = False,
 ) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
@@ -45,8 +34,8 @@ def name_ranks(
 
     One ``all_gather_into_tensor`` of a fixed row per rank, int64 on the checksums' device
     (no pickling, no numpy): ``[rank, nonfinite, number of sets]`` then, for up to `NAMED_SETS`
-    sets, ``[size, position, key, A mod P1, A mod P2, B mod P1, B mod P2]`` (zeros after the
-    last). The per-set sums are made on the device; one host read of the gathered rows."""
+    sets, ``[size, position, key, A1, A2, B1, B2, H1, H2]`` (`rank_slots()`' naming rows summed
+    per set; zeros after the last). The per-set sums are made on the device; one host read of the gathered rows."""
     rows_t, sets = checksums
     device = rows_t.device
     mine: dict[ReplicaSet, int] = {}
@@ -56,15 +45,15 @@ def name_ranks(
     listed = list(mine)[:NAMED_SETS]
     me = dist.get_rank() if dist.is_initialized() else 0
     head = [me, int(nonfinite), len(mine)]
-    meta = [[len(rs.ranks), rs.position, _set_key(rs.ranks)] for rs in listed]
+    meta = [[len(rs.ranks), rs.position, set_key(rs.ranks)] for rs in listed]
     row = torch.zeros(_HEAD + NAMED_SETS * _PER_SET, dtype=torch.int64, device=device)
     static = torch.tensor(head + [v for m in meta for v in m], dtype=torch.int64)
     if listed:
         checked = [i for i, o in enumerate(owner) if 0 <= o < NAMED_SETS]
         index = torch.tensor([owner[i] for i in checked], dtype=torch.int64, device=device)
-        sums = torch.zeros(len(listed), 4, dtype=torch.int64, device=device)
+        sums = torch.zeros(len(listed), 6, dtype=torch.int64, device=device)
         sums.index_add_(0, index, rows_t[index.new_tensor(checked)])
-        sums = sums.remainder(moduli_tensor(primes, device))  # (sets, 4)
+        sums = sums.remainder(moduli_tensor(device, 6))  # (sets, 6)
         table = torch.cat([static[_HEAD:].reshape(-1, 3).to(device), sums], 1)
         row[_HEAD : _HEAD + table.numel()] = table.reshape(-1)
     row[:_HEAD] = static[:_HEAD].to(device)

@@ -283,17 +283,19 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
             tl.store(moments + 4 * t + 1, ra2)
             tl.store(moments + 4 * t + 2, rc1)
             tl.store(moments + 4 * t + 3, rc2)
-            if SLOTS:  # replica_check.checksum_slots' terms of this tensor; products < 2**48
-                k1 = tl.load(terms + 6 * t)
-                k2 = tl.load(terms + 6 * t + 1)
-                b1 = (rc1 + tl.load(terms + 6 * t + 2) * ra1) % p1  # positions made global
-                b2 = (rc2 + tl.load(terms + 6 * t + 3) * ra2) % p2
-                g1 = k1 * ((b1 + tl.load(terms + 6 * t + 4) * ra1) % p1) % p1
-                g2 = k2 * ((b2 + tl.load(terms + 6 * t + 5) * ra2) % p2) % p2
+            if SLOTS:  # the replica checksum's terms of this tensor; products < 2**48
+                k1 = tl.load(terms + 8 * t)
+                k2 = tl.load(terms + 8 * t + 1)
+                b1 = (rc1 + tl.load(terms + 8 * t + 2) * ra1) % p1  # positions made global
+                b2 = (rc2 + tl.load(terms + 8 * t + 3) * ra2) % p2
+                g1 = k1 * ((b1 + tl.load(terms + 8 * t + 4) * ra1) % p1) % p1
+                g2 = k2 * ((b2 + tl.load(terms + 8 * t + 5) * ra2) % p2) % p2
                 tl.atomic_add(slots, k1 * ra1 % p1, sem="relaxed")
                 tl.atomic_add(slots + 1, k2 * ra2 % p2, sem="relaxed")
                 tl.atomic_add(slots + 2, g1, sem="relaxed")
                 tl.atomic_add(slots + 3, g2, sem="relaxed")
+                tl.atomic_add(slots + 4, tl.load(terms + 8 * t + 6) * ra1 % p1, sem="relaxed")
+                tl.atomic_add(slots + 5, tl.load(terms + 8 * t + 7) * ra2 % p2, sem="relaxed")
 
 
 def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexpr,

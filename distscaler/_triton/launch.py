@@ -44,8 +44,8 @@ LAUNCHES = {"grad_pass": 2, "finish": 1, "scale_": 1, "div_": 1}
 class Slots:
     """The replica check's slot sums, for a reduction that adds them (`phase()`'s ``terms``)."""
 
-    terms: torch.Tensor  # int64 (n, 6)
-    sums: torch.Tensor  # int64 (4,), zeros, added into
+    terms: torch.Tensor  # int64 (n, 8)
+    sums: torch.Tensor  # int64 (6,), zeros, added into
 
 
 @dataclass(frozen=True, slots=True)

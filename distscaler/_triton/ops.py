@@ -306,8 +306,8 @@ def phase(
     values itself, one launch fewer. Arguments as in those functions; ``validate=False`` skips
     their checks of the arguments (the scaler's own call: its gradients are checked where they
     are gathered, and the Python passes over the list are the host's cost of a small step).
-    ``terms`` (with ``primes``): int64 ``(len(tensors), 6)``, the replica check's terms per
-    tensor (`slot_sums()`): the reduction also sums its four slots (before their last residue)
+    ``terms`` (with ``primes``): int64 ``(len(tensors), 8)``, the replica check's terms per
+    tensor (`slot_sums()`): the reduction also sums its six residues (before their last reduction)
     into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
     ``reduce(stat, moments, sums)``. For p = 1 and 2 the pass reads the statistics of the
     unscaled gradients (`grad_pass()`'s ``unscale_by=scale``: each magnitude multiplied by
@@ -347,7 +347,7 @@ def phase(
             done = FinishResult(fin.out)
         slots = None
         if terms is not None and ps is not None:
-            slots = Slots(terms, torch.zeros(4, dtype=torch.int64, device=dev))
+            slots = Slots(terms, torch.zeros(6, dtype=torch.int64, device=dev))
             sums = slots.sums
         stat, per_tensor, moments = grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots,
                                                     report_flags and flags, scale)  # fmt: skip

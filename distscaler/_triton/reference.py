@@ -31,21 +31,21 @@ _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
-    """The replica check's four slots before their last residue, int64 ``(4,)``: over tensors
-    ``t``, ``k A``, and ``k ((B + o A) + s A)``, each term reduced modulo its prime, for
-    ``P1, P2, P1, P2`` (`distscaler.replica_check.checksum_slots()` with the coefficients as
-    residues; the sums modulo the primes are its slots). ``moments``: int64 ``(n, 4)``,
-    `grad_pass()`'s; ``terms``: int64 ``(n, 6)``, per tensor ``[k mod P1, k mod P2, o mod P1,
-    o mod P2, s mod P1, s mod P2]`` (its coefficient, word offset and shift). torch's int64 ops:
-    what the reduction's atomics add, exactly (the reference of the tests, and float64
-    gradients' path)."""
+    """The replica check's ``A, B, C`` residues before their last reduction, int64 ``(6,)``: over
+    tensors ``t``, ``k A``, ``k ((B + o A) + s A)`` and ``kz A``, each term reduced modulo its
+    prime, for ``P1, P2`` in turn (`distscaler._replica.checksum.slot_residues()` before its
+    last residue). ``moments``: int64 ``(n, 4)``, `grad_pass()`'s; ``terms``: int64 ``(n, 8)``,
+    per tensor ``[k, o, s, kz]`` modulo ``P1`` then ``P2`` (its coefficient, padded word offset,
+    replica shift and coefficient times set identity). torch's int64 ops: what the reduction's
+    atomics add, exactly (the reference of the tests, and float64 gradients' path)."""
     p = torch.tensor(primes, dtype=torch.int64, device=moments.device)
     a, b_local = moments[:, :2], moments[:, 2:]
-    k, o, sh = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6]
+    k, o, sh, kz = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6], terms[:, 6:8]
     b = (b_local + o * a).remainder(p)
     g0 = (k * a).remainder(p).sum(0)
     g1 = (k * (b + sh * a).remainder(p)).remainder(p).sum(0)
-    return torch.cat([g0, g1])
+    g2 = (kz * a).remainder(p).sum(0)
+    return torch.cat([g0, g1, g2])
 
 
 def torch_pass(

@@ -50,17 +50,11 @@ with requires("torchft", f"torchft {TESTED_VERSIONS['torchft']}", "torchft"):
 
 from .._plan import host_read_is_free
 from .._process_group import has_dynamic_membership
-from .._replica.checksum import (
-    checksum_slots,
-    layout_terms,
-    moduli,
-    primes_tensor,
-    word_moments,
-)
+from .._replica.checksum import Key, digest
 from .._scaler import GradScaler
 from ..checks import Contribution, KernelPart, Reading, Settlement
 from ..errors import ReplicaMismatchError
-from ..replica_check import GPU_INTERVAL, ReplicaMismatch, ReplicaSet
+from ..replica_check import GPU_INTERVAL, ReplicaMismatch
 from ._scaler_arg import scaler_from_argument
 
 __all__ = [
@@ -754,22 +748,17 @@ def _quorum_size(manager: Manager) -> int:
         return manager.num_participants()
 
 
+#: The keyed weights of the exchange's checksums: every group holds the same key without an
+#: exchange of its own.
+_KEY = Key(0x64697374)
+
+
 def _checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The exact checksum of ``tensors`` read as one stream of 16-bit words, float32 values
-    below ``2**23``: the slots of `distscaler._replica.checksum` for one replica set of which
-    this group is the only member. The integration's one use of the checksum (the rows are sized
-    from its ``numel``). Tensors on another device are copied to ``device``. No host read."""
-    tensors = [t.to(device) for t in tensors if t.is_floating_point() and t.numel()]
-    if not tensors:  # nothing to read: the checksum of one zero word
-        tensors = [torch.zeros(1, dtype=torch.bfloat16, device=device)]
-    sizes = [t.numel() * t.element_size() // 2 for t in tensors]
-    # The exchange is a MAX: a slot never sums over groups, so the largest primes serve any number.
-    primes = moduli(2)
-    sets: list[ReplicaSet | None] = [ReplicaSet((0, 1), 0)] * len(tensors)
-    coefs, offsets, shift = layout_terms(sizes, sets, primes, device)
-    moments = word_moments(tensors, primes, device)
-    slots, _ = checksum_slots(moments, offsets, coefs, shift, primes_tensor(primes, device))
-    return slots.to(torch.float32)
+    """The checksum of ``tensors`` read as one stream of 16-bit words: float32 ``(6,)``, residues
+    below ``2**24`` (`distscaler._replica.checksum.digest()`: two streams that differ in at most
+    two words never share it). Tensors on another device are copied to ``device``. No host
+    read."""
+    return digest(tensors, _KEY, device)
 
 
 @functools.cache
