@@ -27,11 +27,10 @@ pytest.importorskip("triton", reason="the Triton pass needs triton (the test ext
 from _common import interpreted, interpreted_mark  # noqa: E402
 
 from distscaler import _triton as tp  # noqa: E402
-from distscaler._replica.checksum import moduli  # noqa: E402
+from distscaler._replica.checksum import PRIMES  # noqa: E402
 from distscaler._triton import diagnostics as diag  # noqa: E402
 from distscaler.attribution import NAN_CODE  # noqa: E402
 
-PRIMES = moduli(2)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = [pytest.param("cpu", marks=interpreted_mark()),
            pytest.param("cuda", marks=pytest.mark.cuda)]  # fmt: skip
@@ -547,23 +546,25 @@ def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_t
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
     """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
-    ops (`slot_sums`), whose residues are `_replica.checksum.checksum_slots()`' slots, for replica
-    sets of 2 to 5 ranks at every position (negative coefficients among them) and unchecked
-    tensors; the checked phase and float64 gradients (torch's pass) give the same."""
+    ops (`slot_sums`), whose residues are `_replica.checksum.slot_residues()`, for replica sets of
+    2 to 5 ranks at every position (negative coefficients among them) and unchecked tensors; the
+    checked phase and float64 gradients (torch's pass) give the same; and the slots' ``A, B, C``
+    equal those of `rank_slots()` (torch's path, one matrix product over rows of words)."""
     from distscaler._replica import ReplicaCheck
     from distscaler._replica.checksum import (
-        checksum_slots,
+        Key,
+        coefficient,
         global_rows,
         layout_terms,
         moduli_tensor,
-        primes_tensor,
-        set_coefficient,
+        naming_rows,
+        rank_slots,
+        slot_residues,
         word_moments,
     )
     from distscaler.replica_check import ReplicaSet
 
     dev = torch.device(device)
-    primes_t = primes_tensor(PRIMES, dev)
     gen = torch.Generator().manual_seed(5)
     for trial in range(6):
         grads = [g.to(device) for g in grads_mixed(40 + trial, sizes=(0, 1, 3, 700, 2049, 64))]
@@ -574,11 +575,9 @@ def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
             replicas = int(torch.randint(1, 6, (1,), generator=gen))
             position = int(torch.randint(0, max(replicas, 1), (1,), generator=gen))
             sets.append(None if replicas == 1 else ReplicaSet(tuple(range(replicas)), position))
-        terms = ReplicaCheck(True, None, 1000, "skip").kernel_terms(grads, sets, PRIMES, primes_t)
+        terms = ReplicaCheck(True, None, 1000, "skip").layout_terms("gradients", grads, sets, dev)
         words = [g.numel() * g.element_size() // 2 for g in grads]
-        coefs, offsets, shift = layout_terms(words, sets, PRIMES, dev)
-        slots, rows = checksum_slots(word_moments(grads, PRIMES, dev), offsets, coefs, shift,
-                                        primes_t)  # fmt: skip
+        assert torch.equal(terms, layout_terms(words, sets, dev))
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         for validate in (False, True):
             tp.phase(
@@ -589,11 +588,15 @@ def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
         _sync(device)
         assert len(seen) == 2
         (moments, sums), (_, checked_sums) = seen
+        assert torch.equal(moments, word_moments(grads, dev)), trial
         assert torch.equal(sums, tp.slot_sums(moments, terms, PRIMES)), trial
         assert torch.equal(sums, checked_sums), trial
-        assert torch.equal(sums.remainder(moduli_tensor(PRIMES, dev)).float(), slots), trial
-        assert torch.equal(global_rows(moments, offsets, primes_t), rows), trial
-    assert any(s is not None and set_coefficient(s) < 0 for s in sets)  # the case was there
+        residues = sums.remainder(moduli_tensor(dev, 6))
+        assert torch.equal(residues, slot_residues(moments, terms)), trial
+        torch_path = rank_slots(grads, sets, Key(trial), dev)
+        assert torch.equal(residues, torch_path.residues[:6]), trial
+        assert torch.equal(global_rows(moments, terms), naming_rows(grads, sets, None, dev)[:, :4])
+    assert any(s is not None and coefficient(s.position, len(s.ranks)) < 0 for s in sets)
 
 
 @pytest.mark.parametrize("device", DEVICES)

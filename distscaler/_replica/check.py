@@ -147,7 +147,7 @@ class ReplicaSlots:
             self._global["gradients"] = (functools.partial(_kernel_rows, moments, terms),
                                          list(sets))  # fmt: skip
         elif self.with_grads:
-            taken = rank_slots(grads, sets, self.key, self.device, self.check.row_weights)
+            taken = rank_slots(grads, sets, self.key, self.device)
             parts.append(to_limbs(taken.residues, self.world_size))
             self._global["gradients"] = (taken.rows, list(sets))
         else:
@@ -339,8 +339,6 @@ class ReplicaCheck:
         #: The parameter check saw a non-finite parameter (the collapse watch takes it).
         self.nonfinite_parameters = False
         self._terms: dict[tuple, torch.Tensor] = {}
-        #: The keyed row weights per layout (`distscaler._replica.checksum.rank_slots()`).
-        self.row_weights: dict[tuple, torch.Tensor] = {}
         #: The secret of the keyed weights: None draws one at the first check (`key()`).
         self.secret: int | None = None
         self._key: Key | None = None
@@ -366,7 +364,7 @@ class ReplicaCheck:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_terms"], state["_sets"], state["row_weights"] = {}, {}, {}
+        state["_terms"], state["_sets"] = {}, {}
         state["_key"] = None  # a run's own: the next run draws its own
         state["pending"], state["unnamed"] = [], []  # device tensors and a process group
         if not isinstance(self.on_mismatch, str):
@@ -376,7 +374,6 @@ class ReplicaCheck:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (a check pickled before deferred readings and keyed weights existed)
         state.pop("_kernel_terms", None)
-        state.setdefault("row_weights", {})
         state.setdefault("secret", None)
         state.setdefault("_key", None)
         state.setdefault("pending", [])
@@ -525,7 +522,7 @@ class ReplicaCheck:
         if cached is None:
             if len(self._terms) > 4:
                 self._terms.clear()
-            cached = self._terms[key] = layout_terms(sizes, sets, device)[0]
+            cached = self._terms[key] = layout_terms(sizes, sets, device)
         return cached
 
     def key(self, group: dist.ProcessGroup | None, device: torch.device) -> Key:

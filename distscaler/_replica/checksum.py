@@ -3,20 +3,20 @@ the weights fixed (a certainty for two changed words), some keyed by a per-run s
 for every other change), carried through the collective in float32 limbs.
 
 What [`distscaler.replica_check`][distscaler.replica_check] describes for users, as arithmetic.
-Each rank reads its checked tensors (the replicated gradients, in the optimizer's order) as one
-stream of signed 16-bit words ``w_k``; each tensor starts at a multiple of `ROW_WORDS` in the
-stream (its *padded* offset), so ``k`` is a word's padded position. A tensor of replica set ``S``
-(``m`` ranks, this rank its ``i``-th) weighs word ``k`` with, modulo each prime ``P`` of
-`PRIMES`:
+Each rank reads the checked tensors of each of its replica sets (the replicated gradients, in the
+optimizer's order) as one stream of signed 16-bit words ``w_k`` per set; each tensor starts at a
+multiple of `ROW_WORDS` in its set's stream (its *padded* offset), so ``k`` is a word's padded
+position there, the same on every replica of the set. A tensor of replica set ``S`` (``m`` ranks,
+this rank its ``i``-th) weighs word ``k`` with, modulo each prime ``P`` of `PRIMES`:
 
 - ``A``: ``c_i``, the replica coefficient (`coefficient()`: ``+1, -1, ...``, or ``1, 1, -2, +1,
   -1, ...``; the set's coefficients sum to 0, none is 0, none above 2 in magnitude);
 - ``B``: ``c_i * (k + D_m * v_i)``, with ``v_i`` the replica's distinct offset (`offsets()`,
   ``sum_i c_i v_i = 0``) and ``D_m`` the spacing `spacing()` (``P1 * P2 // (max v + 1)``);
 - ``C``: ``c_i * z_S``, the set's identity (`set_identity()`: its lowest and highest rank);
-- ``R``: ``a_(k mod 64) * (b_(S,i)(k div 64) - b_(S,i+1 mod m)(k div 64))``: keyed weights, ``a``
-  per column of a 64-word row and ``b`` per row, replica and set, uniform modulo ``P`` and drawn
-  from the secret (`Key`).
+- ``R``: ``a_col * (b_(S,i)(row) - b_(S,i+1 mod m)(row))`` for the word's row and column in rows of
+  `ROW_WORDS`: keyed weights, ``a`` per column and ``b(row) = e[row div BLOCK_ROWS] * f[row mod
+  BLOCK_ROWS]`` per replica and set, uniform modulo ``P`` and drawn from the secret (`Key`).
 
 Every set's weights sum to 0 over its replicas, word by word, so a clean set adds a multiple of
 ``P`` to every slot; the reduced slots are read by `mismatched()` on the host or
@@ -34,11 +34,18 @@ holds fewer than ``D_m`` words (`words_limit()`: 2**48 words in a set of two, 2.
 the highest rank of a sub-mesh name it); two sets of other layouts that share both are told apart
 by ``R`` only.
 
-**Every other change** is missed with probability at most ``(2 / P1) * (2 / P2) < 2**-46`` over
-the secret: ``R`` sums, over sets and replicas, ``b_(S,i)(row) * sum_col a_col (d_(S,i) -
-d_(S,i-1))[row, col]``, a polynomial of degree 2 in independent uniform weights that is nonzero
+**Every other change** is missed with probability at most ``(3 / P1) * (3 / P2) < 2**-44`` over
+the secret: ``R`` sums, over sets and replicas, ``e_(S,i)[hi] f_(S,i)[lo] sum_col a_col (d_(S,i) -
+d_(S,i-1))[row, col]``, a polynomial of degree 3 in independent uniform weights that is nonzero
 wherever two replicas of a set changed differently (Schwartz-Zippel), and the two primes draw
 their weights independently.
+
+**Cost.** A rank's words are read once per check by torch's kernels: converted to float32 and
+multiplied by 15 columns (`row_sums()`: each row's ``sum w``, ``sum col w`` and the 4-bit pieces
+of ``sum a_col w``, every sum exact in float32), then int64 ops on one value per row; the keyed
+weights are a few hundred values per set, drawn once. The Triton pass takes ``A, B, C`` in its
+own read (its ``R`` is 0: the two-word certainty holds there, the bound on other changes on torch's
+path only).
 
 Nothing here knows the scaler, the plan or the collective: `distscaler._replica.check` uses it.
 """
@@ -48,7 +55,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -57,6 +64,7 @@ if TYPE_CHECKING:
     from ..replica_check import ReplicaSet
 
 __all__ = [
+    "BLOCK_ROWS",
     "PRIMES",
     "RESIDUES",
     "ROW_WORDS",
@@ -68,10 +76,13 @@ __all__ = [
     "limbs",
     "mismatch_flag",
     "mismatched",
+    "global_rows",
     "moduli_tensor",
+    "naming_rows",
     "offsets",
     "padded",
     "rank_slots",
+    "row_sums",
     "set_identity",
     "set_key",
     "slot_numel",
@@ -91,7 +102,10 @@ PRIMES = (16_777_213, 16_777_199)
 #: (``[A1, A2, B1, B2, C1, C2, R1, R2]``).
 RESIDUES = 8
 #: Words of a row: of the keyed weights (``a`` per column, ``b`` per row) and of the sums.
-ROW_WORDS = 64
+ROW_WORDS = 32
+#: Rows of a block of the keyed row weights (``b(row) = e[row div BLOCK_ROWS] f[row mod
+#: BLOCK_ROWS]``).
+BLOCK_ROWS = 1024
 #: Bits of a residue (each below ``2**24``).
 _RESIDUE_BITS = 24
 #: A set identity's factor: ``z = lowest * 2**24 + highest`` (ranks below 2**24).
@@ -198,29 +212,46 @@ def _hashed(index: torch.Tensor, words: tuple[int, int, int, int], prime: int) -
 
 
 class Key:
-    """The keyed weights of one secret: ``a`` per column (`columns()`) and ``b`` per row, replica
-    and set (`rows()`), for each prime independently. Host arithmetic for the key words; the
-    weights are torch int64 ops on the device asked for."""
+    """The keyed weights of one secret, modulo each prime independently: ``a`` per column of a
+    row (`columns()`) and, per replica set and replica, ``b(row) = e[row div BLOCK_ROWS] *
+    f[row mod BLOCK_ROWS]`` (`blocks()`, `lows()`). Host arithmetic for the key words; the
+    weights are torch int64 ops on the device asked for, a few hundred values each."""
 
     def __init__(self, secret: int) -> None:
         self.secret = int(secret) & ((1 << 64) - 1)
+        self._cache: dict[tuple, torch.Tensor] = {}
 
     def _words(self, *what: int | str) -> tuple[int, int, int, int]:
         raw = hashlib.blake2b(repr((self.secret, *what)).encode(), digest_size=16).digest()
         w = [int.from_bytes(raw[i : i + 4], "little") for i in range(0, 16, 4)]
         return w[0], w[1], w[2], w[3]
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 - a few devices per key, for the key's life
-    def columns(self, device: torch.device) -> torch.Tensor:
-        """``a``: int64 ``(2, ROW_WORDS)``, the column weights modulo each prime."""
-        cols = torch.arange(ROW_WORDS, dtype=torch.int64, device=device)
-        return torch.stack([_hashed(cols, self._words("a", q), p) for q, p in enumerate(PRIMES)])
+    def _draw(self, what: tuple, n: int, device: torch.device) -> torch.Tensor:
+        # int64 (n, 2): keyed residues at 0..n-1, modulo P1 then P2; cached (small).
+        cache_key = (what, n, device)
+        cached = self._cache.get(cache_key)
+        if cached is None:
+            at = torch.arange(n, dtype=torch.int64, device=device)
+            cached = torch.stack([_hashed(at, self._words(*what, q), p)
+                                  for q, p in enumerate(PRIMES)], 1)  # fmt: skip
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[cache_key] = cached
+        return cached
 
-    def rows(self, key: int, replica: int, rows: torch.Tensor) -> torch.Tensor:
-        """``b_(S,i)`` of the set of `set_key()` ``key``, replica ``replica``, at row indices
-        ``rows`` (int64 ``(n,)``, global in the padded stream): int64 ``(n, 2)``."""
-        return torch.stack([_hashed(rows, self._words("b", q, key, replica), p)
-                            for q, p in enumerate(PRIMES)], 1)  # fmt: skip
+    def columns(self, device: torch.device) -> torch.Tensor:
+        """``a``: int64 ``(ROW_WORDS, 2)``, the column weights modulo each prime."""
+        return self._draw(("a",), ROW_WORDS, device)
+
+    def lows(self, key: int, replica: int, device: torch.device) -> torch.Tensor:
+        """``f`` of set ``key`` (`set_key()`), replica ``replica``: int64 ``(BLOCK_ROWS, 2)``."""
+        return self._draw(("f", key, replica), BLOCK_ROWS, device)
+
+    def blocks(self, key: int, replica: int, n: int, device: torch.device) -> torch.Tensor:
+        """``e`` of set ``key``, replica ``replica``, for ``n`` blocks of rows: int64 ``(n, 2)``
+        (drawn for a power of two of blocks, cached, and sliced)."""
+        size = 1 << max(n - 1, 0).bit_length()
+        return self._draw(("e", key, replica), size, device)[:n]
 
 
 # ---------------------------------------------------------------------- words and their sums
@@ -236,7 +267,7 @@ def words(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def padded(n: int) -> int:
-    """``n`` words rounded up to whole rows (a tensor's span in the padded stream)."""
+    """``n`` words rounded up to whole rows (a tensor's span in its set's padded stream)."""
     return -(-n // ROW_WORDS) * ROW_WORDS
 
 
@@ -255,116 +286,118 @@ def moduli_tensor(
     return cached
 
 
-class _Rows(NamedTuple):
-    owners: torch.Tensor  # int64 (rows,): the tensor of each row
-    starts: torch.Tensor  # int64 (rows, 2): each row's first word position in its tensor, mod P
-
-
-_ROWS: dict[tuple, _Rows] = {}
+#: Bits of a piece of a column weight in the float32 product (`_column_matrix()`).
+_PIECE_BITS = 4
+_PIECES = -(-_RESIDUE_BITS // _PIECE_BITS)
 _COLUMNS: dict[tuple, torch.Tensor] = {}
 
 
-def _rows(sizes: tuple[int, ...], device: torch.device) -> _Rows:
-    key = (sizes, device)
-    cached = _ROWS.get(key)
-    if cached is not None:
-        return cached
-    counts = [-(-n // ROW_WORDS) for n in sizes]
-    owners = torch.repeat_interleave(
-        torch.arange(len(sizes), device=device), torch.tensor(counts, device=device)
-    )
-    local = torch.cat([torch.arange(c, dtype=torch.int64, device=device) for c in counts]) \
-        if counts else torch.zeros(0, dtype=torch.int64, device=device)  # fmt: skip
-    starts = (local * ROW_WORDS).unsqueeze(1).remainder(moduli_tensor(device))
-    if len(_ROWS) > 8:
-        _ROWS.clear()
-    _ROWS[key] = rows = _Rows(owners, starts)
-    return rows
-
-
 def _column_matrix(key: Key | None, device: torch.device) -> torch.Tensor:
-    """float64 ``(ROW_WORDS, 4)``: the columns ``1``, ``col``, ``a1``, ``a2`` (zeros without a
-    key) by which a row of words is multiplied."""
+    """float32 ``(ROW_WORDS, 3 + 2 * 6)`` by which a row of words is multiplied, every product
+    sum exact in float32 (below ``2**24``: ``32 * 2**15 * 15``): ``1``; the column index's low 3
+    and high 2 bits (``B``'s row sum is ``c_lo + 8 c_hi``); the 4-bit pieces of ``a`` modulo
+    ``P1``, then ``P2`` (zeros without a key)."""
     cache_key = (None if key is None else key.secret, device)
     cached = _COLUMNS.get(cache_key)
     if cached is None:
-        cols = torch.arange(ROW_WORDS, dtype=torch.float64, device=device)
-        a = (torch.zeros(2, ROW_WORDS, dtype=torch.float64, device=device) if key is None
-             else key.columns(device).to(torch.float64))  # fmt: skip
-        cached = torch.stack([torch.ones_like(cols), cols, a[0], a[1]], 1)
+        cols = torch.arange(ROW_WORDS, dtype=torch.int64, device=device)
+        a = (key.columns(device) if key is not None
+             else torch.zeros(ROW_WORDS, 2, dtype=torch.int64, device=device))  # fmt: skip
+        shifts = torch.arange(_PIECES, dtype=torch.int64, device=device) * _PIECE_BITS
+        pieces = (a.unsqueeze(2) >> shifts) & ((1 << _PIECE_BITS) - 1)  # (32, 2, 6)
+        cached = torch.cat([torch.ones_like(cols).unsqueeze(1), (cols & 7).unsqueeze(1),
+                            (cols >> 3).unsqueeze(1), pieces.reshape(ROW_WORDS, -1)],
+                           1).to(torch.float32)  # fmt: skip
         if len(_COLUMNS) > 8:
             _COLUMNS.clear()
         _COLUMNS[cache_key] = cached
     return cached
 
 
-def word_moments(
+def row_sums(
     tensors: Sequence[torch.Tensor], device: torch.device, key: Key | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each tensor's moments and, with a ``key``, each row's keyed column sum.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row sums of ``tensors`` read as one padded stream (each tensor from a row's start):
+    int64 ``(rows, 2)`` ``[sum w, sum col * w]`` per row, exact; and int64 ``(rows, 2)`` ``sum
+    a_col w`` modulo each prime (zeros without a ``key``).
 
-    Returns:
-        int64 ``(len(tensors), 4)`` on ``device``: ``[A mod P1, A mod P2, B mod P1, B mod P2]``
-        with ``A = sum_k w_k`` and ``B = sum_k k * w_k`` over the tensor's 16-bit words ``w_k``
-        (positions from 0 in each tensor), exact; and with ``key``, int64 ``(rows, 2)``: each
-        row's ``sum_col a_col w_col`` modulo each prime, rows of `ROW_WORDS` words in the padded
-        stream of ``tensors`` (None without a key).
-
-    Torch's kernels: one ``cat`` of every word into zero-padded rows, converted to float64 (exact:
-    words below ``2**15``), one matrix product by the columns ``1, col, a1, a2`` (each row's sums,
-    below ``2**46``: exact), then int64 residues per row and per tensor (``index_add_``). A
-    tensor that is not dense floating point counts as empty."""
-    views = [words(t) for t in tensors]
-    sizes = tuple(0 if w is None else w.numel() for w in views)
-    out = torch.zeros(len(tensors), 4, dtype=torch.int64, device=device)
-    if not any(sizes):
-        return out, (torch.zeros(0, 2, dtype=torch.int64, device=device) if key else None)
-    rows = _rows(sizes, device)
-    primes = moduli_tensor(device)
+    Torch's kernels, one read: a ``cat`` of every word into zero-padded rows of `ROW_WORDS`, its
+    conversion to float32 (exact), one matrix product by `_column_matrix()` (every sum exact),
+    then int64 ops on the rows. A tensor that is not dense floating point counts as empty."""
     pieces: list[torch.Tensor] = []
-    for w, n in zip(views, sizes):
-        if w is None or n == 0:
+    for t in tensors:
+        w = words(t)
+        if w is None or not w.numel():
             continue
         pieces.append(w.to(device, non_blocking=True))
-        pad = -n % ROW_WORDS
+        pad = -w.numel() % ROW_WORDS
         if pad:
             pieces.append(torch.zeros(pad, dtype=torch.int16, device=device))
-    flat = torch.cat(pieces).view(-1, ROW_WORDS).to(torch.float32).to(torch.float64)
-    sums = (flat @ _column_matrix(key, device)).to(torch.int64)  # (rows, 4), exact
-    a_mod = sums[:, :1].remainder(primes)  # (rows, 2)
-    # B of a row's words at their positions in the tensor: sum j*w + start * sum w (mod P).
-    b_mod = (sums[:, 1:2] + rows.starts * a_mod).remainder(primes)
-    out.index_add_(0, rows.owners, torch.cat([a_mod, b_mod], 1))
-    keyed = sums[:, 2:4].remainder(primes) if key is not None else None
-    return out.remainder_(moduli_tensor(device, 4)), keyed
+    if not pieces:
+        empty = torch.zeros(0, 2, dtype=torch.int64, device=device)
+        return empty, empty
+    flat = torch.cat(pieces).view(-1, ROW_WORDS).to(torch.float32)
+    sums = (flat @ _column_matrix(key, device)).to(torch.int64)  # (rows, 15), exact
+    moments = torch.stack([sums[:, 0], sums[:, 1] + 8 * sums[:, 2]], 1)
+    shifts = torch.arange(_PIECES, dtype=torch.int64, device=device) * _PIECE_BITS
+    keyed = (sums[:, 3:].view(-1, 2, _PIECES) << shifts).sum(2).remainder(moduli_tensor(device))
+    return moments, keyed
+
+
+def word_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each tensor's moments: int64 ``(len(tensors), 4)`` on ``device``, ``[A mod P1, A mod P2,
+    B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k * w_k`` over the tensor's 16-bit
+    words ``w_k`` (positions from 0 in each tensor), exact: what the Triton pass computes in its
+    read. `row_sums()`, then per tensor (``index_add_``)."""
+    moments, _ = row_sums(tensors, device)
+    counts = [0 if w is None else -(-w.numel() // ROW_WORDS) for w in map(words, tensors)]
+    p = moduli_tensor(device)
+    out = torch.zeros(len(tensors), 2, 2, dtype=torch.int64, device=device)
+    if not moments.numel():
+        return out.reshape(-1, 4)
+    owners = torch.repeat_interleave(torch.arange(len(tensors), device=device),
+                                     torch.tensor(counts, device=device))  # fmt: skip
+    local = torch.cat([torch.arange(c, dtype=torch.int64, device=device) for c in counts])
+    a = moments[:, :1].remainder(p)  # (rows, 2)
+    b = (moments[:, 1:] + (local * ROW_WORDS).unsqueeze(1).remainder(p) * a).remainder(p)
+    out.index_add_(0, owners, torch.stack([a, b], 1))
+    return out.reshape(-1, 4).remainder_(moduli_tensor(device, 4))
 
 
 # ---------------------------------------------------------------------- the slots
 
 
+def _grouped(
+    sizes: Sequence[int], sets: Sequence[ReplicaSet | None]
+) -> dict[ReplicaSet, list[int]]:
+    """The indices of the checked tensors (nonzero size, a set) of each replica set, in order."""
+    groups: dict[ReplicaSet, list[int]] = {}
+    for i, (n, s) in enumerate(zip(sizes, sets)):
+        if s is not None and n > 0:
+            groups.setdefault(s, []).append(i)
+    return groups
+
+
 def layout_terms(
     sizes: Sequence[int], sets: Sequence[ReplicaSet | None], device: torch.device
-) -> tuple[torch.Tensor, list[int]]:
+) -> torch.Tensor:
     """Per tensor of ``sizes`` words in its replica set (None: not checked), int64 ``(n, 8)`` on
-    ``device``: ``[c, padded offset, D_m * v_i, c * z_S]`` each modulo ``P1`` then ``P2``
-    (``c`` as a residue), the terms of `slot_residues()` and of the kernel's slot sums; and each
-    tensor's padded offset (the first row's index is it over `ROW_WORDS`). Offsets count checked
-    tensors only. Host arithmetic."""
-    terms, starts = [], []
-    offset = 0
-    for n, s in zip(sizes, sets):
-        checked = s is not None and n > 0
-        starts.append(offset)
-        if not checked:
-            terms.append([0] * 8)
-            continue
-        m, i = len(s.ranks), s.position  # type: ignore[union-attr]
+    ``device``: ``[c, o, D_m * v_i, c * z_S]`` each modulo ``P1`` then ``P2``: the coefficient
+    (as a residue), the tensor's padded offset in its set's stream (the set's checked tensors, in
+    order), the replica's shift and the coefficient times the set identity. Zeros for a tensor not
+    checked. The terms of `slot_residues()` and of the Triton reduction's slot sums. Host
+    arithmetic."""
+    terms = [[0] * 8 for _ in sizes]
+    for s, members in _grouped(sizes, sets).items():
+        m, i = len(s.ranks), s.position
         c = coefficient(i, m)
         shift = spacing(m) * offsets(m)[i]
-        ident = c * set_identity(s.ranks)  # type: ignore[union-attr]
-        terms.append([v % p for v in (c, offset, shift, ident) for p in PRIMES])
-        offset += padded(n)
-    return torch.tensor(terms, dtype=torch.int64, device=device).reshape(-1, 8), starts
+        ident = c * set_identity(s.ranks)
+        offset = 0
+        for t in members:
+            terms[t] = [v % p for v in (c, offset, shift, ident) for p in PRIMES]
+            offset += padded(sizes[t])
+    return torch.tensor(terms, dtype=torch.int64, device=device).reshape(-1, 8)
 
 
 def slot_residues(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
@@ -383,37 +416,28 @@ def slot_residues(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
 
 
 def global_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """Each tensor's ``[A mod P1, A mod P2, B mod P1, B mod P2]`` with ``B`` at padded positions
-    global over the checked tensors, int64 ``(n, 4)`` (for naming ranks)."""
+    """Each tensor's ``[A mod P1, A mod P2, B mod P1, B mod P2]`` with ``B`` at positions in its
+    set's padded stream, int64 ``(n, 4)`` (for naming ranks)."""
     p = moduli_tensor(moments.device)
     a = moments[:, :2]
     return torch.cat([a, (moments[:, 2:] + terms[:, 2:4] * a).remainder(p)], 1)
 
 
-def _row_weights(
-    key: Key, sizes: Sequence[int], sets: Sequence[ReplicaSet | None], starts: Sequence[int],
-    device: torch.device,
-) -> torch.Tensor:  # fmt: skip
-    """Per row of the padded stream of tensors of ``sizes``, int64 ``(rows, 4)``: ``b_(S,i) -
-    b_(S,i+1)`` modulo each prime (zero for a tensor not checked), then ``b_(S,0)`` (the
-    replica-independent weight of the naming rows). Three keyed draws per replica set."""
-    counts = [-(-n // ROW_WORDS) for n in sizes]
-    out = torch.zeros(sum(counts), 4, dtype=torch.int64, device=device)
-    by_set: dict[ReplicaSet, tuple[list[int], list[int]]] = {}
-    first = 0
-    for count, s, start in zip(counts, sets, starts):
-        if s is not None and count:
-            places, rows = by_set.setdefault(s, ([], []))
-            places += range(first, first + count)
-            rows += range(start // ROW_WORDS, start // ROW_WORDS + count)
-        first += count
-    for s, (places, rows) in by_set.items():
-        at = torch.tensor(rows, dtype=torch.int64, device=device)
-        k, m, i = set_key(s.ranks), len(s.ranks), s.position
-        own, nxt, zero = key.rows(k, i, at), key.rows(k, (i + 1) % m, at), key.rows(k, 0, at)
-        out[torch.tensor(places, device=device)] = torch.cat(
-            [(own - nxt).remainder(moduli_tensor(device)), zero], 1)
-    return out
+def _keyed_sum(
+    keyed: torch.Tensor, key: Key, set_k: int, replica: int
+) -> torch.Tensor:
+    """``sum_row e[row div BLOCK_ROWS] f[row mod BLOCK_ROWS] keyed[row]`` of replica ``replica`` of
+    set ``set_k``, int64 ``(2,)`` residues (``keyed``: int64 ``(rows, 2)`` residues)."""
+    device = keyed.device
+    p = moduli_tensor(device)
+    rows = keyed.shape[0]
+    blocks = -(-rows // BLOCK_ROWS)
+    pad = blocks * BLOCK_ROWS - rows
+    if pad:
+        keyed = torch.cat([keyed, keyed.new_zeros(pad, 2)])
+    f, e = key.lows(set_k, replica, device), key.blocks(set_k, replica, blocks, device)
+    inner = (keyed.view(blocks, BLOCK_ROWS, 2) * f).remainder(p).sum(1).remainder(p)  # (blocks, 2)
+    return (inner * e).remainder(p).sum(0).remainder(p)
 
 
 class RankSums(NamedTuple):
@@ -421,9 +445,10 @@ class RankSums(NamedTuple):
 
     #: int64 ``(RESIDUES,)``: ``[A1, A2, B1, B2, C1, C2, R1, R2]``, residues.
     residues: torch.Tensor
-    #: int64 ``(n, 6)``: per tensor ``A, B`` (global positions) and the keyed ``H`` (replica
-    #: independent weights), modulo each prime: equal on replicas that hold equal words.
-    rows: torch.Tensor
+    #: Each tensor's naming row, made on demand (a mismatch): int64 ``(n, 6)``, ``A, B`` (`global_rows()`)
+    #: and the keyed sum of the set's first replica's weights, modulo each prime: equal on
+    #: replicas that hold equal words.
+    rows: Callable[[], torch.Tensor]
 
 
 def rank_slots(
@@ -431,39 +456,63 @@ def rank_slots(
     sets: Sequence[ReplicaSet | None],
     key: Key,
     device: torch.device,
-    row_weights: dict | None = None,
 ) -> RankSums:
-    """This rank's residues of ``tensors`` (each in its replica set, None: not checked) and its
-    naming rows, on ``device``: `word_moments()` (one read), `layout_terms()`, the keyed rows.
-    ``row_weights``: a cache for the keyed row weights of a layout (the caller's)."""
-    sizes = tuple(0 if w is None else w.numel() for w in map(words, tensors))
-    moments, keyed = word_moments(tensors, device, key)
-    terms, starts = layout_terms(sizes, sets, device)
+    """This rank's residues of ``tensors`` (each in its replica set, None: not checked) on
+    ``device``: per replica set, one `row_sums()` of its tensors' stream (one read of every
+    checked word), then int64 ops on the rows and a few per set. The naming rows are made only
+    when asked for (`RankSums.rows`: one more read)."""
+    sizes = [0 if w is None else w.numel() for w in map(words, tensors)]
     p = moduli_tensor(device)
-    cache_key = (key.secret, sizes, tuple(sets), device)
-    weights = None if row_weights is None else row_weights.get(cache_key)
-    if weights is None:
-        weights = _row_weights(key, [n if n else 0 for n in sizes], sets, starts, device)
-        if row_weights is not None:
-            if len(row_weights) > 4:
-                row_weights.clear()
-            row_weights[cache_key] = weights
-    assert keyed is not None
-    r = (weights[:, :2] * keyed).remainder(p).sum(0).remainder(p)
-    h_rows = (weights[:, 2:] * keyed).remainder(p)
-    rows_of = _rows(sizes, device).owners
+    total = torch.zeros(RESIDUES, dtype=torch.int64, device=device)
+    for s, members in _grouped(sizes, sets).items():
+        moments, keyed = row_sums([tensors[t] for t in members], device, key)
+        m, i = len(s.ranks), s.position
+        c = coefficient(i, m)
+        at = torch.arange(moments.shape[0], dtype=torch.int64, device=device) * ROW_WORDS
+        sa = moments[:, 0].sum().remainder(p)  # (2,)
+        sb = ((at.unsqueeze(1) * moments[:, :1]).remainder(p).sum(0)
+              + moments[:, 1].sum()).remainder(p)  # fmt: skip
+        shift = torch.tensor([spacing(m) * offsets(m)[i] % q for q in PRIMES], device=device)
+        ident = torch.tensor([c * set_identity(s.ranks) % q for q in PRIMES], device=device)
+        k = set_key(s.ranks)
+        r = _keyed_sum(keyed, key, k, i) - _keyed_sum(keyed, key, k, (i + 1) % m)
+        part = torch.cat([c * sa, c * (sb + shift * sa).remainder(p), ident * sa, r])
+        total = total + part.remainder(moduli_tensor(device, RESIDUES))
+    residues = total.remainder(moduli_tensor(device, RESIDUES))
+    return RankSums(residues, functools.partial(naming_rows, tensors, sets, key, device))
+
+
+def naming_rows(
+    tensors: Sequence[torch.Tensor],
+    sets: Sequence[ReplicaSet | None],
+    key: Key | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Each tensor's naming row, int64 ``(n, 6)``: ``A, B`` at positions in its set's stream and,
+    with a ``key``, ``H``, the keyed sum with the set's first replica's weights (the same on
+    every replica), modulo each prime (zeros for a tensor not checked). One read."""
+    sizes = [0 if w is None else w.numel() for w in map(words, tensors)]
+    terms = layout_terms(sizes, sets, device)
+    rows = global_rows(word_moments(tensors, device), terms)
     h = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
-    h.index_add_(0, rows_of, h_rows)
-    naming = torch.cat([global_rows(moments, terms), h.remainder(p)], 1)
-    return RankSums(torch.cat([slot_residues(moments, terms), r]), naming)
+    if key is not None:
+        for s, members in _grouped(sizes, sets).items():
+            k = set_key(s.ranks)
+            offset = 0  # the tensor's rows sit at its offset in the set's stream
+            for t in members:
+                _, keyed = row_sums([tensors[t]], device, key)
+                lead = keyed.new_zeros(offset // ROW_WORDS, 2)
+                h[t] = _keyed_sum(torch.cat([lead, keyed]), key, k, 0)
+                offset += padded(sizes[t])
+    return torch.cat([rows, h], 1)
 
 
 def word_weights(
     positions: torch.Tensor, replica: ReplicaSet, key: Key
 ) -> torch.Tensor:
-    """The weights of single words of one tensor of replica set ``replica`` at padded
-    ``positions`` (int64 ``(n,)``), int64 ``(n, RESIDUES)``: a changed word's slot residues are
-    its change times these (modulo each prime). The sparse form of `rank_slots()` (the same
+    """The weights of single words of replica set ``replica`` at ``positions`` in its padded
+    stream (int64 ``(n,)``), int64 ``(n, RESIDUES)``: a changed word's slot residues are its
+    change times these (modulo each prime). The sparse form of `rank_slots()` (the same
     arithmetic; tests evaluate a model of any size through it)."""
     device = positions.device
     p = moduli_tensor(device)
@@ -471,16 +520,21 @@ def word_weights(
     c = coefficient(i, m)
     shift = c * spacing(m) * offsets(m)[i]
     ident = c * set_identity(replica.ranks)
+    n = len(positions)
     cp = torch.tensor([c % q for q in PRIMES], dtype=torch.int64, device=device)
     x = (positions.unsqueeze(1).remainder(p) * cp
          + torch.tensor([shift % q for q in PRIMES], device=device)).remainder(p)  # fmt: skip
-    z = torch.tensor([ident % q for q in PRIMES], device=device).expand(len(positions), 2)
+    z = torch.tensor([ident % q for q in PRIMES], device=device).expand(n, 2)
     rows, cols = positions // ROW_WORDS, positions % ROW_WORDS
+    hi, lo = rows // BLOCK_ROWS, rows % BLOCK_ROWS
+    blocks = int(hi.max()) + 1 if n else 0
     k = set_key(replica.ranks)
-    b = (key.rows(k, i, rows) - key.rows(k, (i + 1) % m, rows)).remainder(p)
-    a = key.columns(device).t()[cols]  # (n, 2)
-    r = (a * b).remainder(p)
-    return torch.cat([cp.expand(len(positions), 2), x, z, r], 1)
+
+    def b(r: int) -> torch.Tensor:
+        return (key.blocks(k, r, blocks, device)[hi] * key.lows(k, r, device)[lo]).remainder(p)
+
+    r = (key.columns(device)[cols] * (b(i) - b((i + 1) % m))).remainder(p)
+    return torch.cat([cp.expand(n, 2), x, z, r], 1)
 
 
 # ---------------------------------------------------------------------- limbs and readings
@@ -538,24 +592,18 @@ def mismatch_flag(reduced: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def digest(tensors: Sequence[torch.Tensor], key: Key, device: torch.device) -> torch.Tensor:
     """``tensors`` read as one padded stream, unweighted by any replica: float32 ``(6,)``,
-    ``[A, B, R]`` modulo each prime with ``R = sum a_col b(row) w`` (``b`` of a set of one
-    replica): equal for equal words; two streams differing in at most two words never equal;
-    any other difference equal with probability at most ``(1 / P1) (1 / P2)`` over the key
-    (degree 1 in the row weights, Schwartz-Zippel). Residues below 2**24: exact in float32, for
-    an exchange that compares rather than sums. No host read."""
+    ``[A, B, R]`` modulo each prime with ``R`` the keyed sum of one replica's weights: equal for
+    equal words; two streams differing in at most two words never equal; any other difference
+    equal with probability at most ``(3 / P1) (3 / P2)`` over the key (Schwartz-Zippel, degree 3
+    in the keyed weights). Residues below 2**24: exact in float32, for an exchange that compares
+    rather than sums. One read; no host read."""
     tensors = [t.to(device) for t in tensors if t.is_floating_point() and t.numel()]
     if not tensors:
         return torch.zeros(6, dtype=torch.float32, device=device)
-    moments, keyed = word_moments(tensors, device, key)
-    sizes = [t.numel() * t.element_size() // 2 for t in tensors]
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + padded(n))
     p = moduli_tensor(device)
-    offs = torch.tensor([[s % q for q in PRIMES] for s in starts], dtype=torch.int64, device=device)
-    a = moments[:, :2].sum(0).remainder(p)
-    b = (moments[:, 2:] + offs * moments[:, :2]).remainder(p).sum(0).remainder(p)
-    assert keyed is not None
-    rows = torch.arange(keyed.shape[0], dtype=torch.int64, device=device)
-    r = (key.rows(0, 0, rows) * keyed).remainder(p).sum(0).remainder(p)
+    moments, keyed = row_sums(tensors, device, key)
+    at = torch.arange(moments.shape[0], dtype=torch.int64, device=device) * ROW_WORDS
+    a = moments[:, 0].sum().remainder(p)
+    b = ((at.unsqueeze(1) * moments[:, :1]).remainder(p).sum(0) + moments[:, 1].sum()).remainder(p)
+    r = _keyed_sum(keyed, key, 0, 0)
     return torch.cat([a, b, r]).to(torch.float32)
