@@ -9,12 +9,12 @@ and its reading, right after that collective, does on every rank what the torchf
 documentation details (costs, scenarios):
 
 * one ``manager.allreduce(..., ReduceOp.MAX)`` across replica groups of the agreed flag and norm
-  statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after
-  the average on one group skips every group), the lowest and highest replica rank that went
-  non-finite, and one row per participating group: the checksums (`_checksum`) of its
-  averaged gradients and, at the first step where every group participates after a quorum change
-  or a heal, of its parameters, optimizer state and scaler state, compared on the host (a group
-  that differs reports to torchft: skip cause ``replica_mismatch``);
+  statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after the
+  average on one group skips every group), the lowest and highest replica rank that went non-finite,
+  and one row per participating group: the checksums of its averaged gradients and, at the first
+  step where every group participates after a quorum change or a heal, of its parameters, optimizer
+  state and scaler state, compared on the host (a group that differs reports to torchft: skip cause
+  ``replica_mismatch``);
 * then ``manager.should_commit()``, once per step: a step that does not commit is skipped (its
   found_inf forced to non-finite) and settles as skip cause ``not_committed`` (the scale stays).
 
@@ -63,6 +63,7 @@ from ..replica_check import GPU_INTERVAL, ReplicaMismatch, ReplicaSet
 from ._scaler_arg import scaler_from_argument
 from ._torchft_compare import REFERENCE, REJOINED, compare, divergence, row_width, state_parts
 from ._torchft_cross_flag import CROSS_NUMEL, cross_part, lone
+from ._torchft_heal import Heal
 from ._torchft_reports import (
     HealMismatch,
     NonFiniteAfterAverage,
@@ -136,14 +137,11 @@ class TorchftCheck:
         self.state = _Step()
         self.world: tuple[dist.ProcessGroup | None, int] = (None, 1)
         self.iteration = 0
-        self.preloaded: Any = None
         self.pending_cross: tuple[torch.Tensor, int, int, int | None] | None = None
         self.replica_overflow: ReplicaOverflow | None = None
         self.replica_divergence: ReplicaDivergence | None = None
         self.last_committed: bool | None = None
-        self.seen_quorum: Any = None
-        self.verify_due = True  # a new process: its first step where every group participates
-        self.rejoined = False
+        self.heal = Heal(scaler, manager, STATE_KEY)
         self.enabled, self.interval_setting, self.param_interval = True, None, 1000
         self.on_mismatch: Any = "skip"
         self.host_reads = host_read_is_free(scaler.device_type)
@@ -157,24 +155,15 @@ class TorchftCheck:
         self.state.optimizer, self.world = optimizer, (plan.world.group, plan.world.size)
         return self
 
-    def local(
-        self,
-        params: tuple[torch.Tensor, ...],
-        grads: Sequence[torch.Tensor],
-        moments: torch.Tensor | None = None,
-        sums: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def local(self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
+              moments: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """No slots of its own: an empty float32 tensor."""
         return torch.zeros(0, dtype=torch.float32)
 
-    def read(
-        self,
-        reduced: torch.Tensor,
-        local_flag: torch.Tensor | None = None,
-        agreed: torch.Tensor | None = None,
-    ) -> Reading | None:
-        """The exchange across replica groups and ``should_commit()``, on the agreed buffer, which
-        it raises in place to the groups' MAX (or forces to a skip); returns itself."""
+    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None,
+             agreed: torch.Tensor | None = None) -> Reading | None:  # fmt: skip
+        """`across()` on the agreed buffer, which it raises in place to the groups' MAX (or forces
+        to a skip); returns itself."""
         assert agreed is not None, "the scaler's collective hands the agreed buffer"
         self.across(agreed)
         return self
@@ -208,8 +197,7 @@ class TorchftCheck:
         if step.divergence is not None:
             self.replica_divergence = step.divergence
         if step.state_checked:
-            self.verify_due = self.verify_due and step.keep_due
-            self.rejoined = self.rejoined and not step.verified
+            self.heal.checked(step.verified, step.keep_due)
 
     def count(self) -> list[tuple[int, str]]:
         """Nothing waits on the device: no skips to count later."""
@@ -245,32 +233,16 @@ class TorchftCheck:
     # ------------------------------------------------------------------ torchft's protocol
 
     def settle_heal(self) -> None:
-        """Once per step, before the first check: with the async quorum torchft applies a healing
-        group's staged state only inside should_commit(), after the check would have unscaled by
-        the stale scale; the scaler's part is taken now (the rest follows in should_commit)."""
-        if self.state.settled:
-            return
-        self.state.settled = True
-        manager = self.manager
-        if getattr(manager, "_quorum_future", None) is None:
-            return  # no quorum started (start_quorum / OptimizerWrapper.zero_grad not called)
-        manager.wait_quorum()  # the gradient average already waited for it
-        if not manager._healing:
-            return
-        pending = manager._pending_state_dict
-        state = None if pending is None else pending.get("user", {}).get(STATE_KEY)
-        if state is not None:
-            self.scaler.load_state_dict(state)
-            self.preloaded = state
+        """Once per step, before the first check: the scaler's part of a pending healed state
+        (async quorum; torchft applies the rest in should_commit). Waits for the quorum."""
+        if not self.state.settled:
+            self.state.settled = True
+            self.heal.preload()
 
     def load_healed(self, state: Any) -> None:
         """torchft's load function for ``STATE_KEY``: this group healed, so its next step where
         every group participates compares its state."""
-        self.rejoined = self.verify_due = True
-        if state is self.preloaded:  # taken before the check (settle_heal)
-            self.preloaded = None
-        else:
-            self.scaler.load_state_dict(state)
+        self.heal.load(state)
 
     def commit(self) -> bool:
         """``manager.should_commit()``, asked once per step."""
@@ -312,7 +284,7 @@ class TorchftCheck:
         step.step = manager.current_step()
         step.replica_rank = manager.participating_rank()  # None: this group heals (zeroed)
         step.num_participants = manager.num_participants()
-        self._note_quorum(step)
+        self.heal.note_quorum(step.replica_rank, step.num_participants)
         part, bad = cross_part(flat, step.replica_rank)
         rows, grads_checked, state_checked = self._rows(step, flat, bad)
         exchange = torch.cat([part, rows])  # (4 + num_participants * row width,)
@@ -355,15 +327,6 @@ class TorchftCheck:
 
     # ------------------------------------------------------------------ the replica check
 
-    def _note_quorum(self, step: _Step) -> None:
-        # A heal check is due on every group from a quorum change or a step where some group of
-        # the quorum did not participate (it healed) until a step where every group participates.
-        quorum = getattr(self.manager, "_quorum_id", None)
-        if (quorum != self.seen_quorum or step.replica_rank is None
-                or step.num_participants < _quorum_size(self.manager)):  # fmt: skip
-            self.verify_due = True
-        self.seen_quorum = quorum
-
     def _rows(
         self, step: _Step, flat: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, bool, bool]:
@@ -379,11 +342,11 @@ class TorchftCheck:
             return rows, False, False
         interval = self.interval_setting or (1 if self.host_reads else GPU_INTERVAL)
         grads_due = step.step % interval == 0
-        state_due = self.verify_due and self.param_interval > 0 and n >= _quorum_size(self.manager)
+        state_due = self.heal.due and self.param_interval > 0 and n >= self.heal.quorum_size()
         if not (grads_due or state_due):
             return rows, False, False
         row = rows[rank * width : (rank + 1) * width]
-        row[0] = REJOINED if self.rejoined else REFERENCE
+        row[0] = REJOINED if self.heal.rejoined else REFERENCE
         if grads_due:
             grads = [getattr(p.grad, "_local_tensor", p.grad)
                      for g in optimizer.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
@@ -547,14 +510,6 @@ class FaultTolerantGradScaler:
     @_heal_counts_own.setter
     def _heal_counts_own(self, value: bool) -> None:
         self.check.heal_counts_own = value
-
-
-def _quorum_size(manager: Manager) -> int:
-    # The replica groups in the quorum, participating or healing (torchft's cross-replica group).
-    try:
-        return int(manager._pg.size())
-    except Exception:  # noqa: BLE001 - a group not configured yet: only the participants known
-        return manager.num_participants()
 
 
 def _checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
