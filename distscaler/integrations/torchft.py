@@ -9,12 +9,12 @@ and its reading, right after that collective, does on every rank what the torchf
 documentation details (costs, scenarios):
 
 * one ``manager.allreduce(..., ReduceOp.MAX)`` across replica groups of the agreed flag and norm
-  statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after
-  the average on one group skips every group), the lowest and highest replica rank that went
-  non-finite, and one row per participating group: the checksums (`_checksum`) of its
-  averaged gradients and, at the first step where every group participates after a quorum change
-  or a heal, of its parameters, optimizer state and scaler state, compared on the host (a group
-  that differs reports to torchft: skip cause ``replica_mismatch``);
+  statistic (``reads_agreed``: raised in place to the groups' MAX, so an inf that appears after the
+  average on one group skips every group), the lowest and highest replica rank that went non-finite,
+  and one row per participating group: the checksums of its averaged gradients and, at the first
+  step where every group participates after a quorum change or a heal, of its parameters, optimizer
+  state and scaler state, compared on the host (a group that differs reports to torchft: skip cause
+  ``replica_mismatch``);
 * then ``manager.should_commit()``, once per step: a step that does not commit is skipped (its
   found_inf forced to non-finite) and settles as skip cause ``not_committed`` (the scale stays).
 
@@ -29,7 +29,6 @@ quorum the scaler takes its part before the step's first check. It relies on tor
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -56,6 +55,17 @@ from ..checks import Contribution, KernelPart, Reading, Settlement
 from ..errors import ReplicaMismatchError
 from ..replica_check import GPU_INTERVAL, ReplicaMismatch
 from ._scaler_arg import scaler_from_argument
+from ._torchft_compare import REFERENCE, REJOINED, compare, divergence, row_width, state_parts
+from ._torchft_cross_flag import CROSS_NUMEL, cross_part, lone
+from ._torchft_heal import Heal
+from ._torchft_reports import (
+    HealMismatch,
+    NonFiniteAfterAverage,
+    NotCommitted,
+    ReplicaDivergence,
+    ReplicaGradientMismatch,
+    ReplicaOverflow,
+)
 
 __all__ = [
     "STATE_KEY",
@@ -77,133 +87,8 @@ logger = logging.getLogger(__name__)
 TESTED_TORCHFT = TESTED_VERSIONS["torchft"]
 #: The key of the scaler's state in torchft's healed state (``register_state_dict_fn``).
 STATE_KEY = "distscaler"
-#: The parts of the state compared at the first step after a heal, in row order.
-STATE_PARTS = ("parameters", "optimizer", "scaler")
-#: Elements of the cross-replica found_inf: [flag or statistic, statistic, hi, lo].
-_CROSS_NUMEL = 4
-#: Encodes the lowest non-finite replica rank under a MAX (``_LO_BASE - (rank + 1)``).
-_LO_BASE = float(2**20)
-#: Row roles: a group that did not heal since its last verified step, a group that healed.
-_REFERENCE, _REJOINED = 1, 2
 #: Scalers with a torchft check (one per scaler).
 _INSTALLED: weakref.WeakSet[GradScaler] = weakref.WeakSet()
-
-
-class NonFiniteAfterAverage(RuntimeError):
-    """Reported to torchft by the one group non-finite after the average (``report_lone_replica``)
-    or by a healing group whose own gradients were: it does not commit and heals from a peer."""
-
-
-class HealMismatch(RuntimeError):
-    """Reported to torchft by a group whose state after a heal differs from its peers'."""
-
-
-class ReplicaGradientMismatch(RuntimeError):
-    """Reported to torchft by a group whose averaged gradients differ from its peers' (finite)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaOverflow:
-    """The replica group that alone held inf/NaN gradients after the average, at one step.
-
-    Attributes:
-        step: the manager step (``manager.current_step()`` before the step).
-        replica_rank: its participating replica rank in that step's quorum (-1: healing).
-        this_group: whether it is the group of this process.
-        num_participants: replica groups participating in that step.
-        reported: reported to torchft: that group did not commit and heals, the others stepped.
-        healing: it was this group's heal step (torchft zeroes a healing group's part).
-    """
-
-    step: int
-    replica_rank: int
-    this_group: bool
-    num_participants: int
-    reported: bool
-    healing: bool = False
-
-    def describe(self) -> str:
-        """One line for a log."""
-        if self.healing:
-            return (f"this replica group held inf/NaN gradients after the cross-replica average in "
-                    f"its heal step {self.step}; it does not step or commit and heals again from a "
-                    "peer, the others stepped")  # fmt: skip
-        who = "this replica group" if self.this_group else f"replica group {self.replica_rank}"
-        then = ("reported to torchft: it heals from a peer, the others stepped" if self.reported
-                else "every group skipped the step")  # fmt: skip
-        return (f"{who} (replica rank {self.replica_rank} of {self.num_participants}) alone held "
-                f"inf/NaN gradients after the cross-replica average at step {self.step}; {then}")  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class NotCommitted:
-    """A step torchft did not commit on this replica group (``should_commit()`` returned False):
-    the report of a ``not_committed`` skip ([`report_skip()`][distscaler.GradScaler.report_skip]).
-
-    Attributes:
-        step: the manager step (``manager.current_step()`` before the step).
-        replica_id: this replica group's id as given to torchft's ``Manager``, or None.
-        num_participants: replica groups participating in that step's quorum.
-        error: what this rank reported to torchft in that step (``manager.errored()``), None
-            where another rank of the group did (should_commit is the group's answer).
-    """
-
-    step: int
-    replica_id: str | None
-    num_participants: int
-    error: str | None
-
-    def describe(self) -> str:
-        """One line for a log (the same on every rank of every group that did not commit)."""
-        return (f"torchft did not commit step {self.step} on this replica group "
-                f"({self.num_participants} replica groups took part): one of its ranks reported an "
-                "error (manager.report_error), or too few replica groups took part; the scale did "
-                "not move and the group heals or retries at the next quorum")  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaDivergence:
-    """Participating replica groups whose values differed at one step, the same on every group
-    that compared them.
-
-    Attributes:
-        step: the manager step (``manager.current_step()`` before the step).
-        what: ``"healed state"`` (the first step after a heal: parameters, optimizer state and
-            scaler state) or ``"gradients"`` (the averaged gradients, every value finite).
-        replica_ranks: the participating replica ranks named: the groups that healed and differ
-            from the reference groups; else those that differ from the majority (with no
-            majority, every group compared).
-        this_group: whether this process's group is named.
-        parts: the parts of the state that differed (``STATE_PARTS``) as seen by this group
-            against the reference; empty for gradients.
-        num_participants: replica groups participating in that step.
-        reported: whether the named groups reported it to torchft: then they did not commit and
-            heal again (or retry the step), the others stepped.
-    """
-
-    step: int
-    what: Literal["healed state", "gradients"]
-    replica_ranks: tuple[int, ...]
-    this_group: bool
-    parts: tuple[str, ...]
-    num_participants: int
-    reported: bool
-
-    def describe(self) -> str:
-        """One line for a log."""
-        who = ", ".join(str(r) for r in self.replica_ranks)
-        if self.what == "healed state":
-            names = {"parameters": "parameters", "optimizer": "optimizer state",
-                     "scaler": "scaler state"}  # fmt: skip
-            parts = ", ".join(names[p] for p in self.parts) or "state"
-            then = "they do not commit and heal again" if self.reported else "reported only"
-            return (f"replica group(s) {who} (replica rank, of {self.num_participants}) differ in "
-                    f"{parts} at step {self.step}, the first after their heal, from the groups they "
-                    f"healed from; {then}")  # fmt: skip
-        then = "they do not commit" if self.reported else "reported only"
-        return (f"the averaged gradients of replica group(s) {who} (replica rank, of "
-                f"{self.num_participants}) differ from the other groups' at step {self.step} "
-                f"(every value finite: a silent corruption); {then}")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -246,14 +131,11 @@ class TorchftCheck:
         self.state = _Step()
         self.world: tuple[dist.ProcessGroup | None, int] = (None, 1)
         self.iteration = 0
-        self.preloaded: Any = None
         self.pending_cross: tuple[torch.Tensor, int, int, int | None] | None = None
         self.replica_overflow: ReplicaOverflow | None = None
         self.replica_divergence: ReplicaDivergence | None = None
         self.last_committed: bool | None = None
-        self.seen_quorum: Any = None
-        self.verify_due = True  # a new process: its first step where every group participates
-        self.rejoined = False
+        self.heal = Heal(scaler, manager, STATE_KEY)
         self.enabled, self.interval_setting, self.param_interval = True, None, 1000
         self.on_mismatch: Any = "skip"
         self.host_reads = host_read_is_free(scaler.device_type)
@@ -267,24 +149,15 @@ class TorchftCheck:
         self.state.optimizer, self.world = optimizer, (plan.world.group, plan.world.size)
         return self
 
-    def local(
-        self,
-        params: tuple[torch.Tensor, ...],
-        grads: Sequence[torch.Tensor],
-        moments: torch.Tensor | None = None,
-        sums: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def local(self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
+              moments: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """No slots of its own: an empty float32 tensor."""
         return torch.zeros(0, dtype=torch.float32)
 
-    def read(
-        self,
-        reduced: torch.Tensor,
-        local_flag: torch.Tensor | None = None,
-        agreed: torch.Tensor | None = None,
-    ) -> Reading | None:
-        """The exchange across replica groups and ``should_commit()``, on the agreed buffer, which
-        it raises in place to the groups' MAX (or forces to a skip); returns itself."""
+    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None,
+             agreed: torch.Tensor | None = None) -> Reading | None:  # fmt: skip
+        """`across()` on the agreed buffer, which it raises in place to the groups' MAX (or forces
+        to a skip); returns itself."""
         assert agreed is not None, "the scaler's collective hands the agreed buffer"
         self.across(agreed)
         return self
@@ -305,7 +178,6 @@ class TorchftCheck:
 
     def close(self, number: int, found_inf: torch.Tensor, *, counted: bool) -> None:
         """Nothing to keep: the exchange was read at the step."""
-        return None
 
     def end_iteration(self, cause: str | None, optimizers: Sequence[Any] = ()) -> None:
         """Keep what the step found (a lone overflow, a divergence, a verified heal) for the
@@ -319,8 +191,7 @@ class TorchftCheck:
         if step.divergence is not None:
             self.replica_divergence = step.divergence
         if step.state_checked:
-            self.verify_due = self.verify_due and step.keep_due
-            self.rejoined = self.rejoined and not step.verified
+            self.heal.checked(step.verified, step.keep_due)
 
     def count(self) -> list[tuple[int, str]]:
         """Nothing waits on the device: no skips to count later."""
@@ -332,7 +203,6 @@ class TorchftCheck:
 
     def note_overflow(self, step: int, ranks: set[int]) -> None:
         """Nothing: the replica check's ledger counts overflow reports."""
-        return None
 
     def at_fault(self) -> tuple[str, ...]:
         """Nothing: a collapse report names the ranks the scaler's own checks named."""
@@ -344,7 +214,6 @@ class TorchftCheck:
 
     def forget(self) -> None:
         """Nothing waits across a loaded state."""
-        return None
 
     def configure(self, config: Any) -> None:
         """The replica check's settings of ``config`` (cadence, parameter check,
@@ -358,32 +227,16 @@ class TorchftCheck:
     # ------------------------------------------------------------------ torchft's protocol
 
     def settle_heal(self) -> None:
-        """Once per step, before the first check: with the async quorum torchft applies a healing
-        group's staged state only inside should_commit(), after the check would have unscaled by
-        the stale scale; the scaler's part is taken now (the rest follows in should_commit)."""
-        if self.state.settled:
-            return
-        self.state.settled = True
-        manager = self.manager
-        if getattr(manager, "_quorum_future", None) is None:
-            return  # no quorum started (start_quorum / OptimizerWrapper.zero_grad not called)
-        manager.wait_quorum()  # the gradient average already waited for it
-        if not manager._healing:
-            return
-        pending = manager._pending_state_dict
-        state = None if pending is None else pending.get("user", {}).get(STATE_KEY)
-        if state is not None:
-            self.scaler.load_state_dict(state)
-            self.preloaded = state
+        """Once per step, before the first check: the scaler's part of a pending healed state
+        (async quorum; torchft applies the rest in should_commit). Waits for the quorum."""
+        if not self.state.settled:
+            self.state.settled = True
+            self.heal.preload()
 
     def load_healed(self, state: Any) -> None:
         """torchft's load function for ``STATE_KEY``: this group healed, so its next step where
         every group participates compares its state."""
-        self.rejoined = self.verify_due = True
-        if state is self.preloaded:  # taken before the check (settle_heal)
-            self.preloaded = None
-        else:
-            self.scaler.load_state_dict(state)
+        self.heal.load(state)
 
     def commit(self) -> bool:
         """``manager.should_commit()``, asked once per step."""
@@ -396,10 +249,10 @@ class TorchftCheck:
         pending, self.pending_cross = self.pending_cross, None
         if pending is not None:
             cross, step, num_participants, replica_rank = pending
-            lone = _lone(cross.tolist(), num_participants)
-            if lone is not None:
+            rank = lone(cross.tolist(), num_participants)
+            if rank is not None:
                 self.replica_overflow = ReplicaOverflow(
-                    step, lone, lone == replica_rank, num_participants, reported=False
+                    step, rank, rank == replica_rank, num_participants, reported=False
                 )
         return self.replica_overflow
 
@@ -417,41 +270,33 @@ class TorchftCheck:
     def across(self, buffer: torch.Tensor) -> None:
         """``buffer`` (found_inf agreed inside the replica group: a flag, or [flag or statistic,
         statistic]) becomes found_inf of every participating group, forced to non-finite when the
-        step does not commit. The same exchange carries each participating group's row
-        (`_rows`), compared on the host (`_compare`); a group named reports to torchft before
-        should_commit."""
+        step does not commit. The same exchange carries each participating group's row, compared
+        on the host; a group named reports to torchft before should_commit."""
         manager, step = self.manager, self.state
         flat = buffer.view(-1)
         numel = flat.numel()
         step.step = manager.current_step()
         step.replica_rank = manager.participating_rank()  # None: this group heals (zeroed)
         step.num_participants = manager.num_participants()
-        self._note_quorum(step)
-        ident = 0.0 if step.replica_rank is None else float(step.replica_rank + 1)
-        # This group's own found_inf: a flag > 0, or a non-finite statistic.
-        bad = torch.logical_or(flat[0] > 0, flat.isfinite().all().logical_not()).to(torch.float32)
-        # NaN as inf: a MAX over NaN depends on the order of the operands.
-        values = torch.nan_to_num(flat, nan=math.inf, posinf=math.inf, neginf=-math.inf)
-        ends = bad * torch.tensor(
-            [ident, _LO_BASE - ident if ident else 0.0], dtype=torch.float32, device=flat.device
-        )
+        self.heal.note_quorum(step.replica_rank, step.num_participants)
+        part, bad = cross_part(flat, step.replica_rank)
         rows, grads_checked, state_checked = self._rows(step, flat, bad)
-        parts = [values, ends] if numel == 2 else [values, values.new_zeros(2 - numel), ends]
-        exchange = torch.cat([*parts, rows])  # (4 + num_participants * row width,)
+        exchange = torch.cat([part, rows])  # (4 + num_participants * row width,)
         manager.allreduce(exchange, reduce_op=ReduceOp.MAX).wait()
-        cross = step.cross = exchange[:_CROSS_NUMEL]  # [v0, v1, hi, lo]
+        cross = step.cross = exchange[:CROSS_NUMEL]  # [v0, v1, hi, lo]
         if step.replica_rank is None and self.heal_counts_own:
             # A healing group's part was zeroed: its own flag is added back, so that it never
             # steps on its own inf/NaN; it then does not commit and heals again.
-            cross[:numel] = torch.maximum(cross[:numel], values[:numel])
+            cross[:numel] = torch.maximum(cross[:numel], part[:numel])
             if bool(bad):  # one host read, on a healing step only
                 step.lone = ReplicaOverflow(step.step, -1, True, step.num_participants,
                                             reported=True, healing=True)  # fmt: skip
                 logger.warning("%s", step.lone.describe())
                 manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
         if grads_checked or state_checked:  # one host read of the rows
-            finding = self._compare(step, exchange[_CROSS_NUMEL:].tolist(), grads_checked,
-                                    state_checked)  # fmt: skip
+            finding, step.rejoined = compare(exchange[CROSS_NUMEL:].tolist(), step.num_participants,
+                                             _checksum_numel(), step.replica_rank, grads_checked,
+                                             state_checked)  # fmt: skip
             group, size = self.world
             if size > 1:  # the group's ranks merge their findings (a MAX): each its own shard
                 merged = torch.tensor(finding, dtype=torch.float32, device=flat.device)
@@ -460,10 +305,10 @@ class TorchftCheck:
             self._act(step, finding, grads_checked, state_checked)
         keep_own = False
         if self.report_lone and step.num_participants > 1:
-            lone = _lone(cross.tolist(), step.num_participants)  # the opt-in's host read
-            if lone is not None:
-                mine = lone == step.replica_rank
-                step.lone = ReplicaOverflow(step.step, lone, mine, step.num_participants, True)
+            rank = lone(cross.tolist(), step.num_participants)  # the opt-in's host read
+            if rank is not None:
+                mine = rank == step.replica_rank
+                step.lone = ReplicaOverflow(step.step, rank, mine, step.num_participants, True)
                 if mine:
                     logger.warning("distscaler: %s", step.lone.describe())
                     manager.report_error(NonFiniteAfterAverage(step.lone.describe()))
@@ -476,15 +321,6 @@ class TorchftCheck:
 
     # ------------------------------------------------------------------ the replica check
 
-    def _note_quorum(self, step: _Step) -> None:
-        # A heal check is due on every group from a quorum change or a step where some group of
-        # the quorum did not participate (it healed) until a step where every group participates.
-        quorum = getattr(self.manager, "_quorum_id", None)
-        if (quorum != self.seen_quorum or step.replica_rank is None
-                or step.num_participants < _quorum_size(self.manager)):  # fmt: skip
-            self.verify_due = True
-        self.seen_quorum = quorum
-
     def _rows(
         self, step: _Step, flat: torch.Tensor, bad: torch.Tensor
     ) -> tuple[torch.Tensor, bool, bool]:
@@ -493,111 +329,41 @@ class TorchftCheck:
         each checksum plus 1 (0: absent); and whether it wrote its gradients' and its state's.
         ``bad``: this group's found_inf (then no gradients' checksum: the overflow is it)."""
         n, fp = step.num_participants, _checksum_numel()
-        width = 1 + (1 + len(STATE_PARTS)) * fp
+        width = row_width(fp)
         rows = flat.new_zeros(n * width if n >= 2 else 0, dtype=torch.float32)
         rank, optimizer = step.replica_rank, step.optimizer
         if n < 2 or rank is None or rank >= n or not self.enabled or optimizer is None:
             return rows, False, False
         interval = self.interval_setting or (1 if self.host_reads else GPU_INTERVAL)
         grads_due = step.step % interval == 0
-        state_due = self.verify_due and self.param_interval > 0 and n >= _quorum_size(self.manager)
+        state_due = self.heal.due and self.param_interval > 0 and n >= self.heal.quorum_size()
         if not (grads_due or state_due):
             return rows, False, False
         row = rows[rank * width : (rank + 1) * width]
-        row[0] = _REJOINED if self.rejoined else _REFERENCE
+        row[0] = REJOINED if self.heal.rejoined else REFERENCE
         if grads_due:
             grads = [getattr(p.grad, "_local_tensor", p.grad)
                      for g in optimizer.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
             row[1 : 1 + fp] = (_checksum(grads, flat.device) + 1).mul_(1.0 - bad)
         if state_due:
-            parts = self._state_parts(optimizer)
+            parts = state_parts(optimizer, self.scaler.state_dict())  # one host read
             row[1 + fp :] = torch.cat([_checksum(t, flat.device) for t in parts]) + 1
             step.state_checked = True
         return rows, grads_due, state_due
 
-    def _state_parts(self, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
-        # STATE_PARTS' tensors: the parameters; the optimizer's state tensors and numbers (steps)
-        # and its param groups' settings (lr, betas...); the scaler's scale and growth tracker
-        # (its state_dict: one host read).
-        params: list[torch.Tensor] = []
-        optim: list[torch.Tensor] = []
-        numbers: list[float] = []
-        for group in optimizer.param_groups:
-            for key in sorted(k for k in group if k != "params"):
-                _collect(group[key], optim, numbers)
-            for p in group["params"]:
-                params.append(getattr(p, "_local_tensor", p).detach())
-                state = optimizer.state.get(p, {})
-                for key in sorted(state, key=str):
-                    _collect(state[key], optim, numbers)
-        if numbers:
-            optim.append(torch.tensor(numbers, dtype=torch.float64))
-        saved = self.scaler.state_dict()
-        scaler = [torch.tensor([float(saved[k])], dtype=torch.float64)
-                  for k in ("scale", "_growth_tracker") if k in saved]  # fmt: skip
-        return [params, optim, scaler]
-
-    def _compare(
-        self, step: _Step, host: list[float], grads_checked: bool, state_checked: bool
-    ) -> list[float]:
-        """This rank's finding from the rows, merged over the group's ranks with a MAX: ``2 n + 4``
-        values for ``n`` participants: the groups the heal check names (0/1 each), those the
-        gradient check names, the state's parts that differ, whether the named groups report."""
-        n, fp = step.num_participants, _checksum_numel()
-        width = 1 + (1 + len(STATE_PARTS)) * fp
-        rows = [host[i * width : (i + 1) * width] for i in range(n)]
-        finding = [0.0] * (2 * n + len(STATE_PARTS) + 1)
-        if state_checked:
-            state = {i: (int(r[0]), tuple(r[1 + fp :])) for i, r in enumerate(rows)
-                     if r[0] and r[1 + fp]}  # fmt: skip
-            refs = {i: s for i, (role, s) in state.items() if role == _REFERENCE}
-            step.rejoined = {i for i, (role, _) in state.items() if role == _REJOINED}
-            reference = _majority(refs)
-            named = {i for i in step.rejoined if state[i][1] != reference}
-            reported = bool(named)  # a rejoined group heals again
-            if not named and refs and reference is None:  # no rejoiner: references disagree
-                named, reported = set(refs), False  # no majority to heal from: reported only
-            elif not named:
-                named = {i for i, s in refs.items() if s != reference}
-                reported = bool(named)  # a minority of three or more heals from the majority
-            if named:
-                me = step.replica_rank
-                mine = state[me if me in named else min(named)][1]
-                against = reference if reference is not None else next(
-                    (state[i][1] for i in state if i not in named), None
-                )
-                for k in range(len(STATE_PARTS)):
-                    part = slice(fp * k, fp * (k + 1))
-                    finding[2 * n + k] = float(against is None or mine[part] != against[part])
-                for i in named:
-                    finding[i] = 1.0
-                finding[-1] = float(reported)
-        grads = {i: tuple(r[1 : 1 + fp]) for i, r in enumerate(rows) if grads_checked and r[1] > 0}
-        for i in _outliers(grads):
-            finding[n + i] = 1.0
-        return finding
-
     def _act(self, step: _Step, finding: list[float], grads_checked: bool,
              state_checked: bool) -> None:  # fmt: skip
         # The group's merged finding: counted, recorded, logged; a named group reports to
-        # torchft (it does not commit). The heal check's finding comes first.
-        n, me = step.num_participants, step.replica_rank
+        # torchft (it does not commit).
         ledger = self.scaler.replica_ledger
         ledger.checks += grads_checked
         ledger.param_checks += state_checked
-        state_named = tuple(i for i in range(n) if finding[i] > 0)
-        grad_named = tuple(i for i in range(n) if finding[n + i] > 0)
+        found = divergence(finding, step.step, step.num_participants, step.replica_rank)
         if state_checked:
-            step.verified = me not in state_named
-            step.keep_due = any(i in (step.rejoined or ()) for i in state_named)
-        if state_named:
-            parts = tuple(p for k, p in enumerate(STATE_PARTS) if finding[2 * n + k] > 0)
-            found = ReplicaDivergence(step.step, "healed state", state_named, me in state_named,
-                                      parts, n, finding[-1] > 0)  # fmt: skip
-        elif grad_named:
-            found = ReplicaDivergence(step.step, "gradients", grad_named, me in grad_named, (),
-                                      n, reported=True)  # fmt: skip
-        else:
+            named = found.replica_ranks if found and found.what == "healed state" else ()
+            step.verified = step.replica_rank not in named
+            step.keep_due = any(i in (step.rejoined or ()) for i in named)
+        if found is None:
             return
         step.divergence = found
         on_mismatch = self.on_mismatch
@@ -740,14 +506,6 @@ class FaultTolerantGradScaler:
         self.check.heal_counts_own = value
 
 
-def _quorum_size(manager: Manager) -> int:
-    # The replica groups in the quorum, participating or healing (torchft's cross-replica group).
-    try:
-        return int(manager._pg.size())
-    except Exception:  # noqa: BLE001 - a group not configured yet: only the participants known
-        return manager.num_participants()
-
-
 #: The keyed weights of the exchange's checksums: every group holds the same key without an
 #: exchange of its own.
 _KEY = Key(0x64697374)
@@ -764,43 +522,6 @@ def _checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Te
 @functools.cache
 def _checksum_numel() -> int:
     return _checksum([], torch.device("cpu")).numel()
-
-
-def _collect(value: Any, tensors: list[torch.Tensor], numbers: list[float]) -> None:
-    # An optimizer setting or state entry: tensors (float64 where not floating point), numbers
-    # (bools, ints, floats, and tuples of them: betas); anything else is not compared.
-    if isinstance(value, torch.Tensor):
-        t = value.detach().reshape(-1)
-        tensors.append(t if t.is_floating_point() else t.to(torch.float64))
-    elif isinstance(value, bool | int | float):
-        numbers.append(float(value))
-    elif isinstance(value, tuple | list):
-        for v in value:
-            _collect(v, tensors, numbers)
-
-
-def _majority(checksums: dict[int, tuple[float, ...]]) -> tuple[float, ...] | None:
-    # The value more than half of them hold, else None.
-    if not checksums:
-        return None
-    value, count = collections.Counter(checksums.values()).most_common(1)[0]
-    return value if count * 2 > len(checksums) else None
-
-
-def _outliers(checksums: dict[int, tuple[float, ...]]) -> set[int]:
-    # Those that differ from the majority; with no majority, all of them; none when all agree.
-    if len(set(checksums.values())) <= 1:
-        return set()
-    majority = _majority(checksums)
-    return {i for i, fp in checksums.items() if fp != majority}
-
-
-def _lone(cross: list[float], num_participants: int) -> int | None:
-    # The replica rank of the only group that went non-finite, from [v0, v1, hi, lo] after the MAX.
-    hi, lo = cross[2], cross[3]
-    if num_participants < 2 or hi <= 0 or hi + lo != _LO_BASE:
-        return None
-    return int(hi) - 1
 
 
 def install(
