@@ -183,8 +183,9 @@ class HostProcess:
     started) once that has passed.
     """
 
-    def __init__(self, host: Host, argv: list[str], popen: subprocess.Popen, log: Path,
-                 timeout: float) -> None:  # fmt: skip
+    def __init__(
+        self, host: Host, argv: list[str], popen: subprocess.Popen, log: Path, timeout: float
+    ) -> None:
         self.host = host
         self.argv = argv
         self.log = log
@@ -211,7 +212,9 @@ class HostProcess:
     def wait(self, timeout: float | None = None) -> int:
         """Waits for the exit code, at most ``timeout`` seconds (None: until the process's own
         timeout, which kills it); raises :class:`subprocess.TimeoutExpired` when either passes."""
-        until = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
+        until = (
+            self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
+        )
         while self.poll() is None:
             if time.monotonic() > until:
                 raise subprocess.TimeoutExpired(self.argv, timeout or self.timeout)
@@ -241,18 +244,20 @@ def _host_script(host: Host, hosts_file: Path, run_dir: Path, cwd: str) -> str:
     """What runs first in a command's own mount and UTS namespaces: the host's /etc/hosts,
     /dev/shm and /tmp, the other hosts' folders out of sight, its hostname, its working dir."""
     q = shlex.quote
-    return "\n".join([
-        "set -e",
-        f"mount --bind {q(str(hosts_file))} /etc/hosts",
-        f"mount --bind {q(str(host.disk / 'shm'))} /dev/shm",
-        f"mount --bind {q(str(host.disk / 'tmp'))} /tmp",
-        # Where the run's folder is not under /tmp, it is still in sight: cover it.
-        f"if [ -d {q(str(run_dir))} ]; then mount -t tmpfs -o size=64k none {q(str(run_dir))}; fi",
-        f"hostname {q(host.hostname)}",
-        f"mkdir -p {q(cwd)}",
-        f"cd {q(cwd)}",
-        'exec "$@"',
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "set -e",
+            f"mount --bind {q(str(hosts_file))} /etc/hosts",
+            f"mount --bind {q(str(host.disk / 'shm'))} /dev/shm",
+            f"mount --bind {q(str(host.disk / 'tmp'))} /tmp",
+            # Where the run's folder is not under /tmp, it is still in sight: cover it.
+            f"if [ -d {q(str(run_dir))} ]; then mount -t tmpfs -o size=64k none {q(str(run_dir))}; fi",
+            f"hostname {q(host.hostname)}",
+            f"mkdir -p {q(cwd)}",
+            f"cd {q(cwd)}",
+            'exec "$@"',
+        ]
+    )
 
 
 def _netns_inode(netns: str) -> int | None:
@@ -335,7 +340,9 @@ class Testbed:
             raise ValueError(f"num_hosts must be in [1, {_MAX_HOSTS}], got: {self.num_hosts}")
         octets = self.subnet.split(".")
         if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets):
-            raise ValueError(f"subnet must be three octets such as '10.213.0', got: {self.subnet!r}")
+            raise ValueError(
+                f"subnet must be three octets such as '10.213.0', got: {self.subnet!r}"
+            )
 
     # ----------------------------------------------------------------------------- build
 
@@ -448,8 +455,22 @@ class Testbed:
             raise RuntimeError("the testbed is not running: use it inside `with Testbed(...)`")
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         script = _host_script(host, self.run_dir / "hosts", self.run_dir, cwd)
-        full = ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts",
-                "--propagation", "private", "sh", "-c", script, "sh", *argv]  # fmt: skip
+        full = [
+            "ip",
+            "netns",
+            "exec",
+            host.netns,
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
         base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", "LANG": "C.UTF-8"}
         log = self.run_dir / "logs" / f"{host.hostname}-{len(self._processes)}.log"
         with open(log, "wb") as out:
@@ -500,8 +521,19 @@ class Testbed:
 
     def clear_rate_limit(self, host: Host) -> None:
         _sh("tc", "qdisc", "del", "dev", host.link, "root", check=False)
-        _sh("ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", "eth0", "root",
-            check=False)  # fmt: skip
+        _sh(
+            "ip",
+            "netns",
+            "exec",
+            host.netns,
+            "tc",
+            "qdisc",
+            "del",
+            "dev",
+            "eth0",
+            "root",
+            check=False,
+        )
 
     def host_pids(self, host: Host) -> list[int]:
         """Every process running on the host (in its network namespace)."""
@@ -595,20 +627,40 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default: 2)")
     parser.add_argument("--subnet", default="10.213.0", help="first three octets of the hosts' /24")
-    parser.add_argument("--copy", nargs="+", default=[], metavar="PATH",
-                        help="files or folders copied into every host's working directory")  # fmt: skip
-    parser.add_argument("--fetch", metavar="PATH",
-                        help="a path in host 0's working directory copied here after the run")  # fmt: skip
+    parser.add_argument(
+        "--copy",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="files or folders copied into every host's working directory",
+    )
+    parser.add_argument(
+        "--fetch",
+        metavar="PATH",
+        help="a path in host 0's working directory copied here after the run",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds (default: 600)")
     parser.add_argument("--rate-limit", metavar="RATE", help="every host's link, e.g. 100mbit")
-    parser.add_argument("--cut-link", metavar="HOST:AT:SECONDS",
-                        help="take host HOST's link down AT seconds after the start, for SECONDS")  # fmt: skip
-    parser.add_argument("--kill-host", metavar="HOST:AT",
-                        help="kill every process of host HOST AT seconds after the start")  # fmt: skip
-    parser.add_argument("--check", action="store_true",
-                        help="only list what earlier runs left (exit code 1 if anything)")  # fmt: skip
-    parser.add_argument("--clean-stale", action="store_true",
-                        help="only remove what runs whose process is gone left")  # fmt: skip
+    parser.add_argument(
+        "--cut-link",
+        metavar="HOST:AT:SECONDS",
+        help="take host HOST's link down AT seconds after the start, for SECONDS",
+    )
+    parser.add_argument(
+        "--kill-host",
+        metavar="HOST:AT",
+        help="kill every process of host HOST AT seconds after the start",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only list what earlier runs left (exit code 1 if anything)",
+    )
+    parser.add_argument(
+        "--clean-stale",
+        action="store_true",
+        help="only remove what runs whose process is gone left",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -665,10 +717,20 @@ def main(argv: list[str] | None = None) -> int:
                 bed.rate_limit(host, args.rate_limit)
         procs = []
         for host in bed.hosts:
-            fill = {"node_rank": host.index, "hostname": host.hostname, "addr": host.addr,
-                    "host0": bed.hosts[0].addr, "num_hosts": len(bed.hosts)}  # fmt: skip
-            procs.append(bed.run(host, [part.format(**fill) for part in args.command],
-                                 env={"PYTHONPATH": WORKDIR}))  # fmt: skip
+            fill = {
+                "node_rank": host.index,
+                "hostname": host.hostname,
+                "addr": host.addr,
+                "host0": bed.hosts[0].addr,
+                "num_hosts": len(bed.hosts),
+            }
+            procs.append(
+                bed.run(
+                    host,
+                    [part.format(**fill) for part in args.command],
+                    env={"PYTHONPATH": WORKDIR},
+                )
+            )
         start = time.monotonic()
         pending = _faults(args, bed)
         while any(p.poll() is None for p in procs):
@@ -676,8 +738,10 @@ def main(argv: list[str] | None = None) -> int:
                 pending.pop(0)[1]()
             time.sleep(0.1)
         for proc in procs:
-            print(f"===== {proc.host.hostname}: exit {proc.returncode}"
-                  f"{' (timed out)' if proc.timed_out else ''}\n{proc.output()}")  # fmt: skip
+            print(
+                f"===== {proc.host.hostname}: exit {proc.returncode}"
+                f"{' (timed out)' if proc.timed_out else ''}\n{proc.output()}"
+            )
         if args.fetch:
             src = bed.host_path(bed.hosts[0]) / args.fetch
             if src.exists():
