@@ -58,6 +58,7 @@ __all__ = [
     "Testbed",
     "TestbedUnavailable",
     "check_available",
+    "clean_stale",
     "leftovers",
 ]
 
@@ -367,7 +368,7 @@ class Testbed:
             try:
                 self.teardown()
             except TeardownIncomplete as incomplete:
-                e.add_note(str(incomplete))
+                raise incomplete from e
             if isinstance(e, RuntimeError) and not isinstance(e, TestbedUnavailable):
                 raise TestbedUnavailable(f"could not build the testbed: {e}") from e
             raise
@@ -592,24 +593,33 @@ class Testbed:
             raise TeardownIncomplete(left)
 
 
-def clean_stale() -> list[str]:
-    """Removes what testbeds of processes that no longer run left behind; returns it."""
+def _stale(name: str, tag: str | None) -> bool:
+    """Whether ``name`` belongs to a run (``tag``, or any) whose process is gone."""
+    if tag is not None and not name.startswith(NAME_PREFIX + tag):
+        return False
+    pid = _pid_of(name)
+    return pid is not None and not Path(f"/proc/{pid}").exists()
+
+
+def clean_stale(tag: str | None = None) -> list[str]:
+    """Removes what testbeds left whose process no longer runs (one killed before its teardown
+    could run): of the run ``tag``, or of every run when None. Returns what it removed.
+
+    A run is told by the pid in its names: use it where every testbed's process is in this
+    process's pid namespace."""
     removed = []
     for name in _names("netns"):
-        pid = _pid_of(name)
-        if pid is not None and not Path(f"/proc/{pid}").exists():
+        if _stale(name, tag):
             out = _sh("ip", "netns", "pids", name, check=False).stdout
             _kill([int(p) for p in out.split()])
             _sh("ip", "netns", "del", name, check=False)
             removed.append(f"network namespace {name}")
     for name in _names("link"):
-        pid = _pid_of(name)
-        if pid is not None and not Path(f"/proc/{pid}").exists():
+        if _stale(name, tag):
             _sh("ip", "link", "del", name, check=False)
             removed.append(f"link {name}")
     for folder in Path(tempfile.gettempdir()).glob("distscaler-multihost-*"):
-        pid = _pid_of(NAME_PREFIX + folder.name.removeprefix("distscaler-multihost-"))
-        if pid is not None and not Path(f"/proc/{pid}").exists():
+        if _stale(NAME_PREFIX + folder.name.removeprefix("distscaler-multihost-"), tag):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(f"folder {folder}")
     return removed

@@ -123,6 +123,42 @@ def test_teardown_leaves_nothing_after_failed_timed_out_and_running_commands(
         bed.run(h0, "true")
 
 
+_OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import multihost
+bed = multihost.Testbed(2).start()
+bed.run(bed.hosts[1], "sleep 300")
+print(bed.tag, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_testbed_whose_process_was_killed_is_cleaned_by_clean_stale(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    make_testbed(1)  # skips where no testbed can be built
+    # SIGKILL leaves no chance to tear down: what the run built stays until clean_stale.
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(REPO / "launch")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        tag = owner.stdout.readline().strip()
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+    assert tag, "the owner process printed no tag"
+    left = multihost.leftovers(tag)
+    assert any(item.startswith("network namespace") for item in left), left
+    assert any(item.startswith("link") for item in left), left
+    removed = multihost.clean_stale(tag)
+    # A host's link goes with its namespace: not every link is removed by name.
+    assert set(removed) <= set(left)
+    assert {i for i in left if not i.startswith("link")} <= set(removed)
+    assert multihost.leftovers(tag) == []
+
+
 def test_hosts_have_own_hostnames_and_cannot_see_each_others_files(
     make_testbed: Callable[[int], multihost.Testbed],
 ) -> None:
