@@ -37,6 +37,7 @@ import argparse
 import atexit
 import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -293,23 +294,34 @@ def _names(kind: str) -> list[str]:
     return [n for n in names if n.startswith(NAME_PREFIX)]
 
 
+# A run's tag is "<pid hex>-<counter hex>"; what follows it in a name starts with a letter that
+# is no hex digit (s: the bridge, h: a namespace, v, p: a veth pair), in a folder's name with "-".
+_NAME = re.compile(rf"^{NAME_PREFIX}(?P<tag>[0-9a-f]+-[0-9a-f]+)[g-z]")
+_FOLDER = re.compile(r"^distscaler-multihost-(?P<tag>[0-9a-f]+-[0-9a-f]+)-")
+
+
+def _tag_of(name: str) -> str | None:
+    """The tag of the run that created the namespace, link or folder ``name``; None: no run's."""
+    match = _NAME.match(name) or _FOLDER.match(name)
+    return match["tag"] if match else None
+
+
+def _run_items(tag: str | None) -> list[tuple[str, str]]:
+    """(kind, name) of every namespace, link and folder of the run ``tag``, or of every run."""
+    items = [("network namespace", n) for n in _names("netns")]
+    items += [("link", n) for n in _names("link")]
+    items += [("folder", str(p)) for p in sorted(Path(tempfile.gettempdir()).glob("distscaler-*"))]
+    return [
+        (kind, name)
+        for kind, name in items
+        if (found := _tag_of(Path(name).name)) is not None and (tag is None or found == tag)
+    ]
+
+
 def leftovers(tag: str | None = None) -> list[str]:
     """What testbeds left on this machine: network namespaces, links and run folders of the run
     ``tag`` (a :attr:`Testbed.tag`), or of every run when None."""
-    prefix = NAME_PREFIX + (f"{tag}" if tag else "")
-    found = [f"network namespace {n}" for n in _names("netns") if n.startswith(prefix)]
-    found += [f"link {n}" for n in _names("link") if n.startswith(prefix)]
-    base = Path(tempfile.gettempdir())
-    found += [f"folder {p}" for p in sorted(base.glob(f"distscaler-multihost-{tag or ''}*"))]
-    return found
-
-
-def _pid_of(name: str) -> int | None:
-    """The creating process's pid in a name ``dsm<pid hex>-<n hex>...``."""
-    try:
-        return int(name[len(NAME_PREFIX) :].split("-")[0], 16)
-    except ValueError:
-        return None
+    return [f"{kind} {name}" for kind, name in _run_items(tag)]
 
 
 @dataclass(eq=False)
@@ -349,7 +361,7 @@ class Testbed:
 
     @property
     def bridge(self) -> str:
-        return f"{NAME_PREFIX}{self.tag}b"
+        return f"{NAME_PREFIX}{self.tag}s"
 
     def start(self) -> Testbed:
         """Builds the bridge, the hosts and their folders; on any failure removes what it built
@@ -593,14 +605,6 @@ class Testbed:
             raise TeardownIncomplete(left)
 
 
-def _stale(name: str, tag: str | None) -> bool:
-    """Whether ``name`` belongs to a run (``tag``, or any) whose process is gone."""
-    if tag is not None and not name.startswith(NAME_PREFIX + tag):
-        return False
-    pid = _pid_of(name)
-    return pid is not None and not Path(f"/proc/{pid}").exists()
-
-
 def clean_stale(tag: str | None = None) -> list[str]:
     """Removes what testbeds left whose process no longer runs (one killed before its teardown
     could run): of the run ``tag``, or of every run when None. Returns what it removed.
@@ -608,20 +612,19 @@ def clean_stale(tag: str | None = None) -> list[str]:
     A run is told by the pid in its names: use it where every testbed's process is in this
     process's pid namespace."""
     removed = []
-    for name in _names("netns"):
-        if _stale(name, tag):
-            out = _sh("ip", "netns", "pids", name, check=False).stdout
-            _kill([int(p) for p in out.split()])
+    for kind, name in _run_items(tag):
+        run_tag = _tag_of(Path(name).name)
+        assert run_tag is not None
+        if Path(f"/proc/{int(run_tag.split('-')[0], 16)}").exists():
+            continue  # its process runs: its own teardown removes it
+        if kind == "network namespace":
+            _kill([int(p) for p in _sh("ip", "netns", "pids", name, check=False).stdout.split()])
             _sh("ip", "netns", "del", name, check=False)
-            removed.append(f"network namespace {name}")
-    for name in _names("link"):
-        if _stale(name, tag):
-            _sh("ip", "link", "del", name, check=False)
-            removed.append(f"link {name}")
-    for folder in Path(tempfile.gettempdir()).glob("distscaler-multihost-*"):
-        if _stale(NAME_PREFIX + folder.name.removeprefix("distscaler-multihost-"), tag):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(f"folder {folder}")
+        elif kind == "link":
+            _sh("ip", "link", "del", name, check=False)  # gone already if its peer's netns is
+        else:
+            shutil.rmtree(name, ignore_errors=True)
+        removed.append(f"{kind} {name}")
     return removed
 
 
