@@ -705,6 +705,11 @@ def _faults(args: argparse.Namespace, bed: Testbed) -> list[tuple[float, Callabl
     return sorted(faults, key=lambda fault: fault[0])
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.check:
@@ -714,8 +719,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.clean_stale:
         print("\n".join(clean_stale()) or "nothing to remove")
         return 0
-    # A SIGTERM (a scheduler, timeout(1)) unwinds through the teardown like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # A SIGTERM (a scheduler, timeout(1)) unwinds through the teardown like Ctrl-C; a second one
+    # would cut the teardown short.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         bed = Testbed(args.hosts, subnet=args.subnet, command_timeout_s=args.timeout)
         bed.start()
@@ -723,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multihost: cannot run here: {e.reason}", file=sys.stderr)
         return 2
     with bed:
+        hosts = ", ".join(f"{h.hostname} {h.addr}" for h in bed.hosts)
+        print(f"testbed {bed.tag}: {hosts}", flush=True)
         for host in bed.hosts:
             for path in args.copy:
                 bed.put(host, path)

@@ -171,6 +171,33 @@ def test_a_testbed_whose_process_was_killed_is_cleaned_by_clean_stale(
     assert multihost.leftovers(tag) == []
 
 
+def test_the_command_line_runs_on_every_host_and_tears_down_on_sigterm(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    make_testbed(1)  # skips where no testbed can be built
+    cli = [sys.executable, str(REPO / "launch" / "multihost.py"), "--hosts", "2"]
+    done = subprocess.run(
+        [*cli, "--", "sh", "-c", "echo on $(hostname) {addr} of {num_hosts}; exit {node_rank}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr  # host1's exit code
+    assert "on host0 10.213.0.1 of 2" in done.stdout and "on host1 10.213.0.2 of 2" in done.stdout
+    assert done.stdout.rstrip().endswith("testbed torn down; nothing left")
+    # A SIGTERM (a scheduler's, timeout(1)'s) unwinds through the teardown.
+    running = subprocess.Popen([*cli, "--", "sleep", "300"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert running.stdout is not None
+        tag = running.stdout.readline().split()[1].rstrip(":")
+        assert multihost.leftovers(tag) != []
+        running.terminate()
+        assert running.wait(timeout=60) == 143
+    finally:
+        running.kill()
+    assert multihost.leftovers(tag) == []
+
+
 def test_hosts_have_own_hostnames_and_cannot_see_each_others_files(
     make_testbed: Callable[[int], multihost.Testbed],
 ) -> None:
