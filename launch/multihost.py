@@ -13,9 +13,10 @@ Faults are operations on a running testbed: cut a host's link for some seconds, 
 
 Needs root, ``ip`` (iproute2), ``unshare``, ``mount`` and ``tc``; where one is missing
 :func:`check_available` raises :class:`TestbedUnavailable` with the reason. Every name a run
-creates carries the pid of the process that created it (``dsm<pid>-<n>...``), so runs in parallel
-do not collide; teardown (the context manager's exit, and at exit of the process) removes them and
-checks that nothing is left (:meth:`Testbed.leftovers`).
+creates carries its tag, the pid of the process that created it and a counter
+(``dsm<pid hex>-<n hex>...``), so runs in parallel do not collide; teardown (the context manager's
+exit, and at exit of the process) removes them and checks that nothing is left
+(:meth:`Testbed.leftovers`).
 
 Two hosts, one torchrun each, two ranks per host, static rendezvous::
 
@@ -226,7 +227,8 @@ class HostProcess:
         return self._popen.returncode
 
     def kill(self) -> None:
-        """SIGKILL to the command and every process it started; reaps it."""
+        """SIGKILL to the command and every process it started that is still its descendant;
+        reaps it. (One that outlived its parent is ended by :meth:`Testbed.kill_host`.)"""
         for _ in range(3):  # a process may fork while the tree is read
             tree = _process_tree(self._popen.pid) if self._popen.poll() is None else []
             if not tree:
