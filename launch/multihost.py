@@ -255,7 +255,7 @@ def _host_script(host: Host, hosts_file: Path, run_dir: Path, cwd: str) -> str:
             f"mount --bind {q(str(host.disk / 'shm'))} /dev/shm",
             f"mount --bind {q(str(host.disk / 'tmp'))} /tmp",
             # Where the run's folder is not under /tmp, it is still in sight: cover it.
-            f"if [ -d {q(str(run_dir))} ]; then mount -t tmpfs -o size=64k none {q(str(run_dir))}; fi",
+            f"if [ -d {q(str(run_dir))} ]; then mount -t tmpfs none {q(str(run_dir))}; fi",
             f"hostname {q(host.hostname)}",
             f"mkdir -p {q(cwd)}",
             f"cd {q(cwd)}",
@@ -431,7 +431,8 @@ class Testbed:
     # ------------------------------------------------------------------------ use
 
     def host_path(self, host: Host, path: str = WORKDIR) -> Path:
-        """Where the host's ``path`` (under its ``/tmp`` or ``/dev/shm``) lies, seen from outside."""
+        """Where the host's ``path`` (under its ``/tmp`` or ``/dev/shm``) lies, seen from
+        outside."""
         p = Path(path)
         for inside, outside in (("/tmp", "tmp"), ("/dev/shm", "shm")):
             if p == Path(inside) or Path(inside) in p.parents:
