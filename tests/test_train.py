@@ -221,6 +221,17 @@ def smoke_cpu(tmp_path: Path) -> Path:
 # ------------------------------------------------------------------------ config, in process
 
 
+def test_summary_digests_are_one_per_replica_group_in_replica_order() -> None:
+    from lm.agreement import RankView, params_digests, ranks_agree
+
+    # 2 pipeline stages x 2 replicas: ranks 0, 2 hold stage 0, ranks 1, 3 stage 1.
+    views = [RankView(rank=r, skipped_steps=(3,), scale=8.0, params_digest=f"stage{r % 2}",
+                      replica=r % 2) for r in (1, 0, 3, 2)]  # fmt: skip
+    assert ranks_agree(views) == []
+    assert params_digests(views) == ["stage0", "stage1"]
+    assert params_digests(views[:1]) == ["stage1"]
+
+
 def test_default_yaml_matches_the_dataclass_defaults() -> None:
     assert load_config(DEFAULT) == TrainConfig()
     assert DEFAULT_CONFIG == DEFAULT

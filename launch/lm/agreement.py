@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RankView", "ranks_agree"]
+__all__ = ["RankView", "params_digests", "ranks_agree"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +53,13 @@ def ranks_agree(views: Sequence[RankView]) -> list[str]:
                 f"digest {v.params_digest[:12]} vs {ref.params_digest[:12]}"
             )
     return problems
+
+
+def params_digests(views: Sequence[RankView]) -> list[str]:
+    """The parameter digest of each replica group, in the order of ``replica`` (one entry for
+    every data-parallel layout, one per stage under pp); its first rank's, which ``ranks_agree``
+    compares the others with."""
+    first: dict[int, str] = {}
+    for v in views:
+        first.setdefault(v.replica, v.params_digest)
+    return [first[replica] for replica in sorted(first)]

@@ -24,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from common.distributed import Dist, gather_objects
 from common.probes import PhaseTimer
 from distscaler import GradScaler
-from lm.agreement import RankView, ranks_agree
+from lm.agreement import RankView, params_digests, ranks_agree
 from lm.checkpoint import CKPT_NAME, load_checkpoint, save_checkpoint
 from lm.config import TrainConfig
 from lm.data import get_batch, load_corpus
@@ -365,6 +365,9 @@ class Trainer:
             ranks_consistent=True,
             # Each rank's own count of the steps it skipped in this run (all equal: checked above)
             skipped_per_rank=[len(v.skipped_steps) for v in views],
+            # One digest per replica group (checked equal within it above): runs of the same job
+            # on other launches (one host or several, another world layout) compare by it.
+            params_digests=params_digests(views),
             parallelism=cfg.parallelism,
             layout=self.par.describe,
             scaler_collectives_per_step=sum(self.comm_counts.values())

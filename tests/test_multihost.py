@@ -1,0 +1,487 @@
+"""The multi-host testbed (``launch/multihost.py``) and the reference job across its hosts.
+
+Each host is a network namespace on a bridge with its own hostname, ``/etc/hosts``, ``/tmp`` and
+``/dev/shm``; no folder the job writes to is shared. The tests check the testbed itself (nothing
+left after teardown, also after a failed, a timed-out and a killed command; hosts that cannot see
+each other's files; a link cut that breaks TCP and a restore that mends it; a rate limit that
+slows a transfer) and then run ``launch/train.py`` under ``torchrun`` on 2 hosts x 2 ranks, with
+the static and the c10d rendezvous, against the same job on one host with 4 ranks: the same
+metrics, skipped steps, final scale, replica checks and final parameters, bit for bit.
+
+They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+# By module: pytest would try to collect its Test* classes from this module's namespace.
+import multihost
+import pytest
+import yaml
+from multihost import WORKDIR, Host, HostProcess
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 150.0
+#: What every host of the job needs, copied into its working directory (no shared filesystem).
+JOB_FILES = ("distscaler", "launch", "configs")
+#: Ports inside the hosts' own network namespaces: no other run can hold them.
+MASTER_PORT = 29500
+RDZV_PORT = 29400
+#: Steps of the job; the inf is written on rank 3 (the second host's) at INF_STEP.
+STEPS = 5
+INF_STEP = 2
+
+
+@pytest.fixture
+def make_testbed() -> Iterator[Callable[[int], multihost.Testbed]]:
+    """Builds testbeds (skips where the machine cannot); tears each down at the end and fails if
+    anything of it is left."""
+    beds: list[multihost.Testbed] = []
+
+    def make(num_hosts: int) -> multihost.Testbed:
+        bed = multihost.Testbed(num_hosts, command_timeout_s=JOB_TIMEOUT_S)
+        try:
+            bed.start()
+        except multihost.TestbedUnavailable as e:
+            pytest.skip(f"no multi-host testbed here: {e.reason}")
+        beds.append(bed)
+        return bed
+
+    yield make
+    incomplete = []
+    for bed in beds:
+        try:
+            bed.teardown()
+        except multihost.TeardownIncomplete as e:  # the others are torn down all the same
+            incomplete.append(str(e))
+    assert incomplete == []
+    assert [item for bed in beds for item in bed.leftovers()] == []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _run(bed: multihost.Testbed, host: Host, cmd: str | list[str], timeout: float = 30) -> str:
+    """``cmd`` on ``host``, waited for; its output. Fails on a non-zero exit."""
+    proc = bed.run(host, cmd, timeout=timeout)
+    rc = proc.wait()
+    assert rc == 0, f"{cmd} on {host.hostname} exited {rc}:\n{proc.output()}"
+    return proc.output()
+
+
+# ------------------------------------------------------------------------------- testbed
+
+
+def test_teardown_leaves_nothing_after_failed_timed_out_and_running_commands(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    bed = make_testbed(2)
+    h0, h1 = bed.hosts
+    failed = bed.run(h0, "echo on $(hostname); exit 3")
+    assert failed.wait() == 3
+    assert "on host0" in failed.output()
+    # A command that outlives its timeout is killed with the process it started.
+    slow = bed.run(h1, "sleep 300 & echo child $!; wait", timeout=1.0)
+    with pytest.raises(subprocess.TimeoutExpired):
+        slow.wait()
+    assert slow.timed_out and slow.returncode is not None
+    assert bed.host_pids(h1) == []
+    # kill_host: every process of the host, whoever started it.
+    for _ in range(2):
+        bed.run(h0, "sleep 300")
+    deadline = time.monotonic() + 10
+    while len(bed.host_pids(h0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bed.kill_host(h0) >= 2
+    assert bed.host_pids(h0) == []
+    # Left running at teardown: a process tree on each host.
+    running = [bed.run(h, "sleep 300 & sleep 300") for h in bed.hosts]
+    deadline = time.monotonic() + 10
+    while not all(len(bed.host_pids(h)) >= 2 for h in bed.hosts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [pid for h in bed.hosts for pid in bed.host_pids(h)]
+    assert len(pids) >= 4  # guard: the teardown has processes to end
+    assert multihost.leftovers(bed.tag) != []  # guard: the check sees a running testbed
+    bed.teardown()
+    assert bed.leftovers() == []
+    assert [pid for pid in pids if _alive(pid)] == []
+    assert all(p.returncode is not None for p in running)
+    assert bed.run_dir is not None and not bed.run_dir.exists()
+    with pytest.raises(RuntimeError, match="not running"):
+        bed.run(h0, "true")
+
+
+def test_unavailable_machines_are_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(multihost.os, "geteuid", lambda: 1000)
+    with pytest.raises(multihost.TestbedUnavailable, match=r"needs root .* as uid 1000"):
+        multihost.Testbed(2).start()
+    monkeypatch.setattr(multihost.os, "geteuid", lambda: 0)
+    which = multihost.shutil.which
+    monkeypatch.setattr(multihost.shutil, "which", lambda t: None if t == "tc" else which(t))
+    with pytest.raises(multihost.TestbedUnavailable, match=r"needs tc on PATH") as e:
+        multihost.Testbed(2).start()
+    assert e.value.reason == "needs tc on PATH (iproute2, util-linux)"
+    with pytest.raises(ValueError, match=r"num_hosts must be in \[1, 64\], got: 0"):
+        multihost.Testbed(0)
+
+
+_OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import multihost
+bed = multihost.Testbed(2).start()
+bed.run(bed.hosts[1], "sleep 300")
+print(bed.tag, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_testbed_whose_process_was_killed_is_cleaned_by_clean_stale(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    make_testbed(1)  # skips where no testbed can be built
+    # SIGKILL leaves no chance to tear down: what the run built stays until clean_stale.
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(REPO / "launch")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        tag = owner.stdout.readline().strip()
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+    assert tag, "the owner process printed no tag"
+    left = multihost.leftovers(tag)
+    assert any(item.startswith("network namespace") for item in left), left
+    assert any(item.startswith("link") for item in left), left
+    removed = multihost.clean_stale(tag)
+    assert sorted(removed) == sorted(left)
+    assert multihost.leftovers(tag) == []
+
+
+def test_the_command_line_runs_on_every_host_and_tears_down_on_sigterm(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    make_testbed(1)  # skips where no testbed can be built
+    cli = [sys.executable, str(REPO / "launch" / "multihost.py"), "--hosts", "2"]
+    done = subprocess.run(
+        [*cli, "--", "sh", "-c", "echo on $(hostname) {addr} of {num_hosts}; exit {node_rank}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr  # host1's exit code
+    assert "on host0 10.213.0.1 of 2" in done.stdout and "on host1 10.213.0.2 of 2" in done.stdout
+    assert done.stdout.rstrip().endswith("testbed torn down; nothing left")
+    # A SIGTERM (a scheduler's, timeout(1)'s) unwinds through the teardown.
+    running = subprocess.Popen([*cli, "--", "sleep", "300"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert running.stdout is not None
+        tag = running.stdout.readline().split()[1].rstrip(":")
+        assert multihost.leftovers(tag) != []
+        running.terminate()
+        assert running.wait(timeout=60) == 143
+    finally:
+        running.kill()
+    assert multihost.leftovers(tag) == []
+
+
+def test_hosts_have_own_hostnames_and_cannot_see_each_others_files(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    bed = make_testbed(2)
+    h0, h1 = bed.hosts
+    _run(
+        bed,
+        h0,
+        "echo secret > /tmp/only-host0 && echo shm > /dev/shm/only-host0 && echo work > only-host0",
+    )
+    run_dir = str(bed.run_dir)
+    show = (
+        "hostname; pwd; ls -A /tmp /dev/shm; "
+        f"test -e {run_dir} && ls -A {run_dir} || echo no-run-dir; getent hosts host0 host1"
+    )
+    out0, out1 = (_run(bed, h, show) for h in bed.hosts)
+    assert out0.splitlines()[:2] == ["host0", WORKDIR]
+    assert out1.splitlines()[:2] == ["host1", WORKDIR]
+    assert out0.count("only-host0") == 2  # /tmp, /dev/shm (the working dir is under /tmp)
+    assert "only-host0" not in out1
+    assert (bed.host_path(h0, WORKDIR) / "only-host0").read_text() == "work\n"
+    assert not (bed.host_path(h1, WORKDIR) / "only-host0").exists()
+    # Neither host sees the testbed's folder, where the other's disk lies.
+    assert "host1" not in out0.split("no-run-dir")[0].splitlines()[2:]
+    for out in (out0, out1):
+        assert f"{h0.addr}" in out and f"{h1.addr}" in out  # /etc/hosts names every host
+    # A copy reaches one host only.
+    bed.put(h1, REPO / "configs" / "smoke.yaml", "cfg/smoke.yaml")
+    assert "cfg" in _run(bed, h1, "ls") and "cfg" not in _run(bed, h0, "ls")
+
+
+_SERVER = """
+import socket, sys, time
+s = socket.create_server(("0.0.0.0", 5000))
+s.settimeout(1.0)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    try:
+        c, _ = s.accept()
+    except TimeoutError:
+        continue
+    with c:
+        c.sendall(b"x" * int(sys.argv[2]))
+"""
+
+_CLIENT = """
+import socket, sys, time
+t = time.monotonic()
+try:
+    with socket.create_connection((sys.argv[1], 5000), timeout=2.0) as c:
+        c.settimeout(10.0)
+        n = 0
+        while chunk := c.recv(65536):
+            n += len(chunk)
+    print(f"ok {n} {time.monotonic() - t:.3f}")
+except OSError as e:
+    print(f"failed {type(e).__name__}")
+"""
+
+
+def _fetch(bed: multihost.Testbed, client: Host, server: Host) -> tuple[str, int, float]:
+    """One connection from ``client`` to the server on ``server``: ("ok", bytes, seconds) or
+    ("failed", 0, 0)."""
+    words = _run(bed, client, [sys.executable, "-c", _CLIENT, server.addr]).split()
+    return (words[0], int(words[1]), float(words[2])) if words[0] == "ok" else (words[0], 0, 0.0)
+
+
+def test_link_cut_breaks_tcp_until_restored_and_rate_limit_slows_it(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    bed = make_testbed(2)
+    h0, h1 = bed.hosts
+    size = 200_000
+    server = bed.run(h0, [sys.executable, "-c", _SERVER, "60", str(size)], timeout=70)
+    deadline = time.monotonic() + 10
+    while _fetch(bed, h1, h0)[0] != "ok":  # the server is listening
+        assert time.monotonic() < deadline and server.poll() is None, server.output()
+    assert _fetch(bed, h1, h0)[:2] == ("ok", size)
+    restore = bed.cut_link(h1, 4.0)
+    assert _fetch(bed, h1, h0)[0] == "failed"
+    restore.join(timeout=10)
+    assert not restore.is_alive()
+    assert _fetch(bed, h1, h0)[:2] == ("ok", size)
+    # 1 Mbit/s: 200 kB take at least about 1.5 s (the bucket's burst goes at once).
+    _, _, fast = _fetch(bed, h1, h0)
+    bed.rate_limit(h1, "1mbit", burst="16kbit", latency="2s")
+    state, received, slow = _fetch(bed, h1, h0)
+    assert (state, received) == ("ok", size)
+    assert slow > 1.4 > fast, (slow, fast)
+    bed.clear_rate_limit(h1)
+    assert _fetch(bed, h1, h0)[2] < 1.4
+    server.kill()
+
+
+# ------------------------------------------------------------------------- reference job
+
+
+def _job_config() -> str:
+    """configs/smoke.yaml on the CPU, logging every step, an inf on rank 3 at INF_STEP."""
+    cfg = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    cfg.update(device="cpu", log_interval=1, inject_inf={"steps": [INF_STEP], "rank": 3})
+    return yaml.safe_dump(cfg)
+
+
+def _prepare(bed: multihost.Testbed, tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text(_job_config())
+    corpus = tmp_path / "corpus.txt"  # about 100 KB of real text: the source of argparse
+    corpus.write_bytes(Path(argparse.__file__).read_bytes())
+    for host in bed.hosts:
+        for path in JOB_FILES:
+            bed.put(host, REPO / path)
+        bed.put(host, tmp_path / "job.yaml")
+        bed.put(host, corpus)
+
+
+def _torchrun(*launcher_args: str) -> list[str]:
+    train = ["launch/train.py", "--config", "job.yaml", "--data", "corpus.txt"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher_args,
+        *train,
+        "--steps",
+        str(STEPS),
+        "--out",
+        "runs/job",
+    ]
+
+
+def _run_job(bed: multihost.Testbed, cmds: list[list[str]]) -> dict[str, Any]:
+    """``cmds[i]`` on host i, concurrently; host 0's metrics and summary, read from its disk."""
+    env = {"PYTHONPATH": WORKDIR, "OMP_NUM_THREADS": "1"}
+    procs: list[HostProcess] = [bed.run(h, cmd, env=env) for h, cmd in zip(bed.hosts, cmds)]
+    failed = []
+    for proc in procs:
+        try:
+            rc = proc.wait()
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            tail = "\n".join(proc.output().splitlines()[-30:])
+            failed.append(
+                f"{proc.host.hostname} exited {rc} (timed out: {proc.timed_out}):\n{tail}"
+            )
+            for other in procs:
+                other.kill()  # the others would wait for it at the next collective
+    assert not failed, "\n\n".join(failed)
+    out = bed.host_path(bed.hosts[0], f"{WORKDIR}/runs/job")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    log = procs[0].output()
+    return {"records": records, "summary": summary, "log": log}
+
+
+#: What two runs of the same job must agree on (``tokens_per_s`` and wall times differ).
+SAME = (
+    "step",
+    "loss",
+    "scale",
+    "skipped",
+    "grad_norm",
+    "lr",
+    "eval_loss",
+    "overflow",
+    "replica_mismatch",
+)
+SAME_SUMMARY = (
+    "steps",
+    "skipped_steps",
+    "num_growths",
+    "num_backoffs",
+    "final_scale",
+    "first_loss",
+    "last_loss",
+    "eval_loss",
+    "world_size",
+    "ranks_consistent",
+    "skipped_per_rank",
+    "replica_checks",
+    "replica_mismatches",
+    "params_digests",
+)
+
+
+@pytest.fixture(scope="module")
+def one_host_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The job on one host, 4 ranks (one torchrun, standalone rendezvous)."""
+    bed = multihost.Testbed(1, command_timeout_s=JOB_TIMEOUT_S)
+    try:
+        bed.start()
+    except multihost.TestbedUnavailable as e:
+        pytest.skip(f"no multi-host testbed here: {e.reason}")
+    with bed:
+        _prepare(bed, tmp_path_factory.mktemp("one_host"))
+        run = _run_job(bed, [_torchrun("--standalone", "--nproc-per-node", "4")])
+    assert bed.leftovers() == []
+    summary = run["summary"]
+    # Guards against a vacuous comparison: the inf on rank 3 was seen and skipped, the replicas
+    # were compared at every update, and the run is on 4 ranks.
+    assert summary["skipped_steps"] == 1 and summary["world_size"] == 4
+    assert [r["step"] for r in run["records"] if r["skipped"]] == [INF_STEP]
+    assert run["records"][INF_STEP - 1]["overflow"][0]["rank"] == 3
+    assert summary["replica_checks"] == STEPS
+    assert len(summary["params_digests"]) == 1 and len(summary["params_digests"][0]) == 64
+    return run
+
+
+def _assert_same_run(run: dict[str, Any], reference: dict[str, Any]) -> None:
+    def pick(record: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+        return {k: record.get(k) for k in keys}
+
+    assert [pick(r, SAME) for r in run["records"]] == [pick(r, SAME) for r in reference["records"]]
+    assert pick(run["summary"], SAME_SUMMARY) == pick(reference["summary"], SAME_SUMMARY)
+
+
+def test_two_hosts_static_rendezvous_match_one_host(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path, one_host_run: dict[str, Any]
+) -> None:
+    bed = make_testbed(2)
+    _prepare(bed, tmp_path)
+    host0 = bed.hosts[0].addr
+    cmds = [
+        _torchrun(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(h.index),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            host0,
+            "--master-port",
+            str(MASTER_PORT),
+        )
+        for h in bed.hosts
+    ]
+    run = _run_job(bed, cmds)
+    _assert_same_run(run, one_host_run)
+    # The inf came from the other host: rank 3 is host1's second rank.
+    assert "inf in `tok_emb.weight` on rank 3" in run["log"]
+    assert "agreed on all 4 rank(s)" in run["log"]
+
+
+def test_two_hosts_c10d_rendezvous_by_hostname_match_one_host(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path, one_host_run: dict[str, Any]
+) -> None:
+    bed = make_testbed(2)
+    _prepare(bed, tmp_path)
+    launcher = (
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"host0:{RDZV_PORT}",
+        "--rdzv-id",
+        "multihost",
+    )
+    run = _run_job(bed, [_torchrun(*launcher) for _ in bed.hosts])
+    _assert_same_run(run, one_host_run)
+
+
+def test_c10d_rendezvous_needs_each_host_to_resolve_its_own_hostname(
+    make_testbed: Callable[[int], multihost.Testbed],
+) -> None:
+    # Without /etc/hosts entries torchrun's c10d backend fails at once on every host: it asks
+    # whether the endpoint is this machine (`_matches_machine_hostname`), which resolves the
+    # machine's own hostname (socket.gaierror -3). The endpoint is an address here, so that the
+    # failure is not the endpoint's own name.
+    bed = make_testbed(2)
+    assert bed.run_dir is not None
+    (bed.run_dir / "hosts").write_text("127.0.0.1 localhost\n")
+    code = textwrap.dedent(f"""
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+        print(_matches_machine_hostname("{bed.hosts[0].addr}"))
+    """)
+    proc = bed.run(bed.hosts[1], [sys.executable, "-c", code], timeout=60)
+    assert proc.wait() != 0
+    assert "Temporary failure in name resolution" in proc.output()
