@@ -275,9 +275,11 @@ class GradScaler(torch.amp.GradScaler):
 
         Same semantics and errors as `torch.amp.GradScaler.unscale_()`, plus the agreement: one
         read+write pass (torch's check-and-unscale kernel, one launch per device/dtype group), then
-        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call), 4 float32 more
-        where the replica check rides in it (8 at a parameter check; each check added with
-        [`add_check()`][distscaler.GradScaler.add_check] adds its own). No host read.
+        one ``all_reduce`` of 2 float32 on ``process_group`` (every rank must call), 16 float32 more
+        where the replica check rides in it (up to 4,096 ranks; 24 up to 65,536, 32 above; twice
+        that at a parameter check; its first check in a run is preceded by one ``broadcast`` of
+        its key; each check added with [`add_check()`][distscaler.GradScaler.add_check] adds its
+        own). No host read.
         Prefer [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] to ``unscale_`` +
         ``torch.nn.utils.clip_grad_norm_``.
 
@@ -317,8 +319,9 @@ class GradScaler(torch.amp.GradScaler):
         ``grad_scale = scale``); Transformers' Trainer measures this way with ``max_grad_norm=0``.
 
         Cost: one read pass (``_foreach_norm``), one ``all_reduce`` of 2 float32 when the group has
-        several ranks (every rank must call; it *is* the step's collective), 4 float32 more where
-        the replica check rides in it (8 at a parameter check; then at ``norm_type=inf`` one
+        several ranks (every rank must call; it *is* the step's collective), 16 float32 more where
+        the replica check rides in it (up to 4,096 ranks, twice that at a parameter check, its
+        first check preceded by one ``broadcast`` of its key; then at ``norm_type=inf`` one
         ``all_gather`` of as many float32 per rank instead, reduced on each rank), a few device
         ops ([Concepts](../concepts.md#the-inf-check-and-its-one-collective)), no host read.
         Fused optimizers get ``grad_scale = scale / clip_coef`` (gradients not rewritten); others
@@ -397,7 +400,7 @@ class GradScaler(torch.amp.GradScaler):
         torch's semantics, return value and errors. Without an earlier
         [`unscale_()`][distscaler.GradScaler.unscale_] or
         [`clip_grad_norm_()`][distscaler.GradScaler.clip_grad_norm_] the inf check runs here (one
-        ``all_reduce`` of 1 float32 for a fused optimizer, 2 for another, 4 more where the replica
+        ``all_reduce`` of 1 float32 for a fused optimizer, 2 for another, 16 more where the replica
         check rides in it; every rank must call). Fused optimizers: one read-only
         check pass, then ``grad_scale`` and ``found_inf`` go to the kernel, no host read
         (torch's fused-optimizer contract); others: the unscale pass and one host read of the agreed

@@ -5,37 +5,40 @@ replicas) every replica holds **bit-identical** gradients. A rank whose gradient
 replicas' after the reduce has had its memory or its compute corrupted (silent data corruption).
 The check compares them where the scaler already reads every gradient and runs one collective:
 
-1. **Checksum**: each replicated gradient tensor read as its
-   16-bit words ``w_k`` (its bytes as signed ``int16``, in memory order: two words per float32
-   element, one per fp16/bf16 element), and two exact integer sums of them, a Fletcher-style
-   checksum: ``A = sum_k w_k`` and ``B = sum_k k * w_k`` (``k`` the word's position), each modulo
-   two primes ``P1 > P2``, computed exactly (never wrapped).
-2. **Combined** into four float32 slots: the positions are made global over the rank's checked
-   tensors, and each replica set gives its members *coefficients* ``c`` (they sum to 0, never 0)
-   and *shifts* ``s`` (``sum c * s == 0 mod P``, pairwise distinct from 3 replicas on). This rank
-   sends ``G0 = sum_t c_t * A_t`` and ``G1 = sum_t c_t * (B_t + s_t * A_t)``, each ``mod P`` for
-   both primes: four integers in ``[0, P)``, appended to the step's collective as a SUM.
-3. **Reading**: the reduced slots. When every replica holds the same gradients each set's terms
-   cancel and every slot is a multiple of its prime, on every rank alike (a function of the
-   reduced values only). Otherwise the step is a replica mismatch.
+1. **Checksum**: the replicated gradients of each of this rank's replica sets read as one stream
+   of 16-bit words ``w_k`` (their bytes as signed ``int16``, in memory order: two words per
+   float32 element, one per fp16/bf16 element; each tensor from a 32-word row's start), and four
+   exact weighted sums of them, each modulo two primes ``P1 = 16,777,213``, ``P2 = 16,777,199``:
+   the plain sum ``A``, the sum ``B`` weighted by position (shifted per replica), the sum ``C``
+   weighted by the replica set's identity (its lowest and highest rank) and the sum ``R`` with
+   keyed pseudo-random weights (per column of a row, and per row, replica and set, drawn from a
+   secret that the group's first rank draws at the run's first check and broadcasts, once).
+2. **Combined** so that each set's replicas cancel: each replica weighs its sums by a
+   *coefficient* ``c`` (the set's sum to 0, never 0), shifts its positions by a distinct offset
+   (``sum c * offset == 0``), and its keyed weights are the difference of its own and the next
+   replica's; the eight residues, integers in ``[0, P)``, go into the step's collective as float32
+   *limbs* (pieces of ``24 - ceil(log2 world_size)`` bits: 16 values up to 4,096 ranks, 32 at
+   131,072), whose sum over the group is exact in any order.
+3. **Reading**: the reduced limbs, put back together. When every replica holds the same gradients
+   every residue is 0, on every rank alike (a function of the reduced values only). Otherwise the
+   step is a replica mismatch.
 
-**What is caught, and what is missed**, fault class by fault class with the counts measured by
-the tests: [Silent data corruption](../silent-data-corruption.md#what-is-caught-and-what-is-not).
-In short: a single flipped bit always; any change of one 16-bit word up to 63,791 ranks; two
-changed words on one rank or on two replicas of one set up to 64 ranks while a rank's checked words
-stay below the set's shift spacing. Two changes on ranks of two different replica sets at the same
-place can cancel (every set adds into the same slots with the same weights), and so can
-structured patterns orthogonal to the weights ``1`` and ``k`` (a second difference always; a
-faulty memory line about one time in eight). A change the unscale erases before the checksum
-reads it is not reported, and loses nothing.
+**What is caught**, fault class by fault class with the counts measured by the tests:
+[Silent data corruption](../silent-data-corruption.md#what-is-caught-and-what-is-not). In short:
+any change of at most two 16-bit words always (one rank, two replicas, two replica sets; every
+world size up to `MAX_WORLD_SIZE`; a rank's checked words per set below 2.1e9 at the largest set,
+far more at smaller ones); any other change missed with probability at most ``(3 / P1) (3 /
+P2) < 2**-44`` over the secret, with torch's kernels (the Triton kernels take ``A, B, C`` in their
+read, not ``R``). A change the unscale erases before the checksum reads it is not reported, and
+loses nothing.
 
-**Exact in float32, no float64.** Each slot a rank sends is an integer below ``P`` and ``P *
-world_size <= 2**24``, so every partial sum of the all-reduce, in any order, is an integer below
-2**24, exact in float32; ``S mod P`` is then exact too (read on the host as integers).
+**Exact, no float64.** Every sum is exact: float32 products whose sums stay below ``2**24`` in the
+read, int64 residues after it, float32 limbs in the collective. The ops are float32 and int64
+(CUDA, XPU, MPS and the CPU have them).
 
 **On a mismatch only**, one gather over the group (``all_gather_single``; every rank calls it,
-since every rank reads the same slots) exchanges each rank's per-set checksums (``(A, B) mod P``
-without coefficients) in a fixed-size int64 row on the collective's device (no pickling, so no
+since every rank reads the same slots) exchanges each rank's per-set checksums (``A, B`` and the
+keyed sum with the set's first replica's weights, modulo each prime, without coefficients) in a fixed-size int64 row on the collective's device (no pickling, so no
 numpy); within each replica set the ranks that differ from the majority are named, and with no
 majority (two replicas) all of the set's ranks are.
 
@@ -46,8 +49,8 @@ majority (two replicas) all of the set's ranks are.
 take no part (coefficient 0): a rank holding none still sends its zeros.
 
 **Parameters and optimizer state** every ``param_check_interval`` updates: the same checksum
-over each replicated parameter and every tensor of its optimizer state, in four more slots of the
-same collective: drift from a corrupted optimizer step, a bad checkpoint load. A non-finite
+over each replicated parameter and every tensor of its optimizer state, in as many more slots of
+the same collective: drift from a corrupted optimizer step, a bad checkpoint load. A non-finite
 parameter seen there is reported too (the read is free).
 
 What is **not** caught: a corruption before the reduce (it is averaged into every replica's
@@ -59,8 +62,8 @@ the first checked step: turn the check off with ``replica_check=False``).
 **When the reading waits** (a *deferred reading*): on CUDA with the Triton kernels
 (``kernels="triton"``), a fused optimizer, the default ``replica_check_interval`` and a periodic
 read (``skip_log_interval > 0``), the checksum is computed in the kernel's one read of the
-gradients, and the reading is not taken on the host at the step: `mismatch_flag()` (3 ops) gives
-1.0 or 0.0 on the device, the fused step takes ``max(found_inf, mismatch flag)``, and the update
+gradients, and the reading is not taken on the host at the step: the mismatch flag (a few int64
+ops on the reduced limbs) is 1.0 or 0.0 on the device, the fused step takes ``max(found_inf, mismatch flag)``, and the update
 counts a skip and, where ``found_inf`` is 0.0, puts the scale, the growth tracker and the policy's
 counters back as they were (`DeferredReading`; the same result as a reading at the step, bit for
 bit, as the tests check). So the check runs at every update with no host read and no sync. The host
@@ -73,16 +76,15 @@ is complete). Under CUDA graph capture the replays skip and hold alike on the de
 counters count them, under the cause ``overflow`` (the host never learns theirs: a replay runs no
 Python), and they are not named.
 
-**Cost** on a clean checked step, torch's kernels (the CPU and other devices): one copy of the
-checked gradients' words (a ``cat`` to ``int32`` rows), two row reductions, a dozen small ops on
-per-row and per-tensor sums (1/128 of the words), one host read of the four reduced slots; the
-collective grows by 16 bytes (32 with the parameter check). With the Triton kernels the words are
-summed in the kernel's read (no pass of their own) and the four slots in its reduction
-(`ReplicaSlots.kernel_terms()`: each tensor's coefficient, offset and shift as residues; integer
-atomics, the same sum in any order), so a checked step adds 6 small ops (the sums' zeros, their
-residues in float32, the collective's ``cat``, copy back and clamp) and each tensor's global
-checksum is made only on a mismatch; a deferred reading adds 12 more and no host read (counted
-on the CPU, `tests/test_kernels.py`).
+**Cost** on a clean checked step, torch's kernels (the CPU and other devices): one read of the
+checked gradients' words (a ``cat`` into rows of 32 words, converted to float32, one matrix product
+by 15 columns), int64 ops on one value per row and a few per replica set, one host read of the
+reduced limbs; the collective grows by 64 bytes up to 4,096 ranks (twice that with the parameter
+check). With the Triton kernels the words are summed in the kernel's read (no pass of their own)
+and ``A, B, C`` in its reduction (`ReplicaSlots.kernel_terms()`: each tensor's coefficient,
+offset, shift and identity as residues; integer atomics, the same sum in any order), so a checked
+step adds a few small ops and each tensor's checksum for naming is made only on a mismatch; a
+deferred reading adds a dozen more and no host read (counted on the CPU, `tests/test_kernels.py`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ __all__ = [
 
 logger = logging.getLogger("distscaler")
 
-#: The largest group the replica check takes (its primes stay above 100).
+#: The largest group the replica check takes (four float32 limbs per residue there).
 MAX_WORLD_SIZE = 1 << 17
 #: A rank alone at fault (an overflow only it saw, a replica mismatch it was named in) this many
 #: times within `SUSPECT_WINDOW` updates is named a suspect.

@@ -336,6 +336,62 @@ def test_three_random_word_values_in_a_4_word_gradient_3000_samples_none_missed(
     assert missed <= n * MISS_BOUND, f"{missed} of {n} triples of random words missed"
 
 
+def test_a_faulty_row_and_neighbouring_words_2000_samples_none_missed():
+    """Structured patterns the fixed sums are blind to by design, on random 16-bit data, one
+    replica of two, a fresh secret each: the same bit flipped in all 32 words of a row (a faulty
+    row), and 8 neighbouring words changed by +1, -1 alternately (neighbouring cells). N = 1,000
+    of each; at most 2**-40 per sample: none may be missed."""
+    rng = random.Random(5301)
+    n, missed = 1_000, 0
+    for _ in range(n):
+        bit, start, rank = rng.randrange(16), 32 * rng.randrange(100), rng.randrange(2)
+        row = [(start + j, w, _flipped(w, bit))
+               for j, w in enumerate(rng.randrange(-(1 << 15), 1 << 15) for _ in range(32))]  # fmt: skip
+        missed += not caught({rank: row}, [(0, 1)], 2, words=4096, secret=rng.getrandbits(64))
+        k = rng.randrange(4096 - 8)
+        cells = [(k + j, 100, 100 + (1 if j % 2 == 0 else -1)) for j in range(8)]
+        missed += not caught({rank: cells}, [(0, 1)], 2, words=4096, secret=rng.getrandbits(64))
+    assert missed <= 2 * n * MISS_BOUND, f"{missed} of {2 * n} structured patterns missed"
+
+
+def test_random_changes_on_two_ranks_of_two_replica_sets_1000_samples_none_missed():
+    """HSDP at 8 ranks (replicate 2): 2 to 6 words changed to random values on a rank of one
+    replica set and as many at the same positions on a rank of another (the same new words: the
+    pattern a shared weighting cancels), a fresh secret each. N = 1,000: none may be missed."""
+    rng = random.Random(5302)
+    sets = _pairs(8)
+    n, missed = 1_000, 0
+    for _ in range(n):
+        a, b = rng.sample(range(8), 2)
+        if any(a in s and b in s for s in sets):
+            b = (a + 1) % 8 if (a + 1) % 8 not in next(s for s in sets if a in s) else (a + 2) % 8
+        positions = rng.sample(range(1 << 16), rng.randrange(2, 7))
+        new = {k: rng.randrange(-(1 << 15), 1 << 15) for k in positions}
+        changes = {a: [(k, 0, new[k]) for k in positions], b: [(k, 0, new[k]) for k in positions]}
+        missed += not caught(changes, sets, 8, words=1 << 16, secret=rng.getrandbits(64))
+    assert missed <= n * MISS_BOUND, f"{missed} of {n} cross-set patterns missed"
+
+
+def test_two_words_at_the_words_limit_of_the_largest_set_are_caught():
+    """One replica set of 131,072 ranks (the largest world), a rank checking `words_limit()`
+    words (2.1e9): two flips as far apart as positions go, on two ranks whose offsets are
+    neighbours, and on one rank, each the same change: certain (a fixed secret: the fixed sums
+    alone catch them)."""
+    from distscaler._replica.checksum import offsets, words_limit
+
+    world = MAX_WORLD_SIZE
+    limit = words_limit(world)
+    v = offsets(world)
+    sets = [tuple(range(world))]
+    near = [sorted(range(world), key=lambda i: v[i])[j] for j in (0, 1)]  # offsets v, v + 1
+    for first, second in [(near[0], near[1]), (near[1], near[0]), (0, 0)]:
+        if first == second:
+            changes = {first: [(0, 0, 1), (limit - 1, 1, 0)]}
+        else:
+            changes = {first: [(limit - 1, 0, 1)], second: [(0, 0, 1)]}
+        assert caught(changes, sets, world, words=limit, secret=0), (first, second)
+
+
 # ---------------------------------------------------------------------- on gloo
 
 

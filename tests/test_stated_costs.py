@@ -3,8 +3,9 @@ ranks under DDP (tests/_cost_scenarios.py: every collective the scaler may call,
 its kind and its float32 elements), a fused and a foreach AdamW, the replica check on and off.
 
 Each row below is a statement taken from a public docstring (the test checks the docstring still
-says it) and the collectives it promises, without the replica check; the check adds 4 float32 to
-the first collective of the step (its checksum), also stated."""
+says it) and the collectives it promises, without the replica check; the check adds 16 float32 to
+the first collective of the step at 2 ranks (its checksum's limbs), its first check preceded by
+one broadcast of its key, also stated."""
 
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ STATED = {
 
 #: Where the replica check rides: the words on each method's page.
 CHECK_STATED = {
-    "unscale_": "4 float32 more\n        where the replica check rides in it",
-    "clip_grad_norm_": "4 float32 more where\n        the replica check rides in it",
-    "step": "4 more where the replica\n        check rides in it",
+    "unscale_": "16 float32 more where the replica check rides in it (up to 4,096 ranks",
+    "clip_grad_norm_": "16 float32 more where the replica check rides in it (up to 4,096 ranks",
+    "step": "16 more where the replica check rides in it",
 }
 #: ... and at ``norm_type=inf`` the collective is a gather (the checksum sums, the norm maxes).
 GATHER_STATED = "then at ``norm_type=inf`` one\n        ``all_gather`` of as many float32 per rank instead"
@@ -74,15 +75,17 @@ def test_each_entry_point_issues_the_collectives_its_docstring_states(two, calls
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach"])
 @pytest.mark.parametrize("calls", list(SEQUENCES))
-def test_the_replica_check_adds_the_four_float32_stated_to_the_first_collective(
+def test_the_replica_check_adds_the_float32_stated_to_the_first_collective(
     two, calls, optimizer
 ):
     method, _, stated = STATED[(calls, optimizer)]
     assert _dedent(CHECK_STATED[method]) in _dedent(_doc(method)), method
-    expected = [(stated[0][0], stated[0][1] + 4), *stated[1:]]
+    assert "one ``broadcast`` of its key" in _dedent(_doc(method)) or method == "step"
+    # the run's first check: its key's broadcast, once (each sequence runs on a fresh scaler)
+    expected = [("broadcast", 1), (stated[0][0], stated[0][1] + 16), *stated[1:]]
     if calls == "clip_grad_norm_ inf":  # the norm's MAX beside the checksum's SUM: a gather
         assert _dedent(GATHER_STATED) in _dedent(_doc("clip_grad_norm_"))
-        expected = [("all_gather", stated[0][1] + 4)]
+        expected = [("broadcast", 1), ("all_gather", stated[0][1] + 16)]
     for r in two:
         counted = [tuple(c) for c in r[f"{optimizer}-check-{calls}"]]
         assert counted == expected, (calls, optimizer, counted)
