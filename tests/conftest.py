@@ -113,6 +113,88 @@ def _required_gpus() -> int:
     return required
 
 
+def _module_fixtures(item: pytest.Item) -> list[str]:
+    """The module-scoped fixtures of the item's own test module that it uses (a spawn, mostly),
+    each with its parameter's index where the fixture is parametrized."""
+    module = getattr(item, "module", None)
+    info = getattr(item, "_fixtureinfo", None)
+    if module is None or info is None:
+        return []
+    callspec = getattr(item, "callspec", None)
+    names = []
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or defs[-1].scope != "module":
+            continue
+        if getattr(defs[-1].func, "__module__", None) != module.__name__:
+            continue
+        index = callspec.indices.get(name) if callspec is not None else None
+        names.append(name if index is None else f"{name}[{index}]")
+    return names
+
+
+def _group_module_fixtures(items: list[pytest.Item]) -> None:
+    """Give every test that uses a module-scoped fixture of its module (a spawn of ranks, mostly) an
+    ``xdist_group``: the tests of one fixture run on one xdist worker, which sets it up once.
+    Without it, ``--dist loadgroup`` deals them out one by one and each worker spawns the same
+    ranks (measured: a third of the compat subset's time). A fixture whose tests name a group
+    already keeps it; fixtures that one test uses together share a group."""
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    used = {}
+    for item in items:
+        keys = [(item.path.name, name) for name in _module_fixtures(item)]
+        used[item] = keys
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+    named: dict[tuple[str, str], str] = {}
+    for item, keys in used.items():
+        mark = item.get_closest_marker("xdist_group")
+        if keys and mark is not None:
+            named.setdefault(find(keys[0]), mark.args[0] if mark.args else mark.kwargs["name"])
+    for item, keys in used.items():
+        if keys and item.get_closest_marker("xdist_group") is None:
+            root = find(keys[0])
+            group = named.get(root, f"{Path(root[0]).stem}.{root[1]}")
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_ignores_groups() -> str | None:
+    """Why ``xdist_group`` is ignored by the installed pytest and pytest-xdist, or None: xdist
+    3.8 writes a test's group into ``item._nodeid``, which pytest 9.2 no longer reads (it reads
+    ``item._id``), so ``--dist loadgroup`` deals a group's tests out one by one."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    pytest_version, xdist_version = Version(version("pytest")), Version(version("pytest-xdist"))
+    if pytest_version >= Version("9.2") and xdist_version <= Version("3.8"):
+        return f"pytest {pytest_version} with pytest-xdist {xdist_version}"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``-n`` with ``--dist loadgroup`` (pyproject.toml's addopts): refuse a pytest that
+    ignores ``xdist_group``, rather than run every spawn once per worker, silently slower."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if config.getoption("dist", None) != "loadgroup":
+        return
+    broken = _xdist_ignores_groups()
+    if broken:
+        raise pytest.UsageError(
+            f"{broken} ignores xdist_group: the tests of one spawn would run on every worker, "
+            "each spawning its ranks; install the test extra's pytest: pip install 'pytest<9.2'"
+        )
+
+
+# tryfirst: xdist's worker hook, registered after this file, would otherwise read the groups first.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     required = _required_gpus()
@@ -131,6 +213,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and num_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+    _group_module_fixtures(items)
     if not _selects_itself(config):
         kept, left_out = [], []
         for item in items:
