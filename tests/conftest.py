@@ -52,6 +52,20 @@ COMPAT: dict[str, str] = {
     "test_replica_check.py": "the replica check: integer views and sums, DDP and HSDP on gloo",
 }
 
+#: Tests of a compat file that the compat subset leaves out (``file::name`` prefix: why): they
+#: exercise no torch, or repeat at length a path that tests of the subset already take; the
+#: README's ``pytest -n auto`` runs them on the suite's torch.
+NOT_COMPAT: dict[str, str] = {
+    "test_replica_check.py::test_coefficients_sum_to_zero": "Python integers only",
+    "test_replica_check.py::test_moduli_are_primes": "Python integers only",
+    "test_replica_check.py::test_shifts_keep_a_clean_set": "Python integers only (about 20 s)",
+    "test_replica_check.py::test_ten_thousand_random_pairs": (
+        "10,000 random pairs through the checksum path that test_every_single_bit_flip_is_caught "
+        "and test_constructed_cancelling_pairs_are_all_caught take on every compat torch (23 s)"
+    ),
+}
+
+
 #: What a plain ``pytest`` (the README's ``pytest -n auto``) leaves out, so that it fits 15 minutes
 #: on a 2-core CPU without fp16 units (docs/testing.md); CI runs them as a stage of their own,
 #: ``pytest -n auto -m "slow or integration"`` (.ci/run). ``slow``: whole jobs launched
@@ -206,7 +220,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = f"{item.path.name}::{item.name}"  # test_x.py::test_y[params]
         if any(key in (item.path.name, name) or name.startswith(f"{key}[") for key in COMPAT):
-            item.add_marker(pytest.mark.compat)
+            if not any(name.startswith(key) for key in NOT_COMPAT):
+                item.add_marker(pytest.mark.compat)
         if _is_integration_test(item):
             item.add_marker(pytest.mark.integration)
         if "cuda" in item.keywords and num_gpus < 1:
