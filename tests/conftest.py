@@ -52,6 +52,20 @@ COMPAT: dict[str, str] = {
     "test_replica_check.py": "the replica check: integer views and sums, DDP and HSDP on gloo",
 }
 
+#: Tests of a compat file that the compat subset leaves out (``file::name`` prefix: why): they
+#: exercise no torch, or repeat at length a path that tests of the subset already take; the
+#: README's ``pytest -n auto`` runs them on the suite's torch.
+NOT_COMPAT: dict[str, str] = {
+    "test_replica_check.py::test_coefficients_sum_to_zero": "Python integers only",
+    "test_replica_check.py::test_moduli_are_primes": "Python integers only",
+    "test_replica_check.py::test_shifts_keep_a_clean_set": "Python integers only (about 20 s)",
+    "test_replica_check.py::test_ten_thousand_random_pairs": (
+        "10,000 random pairs through the checksum path that test_every_single_bit_flip_is_caught "
+        "and test_constructed_cancelling_pairs_are_all_caught take on every compat torch (23 s)"
+    ),
+}
+
+
 #: What a plain ``pytest`` (the README's ``pytest -n auto``) leaves out, so that it fits 15 minutes
 #: on a 2-core CPU without fp16 units (docs/testing.md); CI runs them as a stage of their own,
 #: ``pytest -n auto -m "slow or integration"`` (.ci/run). ``slow``: whole jobs launched
@@ -113,6 +127,88 @@ def _required_gpus() -> int:
     return required
 
 
+def _module_fixtures(item: pytest.Item) -> list[str]:
+    """The module-scoped fixtures of the item's own test module that it uses (a spawn, mostly),
+    each with its parameter's index where the fixture is parametrized."""
+    module = getattr(item, "module", None)
+    info = getattr(item, "_fixtureinfo", None)
+    if module is None or info is None:
+        return []
+    callspec = getattr(item, "callspec", None)
+    names = []
+    for name in item.fixturenames:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or defs[-1].scope != "module":
+            continue
+        if getattr(defs[-1].func, "__module__", None) != module.__name__:
+            continue
+        index = callspec.indices.get(name) if callspec is not None else None
+        names.append(name if index is None else f"{name}[{index}]")
+    return names
+
+
+def _group_module_fixtures(items: list[pytest.Item]) -> None:
+    """Give every test that uses a module-scoped fixture of its module (a spawn of ranks, mostly) an
+    ``xdist_group``: the tests of one fixture run on one xdist worker, which sets it up once.
+    Without it, ``--dist loadgroup`` deals them out one by one and each worker spawns the same
+    ranks (measured: a third of the compat subset's time). A fixture whose tests name a group
+    already keeps it; fixtures that one test uses together share a group."""
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    used = {}
+    for item in items:
+        keys = [(item.path.name, name) for name in _module_fixtures(item)]
+        used[item] = keys
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+    named: dict[tuple[str, str], str] = {}
+    for item, keys in used.items():
+        mark = item.get_closest_marker("xdist_group")
+        if keys and mark is not None:
+            named.setdefault(find(keys[0]), mark.args[0] if mark.args else mark.kwargs["name"])
+    for item, keys in used.items():
+        if keys and item.get_closest_marker("xdist_group") is None:
+            root = find(keys[0])
+            group = named.get(root, f"{Path(root[0]).stem}.{root[1]}")
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_ignores_groups() -> str | None:
+    """Why ``xdist_group`` is ignored by the installed pytest and pytest-xdist, or None: xdist
+    3.8 writes a test's group into ``item._nodeid``, which pytest 9.2 no longer reads (it reads
+    ``item._id``), so ``--dist loadgroup`` deals a group's tests out one by one."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    pytest_version, xdist_version = Version(version("pytest")), Version(version("pytest-xdist"))
+    if pytest_version >= Version("9.2") and xdist_version <= Version("3.8"):
+        return f"pytest {pytest_version} with pytest-xdist {xdist_version}"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``-n`` with ``--dist loadgroup`` (pyproject.toml's addopts): refuse a pytest that
+    ignores ``xdist_group``, rather than run every spawn once per worker, silently slower."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if config.getoption("dist", None) != "loadgroup":
+        return
+    broken = _xdist_ignores_groups()
+    if broken:
+        raise pytest.UsageError(
+            f"{broken} ignores xdist_group: the tests of one spawn would run on every worker, "
+            "each spawning its ranks; install the test extra's pytest: pip install 'pytest<9.2'"
+        )
+
+
+# tryfirst: xdist's worker hook, registered after this file, would otherwise read the groups first.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     required = _required_gpus()
@@ -124,13 +220,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = f"{item.path.name}::{item.name}"  # test_x.py::test_y[params]
         if any(key in (item.path.name, name) or name.startswith(f"{key}[") for key in COMPAT):
-            item.add_marker(pytest.mark.compat)
+            if not any(name.startswith(key) for key in NOT_COMPAT):
+                item.add_marker(pytest.mark.compat)
         if _is_integration_test(item):
             item.add_marker(pytest.mark.integration)
         if "cuda" in item.keywords and num_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and num_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+    _group_module_fixtures(items)
     if not _selects_itself(config):
         kept, left_out = [], []
         for item in items:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _plain_env import link_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -514,32 +515,6 @@ def _shown_prints(page: str) -> list[str]:
     return shown
 
 
-def _link_torch(site: Path) -> None:
-    """torch and what it requires, linked from this interpreter into ``site``: no network, and
-    nothing else of this environment (no extra, no test package)."""
-    import importlib.metadata as metadata
-
-    names, todo = set(), ["torch"]
-    while todo:
-        name = todo.pop()
-        key = re.sub(r"[-_.]+", "-", name).lower()
-        if key in names:
-            continue
-        names.add(key)
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        for req in dist.requires or []:
-            if "extra ==" not in req:
-                todo.append(re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0])
-        tops = {Path(str(f)).parts[0] for f in dist.files or []}
-        for top in tops:
-            source = Path(str(dist.locate_file(top)))
-            if source.exists() and not (site / top).exists() and top != "..":
-                (site / top).symlink_to(source)
-
-
 @pytest.mark.slow
 def test_core_pages_run_with_the_library_alone(tmp_path: Path) -> None:
     """docs/install.md's `pip install .`: the wheel of this tree installed into a fresh venv with
@@ -556,7 +531,7 @@ def test_core_pages_run_with_the_library_alone(tmp_path: Path) -> None:
             text=True,
         ).stdout.strip()
     )
-    _link_torch(site)
+    link_torch(site)
     source = tmp_path / "source"
     shutil.copytree(ROOT / "distscaler", source / "distscaler")
     for name in ("pyproject.toml", "README.md"):

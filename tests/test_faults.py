@@ -57,6 +57,14 @@ def four(tmp_path_factory):
     return spawn(S.faults_4, 4, tmp_path_factory.mktemp("faults4"))
 
 
+#: The tests that take their spawn by name: each on the xdist worker of that spawn's other tests
+#: (tests/conftest.py groups those by the fixture: "test_faults.two", "test_faults.four").
+SPAWNS = [
+    pytest.param(name, marks=pytest.mark.xdist_group(f"test_faults.{name}"), id=name)
+    for name in ("two", "four")
+]
+
+
 def _values(snap: dict[str, Any]) -> tuple:
     """What every rank must agree on after a step."""
     return (snap["scale"], snap["tracker"], snap["skipped"], tuple(snap["norms"]))
@@ -136,7 +144,7 @@ def _parse(key: str) -> dict[str, str]:
     return dict(layout=layout, order=order, p=p, fault=fault.split("@")[0], check=check, opt=opt)
 
 
-@pytest.mark.parametrize("spawn_name", ["two", "four"])
+@pytest.mark.parametrize("spawn_name", SPAWNS)
 def test_property_every_rank_agrees_after_every_step(request, spawn_name):
     """Scale, growth tracker, skipped flag and returned norms equal on every rank after every step,
     whatever the call order, layout, norm type, fault, check setting and optimizer; an inf or NaN
@@ -166,7 +174,7 @@ def _corrupted_replicas(cases: dict) -> dict:
             and c["layout"] in S.REPLICATED}  # fmt: skip
 
 
-@pytest.mark.parametrize("spawn_name", ["two", "four"])
+@pytest.mark.parametrize("spawn_name", SPAWNS)
 def test_property_a_corruption_is_caught_at_its_step(request, spawn_name):
     """A finite corruption of one replica's gradients after the reduce is a replica mismatch at
     that step on every rank, whatever the call order and norm type."""
@@ -179,7 +187,7 @@ def test_property_a_corruption_is_caught_at_its_step(request, spawn_name):
     _fail("corruptions the replica check missed", problems, len(cases))
 
 
-@pytest.mark.parametrize("spawn_name", ["two", "four"])
+@pytest.mark.parametrize("spawn_name", SPAWNS)
 def test_property_a_mismatch_never_moves_the_scale(request, spawn_name):
     """The scale after the corrupted step equals the scale before it on every rank."""
     cases = _corrupted_replicas(_property_results(request, spawn_name))
@@ -238,7 +246,7 @@ def test_every_path_that_reduces_catches_a_flip(two):
 # ---------------------------------------------------------------------- 3. cancelling flips
 
 
-@pytest.mark.parametrize("spawn_name", ["two", "four"])
+@pytest.mark.parametrize("spawn_name", SPAWNS)
 def test_flips_that_cancel_in_a_plain_sum_are_caught(request, spawn_name):
     """Two flips of the same bit position in one step (opposite directions on one rank, in one
     tensor or across two; the same direction on two ranks of opposite coefficients; on 4 ranks

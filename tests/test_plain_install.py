@@ -1,11 +1,11 @@
 """A newcomer's first hour on a plain install: torch and distscaler, nothing else (no numpy).
 
-A fresh virtual environment gets torch (the version this suite runs, from the machine's wheels)
-and then the package, built from this tree as ``pip install .`` builds it, with no extra. numpy is
-then not importable, and torch's ``Tensor.numpy()`` raises ``RuntimeError: Numpy is not
-available``, which once killed both ranks of the Recipes page's DDP example at its first replica
-mismatch (naming the ranks pickled through ``all_gather_object``). In that environment, from a
-directory outside the tree:
+A fresh virtual environment gets torch (this suite's own, linked with what it requires:
+tests/_plain_env.py) and then the package, built from this tree as ``pip install .`` builds it,
+with no extra. numpy is then not importable, and torch's ``Tensor.numpy()`` raises
+``RuntimeError: Numpy is not available``, which once killed both ranks of the Recipes page's DDP
+example at its first replica mismatch (naming the ranks pickled through ``all_gather_object``).
+In that environment, from a directory outside the tree:
 
 * README.md's drop-in example runs as it is (``python``);
 * examples/ddp.py (an inf written on rank 1 after DDP's reduce: a replica mismatch and an
@@ -14,7 +14,7 @@ directory outside the tree:
   print what tests/test_examples.py checks: the mismatch named, each step skipped (the examples
   check that the ranks' parameters are equal at the end).
 
-Slow: the environment's install takes a minute or two (torch's wheel unpacked).
+Slow: the examples run under torchrun.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from _plain_env import link_torch
 from test_examples import LAUNCHER_ENV, RUNS, SUMMARY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,8 +64,8 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> Path:
-    """A fresh venv with torch and the package's wheel (built from this tree), nothing else;
-    returns its python."""
+    """A fresh venv with torch (linked) and the package's wheel (built from this tree), nothing
+    else; returns its python."""
     tmp = tmp_path_factory.mktemp("plain")
     # The wheel `pip install .` would build, from a copy of what a wheel is made of (no build/ or
     # egg-info left in the tree), built with this environment's setuptools when it is new enough
@@ -84,9 +84,11 @@ def plain(tmp_path_factory) -> Path:
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], tmp, INSTALL_TIMEOUT_S)
     python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    link_torch(Path(_run([str(python), "-c", purelib], tmp, RUN_TIMEOUT_S).stdout.strip()))
     pip = [str(python), "-m", "pip", "install", "--no-compile", "--no-cache-dir", "-q"]
-    _run([*pip, f"torch=={torch.__version__}"], tmp, INSTALL_TIMEOUT_S)
-    _run([*pip, str(wheel)], tmp, INSTALL_TIMEOUT_S)  # its requirements only (torch: there)
+    # Its requirements resolved, offline: torch (linked) meets them, nothing else is installed.
+    _run([*pip, "--no-index", str(wheel)], tmp, INSTALL_TIMEOUT_S)
     return python
 
 
