@@ -57,8 +57,8 @@ COMPAT: dict[str, str] = {
 #: README's ``pytest -n auto`` runs them on the suite's torch.
 NOT_COMPAT: dict[str, str] = {
     "test_replica_check.py::test_coefficients_sum_to_zero": "Python integers only",
-    "test_replica_check.py::test_moduli_are_primes": "Python integers only",
-    "test_replica_check.py::test_shifts_keep_a_clean_set": "Python integers only (about 20 s)",
+    "test_replica_check.py::test_limbs_keep_every_partial_sum": "Python integers only",
+    "test_replica_check.py::test_offsets_keep_a_clean_set": "Python integers only",
     "test_replica_check.py::test_ten_thousand_random_pairs": (
         "10,000 random pairs through the checksum path that test_every_single_bit_flip_is_caught "
         "and test_constructed_cancelling_pairs_are_all_caught take on every compat torch (23 s)"
