@@ -99,6 +99,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GPU_INTERVAL",
+    "INTERVAL",
     "MAX_WORLD_SIZE",
     "SUSPECT_EVENTS",
     "SUSPECT_WINDOW",
@@ -117,11 +118,14 @@ MAX_WORLD_SIZE = 1 << 17
 SUSPECT_EVENTS = 3
 #: The window, in updates, of `SUSPECT_EVENTS`.
 SUSPECT_WINDOW = 1000
-#: ``replica_check_interval=None``: every update where a host read is free (the CPU) or the Triton
-#: kernels read the checksum (a fused step keeps the mismatch flag on the device, another reads
-#: it beside its own ``found_inf``), else every this many (a checked step costs a read pass and a
-#: host sync there).
-GPU_INTERVAL = 32
+#: ``replica_check_interval=None``: every update where the Triton kernels take the checksum in
+#: their read (a fused step keeps the mismatch flag on the device, another reads it beside its
+#: own ``found_inf``), else every this many: where torch's kernels read the words (the CPU, a GPU
+#: without the Triton kernels), a checked step costs a read pass of its own (and a host sync on a
+#: GPU), 1.1x the scaler phase at this cadence on a CPU (docs/benchmarks.md#replica-check).
+INTERVAL = 32
+#: `INTERVAL` (the name it had when it applied to GPUs only).
+GPU_INTERVAL = INTERVAL
 
 class ReplicaSet(NamedTuple):
     """The ranks holding the same values of a gradient, and this rank's place among them.

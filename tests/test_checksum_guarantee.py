@@ -74,8 +74,8 @@ def caught(
 
     The checksum is linear in the words: each rank's residues are those of its changes alone
     plus those of the clean state, and the clean state's sum over the group is 0 modulo each
-    prime. So each changed rank's residues are its changes times `word_weights()` at their
-    positions (the rank's checked words as one tensor), as limbs (`to_limbs()`), summed over the
+    prime. So each changed rank's residues are its changes (of each word's two signed bytes) times
+    `word_weights()` at their positions (the rank's checked words as one tensor), as limbs (`to_limbs()`), summed over the
     ranks in float32 as the collective sums them, and read (`mismatched()`). Nothing of size
     ``words`` is allocated.
     """
@@ -89,14 +89,19 @@ def caught(
         assert max(c[0] for c in rank_changes) < words
         j, i = place[rank]
         positions = torch.tensor([c[0] for c in rank_changes], dtype=torch.int64)
-        delta = torch.tensor([c[2] - c[1] for c in rank_changes], dtype=torch.int64)
-        weights = word_weights(positions, ReplicaSet(tuple(sets[j]), i), key)
-        residues = (weights * delta.unsqueeze(1)).sum(0).remainder(_MODULI)
+        delta = _bytes([c[2] for c in rank_changes]) - _bytes([c[1] for c in rank_changes])
+        weights = word_weights(positions, ReplicaSet(tuple(sets[j]), i), key)  # (n, 8, 2)
+        residues = (weights * delta.unsqueeze(1)).sum((0, 2)).remainder(_MODULI)
         reduced += to_limbs(residues, world_size)
     return mismatched(reduced.tolist(), world_size)
 
 
 _MODULI = torch.tensor([PRIMES[i % 2] for i in range(8)])
+
+
+def _bytes(values: list[int]) -> torch.Tensor:
+    """Signed 16-bit words as their (low, high) signed bytes, int64 ``(n, 2)``."""
+    return torch.tensor(values, dtype=torch.int16).view(torch.int8).to(torch.int64).view(-1, 2)
 
 
 # ---------------------------------------------------------------------- helpers of the cases

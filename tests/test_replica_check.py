@@ -108,8 +108,9 @@ def _exact(t: torch.Tensor, primes: tuple[int, int] = PRIMES) -> list[int]:
 def test_word_moments_are_exact_integers_and_the_dense_sums_equal_the_sparse_weights(
     dtypes, sizes, scale, secret
 ):
-    """`word_moments()` against Python's integers; `rank_slots()` (one matrix product over rows
-    of words) against `word_weights()` word by word (the sparse form the guarantee tests use)."""
+    """`word_moments()` against Python's integers; `rank_slots()` (one int8 matrix product over
+    rows of bytes) against `word_weights()` word by word (the sparse form the guarantee tests
+    use)."""
     tensors = [(torch.randn(n) * scale).to(DTYPES[d]) for d, n in zip(dtypes, sizes)]
     got = word_moments(tensors, torch.device("cpu"))
     assert got.tolist() == [_exact(t) for t in tensors]
@@ -124,9 +125,10 @@ def test_word_moments_are_exact_integers_and_the_dense_sums_equal_the_sparse_wei
         if owner is None or w is None or not w.numel():
             continue
         start = term[2]  # the tensor's padded offset in its set's stream (below both primes)
-        weights = word_weights(torch.arange(w.numel()) + start, owner, key).tolist()
-        for x, row in zip(w.tolist(), weights):
-            sparse = [acc + x * v for acc, v in zip(sparse, row)]
+        weights = word_weights(torch.arange(w.numel()) + start, owner, key)  # (n, 8, 2)
+        by = w.view(torch.int8).to(torch.int64).view(-1, 1, 2)  # each word's signed bytes
+        total = (weights * by).sum((0, 2)).tolist()
+        sparse = [acc + v for acc, v in zip(sparse, total)]
     assert dense.tolist() == [v % PRIMES[i % 2] for i, v in enumerate(sparse)]
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..checks import KernelPart, Settlement
 from ..errors import ReplicaMismatchError
 from ..replica_check import (
-    GPU_INTERVAL,
+    INTERVAL,
     MAX_WORLD_SIZE,
     OnMismatch,
     ReplicaLedger,
@@ -380,14 +380,15 @@ class ReplicaCheck:
         state.setdefault("unnamed", [])
         self.__dict__.update(state)
 
-    def interval(self, host_reads: bool) -> int:
-        """Updates between two gradient checks: the setting, or 1 where a check costs no host
-        sync (``host_reads``: the CPU, or a reading that waits) and `GPU_INTERVAL` elsewhere."""
+    def interval(self, in_pass: bool) -> int:
+        """Updates between two gradient checks: the setting, or 1 where the check costs neither a
+        read of its own nor a host sync (``in_pass``: the Triton kernels take the checksum in
+        their read, and its reading is free or waits) and `INTERVAL` elsewhere."""
         if self.interval_setting is not None:
             return self.interval_setting
-        return 1 if host_reads else GPU_INTERVAL
+        return 1 if in_pass else INTERVAL
 
-    def due(self, world_size: int, dynamic: bool, host_reads: bool) -> tuple[bool, bool]:
+    def due(self, world_size: int, dynamic: bool, in_pass: bool) -> tuple[bool, bool]:
         """(compare gradients, compare parameters) at this iteration: the same on every rank
         (the update count, the settings and the group's size). Never over a group whose
         membership changes (torchft's: a healing replica's contribution is zeroed there, which
@@ -396,7 +397,7 @@ class ReplicaCheck:
             return False, False
         n = self.iteration + 1
         params = self.param_interval > 0 and n % self.param_interval == 0
-        return n % self.interval(host_reads) == 0, params
+        return n % self.interval(in_pass) == 0, params
 
     def contribution(
         self,
@@ -408,17 +409,19 @@ class ReplicaCheck:
         """The check's part of this step's collective, or None when it is not due or nothing of
         ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
         TP, pipeline stages each replicated or none, which the collective's size relies on).
-        How it may be read is the ``plan``'s (`distscaler._plan.StepPlan`): with
-        ``plan.reading_free`` (no sync of its own at the step: the CPU; with the Triton kernels, a
-        step that reads ``found_inf`` on the host anyway) the default interval checks every
-        update, read at the step; with ``plan.reading_may_wait`` (a fused step with the Triton
-        kernels, a periodic read to come) it checks every update and its reading waits on the
-        device (`DeferredReading`); else every `GPU_INTERVAL` updates, read at the step."""
+        How it may be read is the ``plan``'s (`distscaler._plan.StepPlan`): with the Triton
+        kernels (``plan.kernels``), which take the checksum in their read, the default interval
+        checks every update, read at the step where ``plan.reading_free`` (a step that reads
+        ``found_inf`` on the host anyway) or waiting on the device where
+        ``plan.reading_may_wait`` (a fused step, a periodic read to come: `DeferredReading`);
+        with torch's kernels (a read pass of its own) every `INTERVAL` updates, read at the
+        step."""
         world = plan.world
         group, world_size = world.group, world.size
         free = plan.reading_free
         deferred = plan.reading_may_wait and not free and self.interval_setting is None
-        with_grads, with_params = self.due(world_size, world.dynamic, free or deferred)
+        in_pass = plan.kernels == "triton" and (free or deferred)
+        with_grads, with_params = self.due(world_size, world.dynamic, in_pass)
         if not (with_grads or with_params):
             return None
         params = tuple(p for g in optimizer.param_groups for p in g["params"])

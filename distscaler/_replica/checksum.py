@@ -101,8 +101,8 @@ PRIMES = (16_777_213, 16_777_199)
 #: Residues of one checksum: ``A, B, C, R`` modulo ``P1`` and ``P2``, in that order
 #: (``[A1, A2, B1, B2, C1, C2, R1, R2]``).
 RESIDUES = 8
-#: Words of a row: of the keyed weights (``a`` per column, ``b`` per row) and of the sums.
-ROW_WORDS = 32
+#: Words of a row of the sums (its bytes each keyed by ``a``; ``b`` per row).
+ROW_WORDS = 512
 #: Rows of a block of the keyed row weights (``b(row) = e[row div BLOCK_ROWS] f[row mod
 #: BLOCK_ROWS]``).
 BLOCK_ROWS = 1024
@@ -240,8 +240,8 @@ class Key:
         return cached
 
     def columns(self, device: torch.device) -> torch.Tensor:
-        """``a``: int64 ``(ROW_WORDS, 2)``, the column weights modulo each prime."""
-        return self._draw(("a",), ROW_WORDS, device)
+        """``a``: int64 ``(2 * ROW_WORDS, 2)``, the weights of a row's bytes modulo each prime."""
+        return self._draw(("a",), 2 * ROW_WORDS, device)
 
     def lows(self, key: int, replica: int, device: torch.device) -> torch.Tensor:
         """``f`` of set ``key`` (`set_key()`), replica ``replica``: int64 ``(BLOCK_ROWS, 2)``."""
@@ -287,81 +287,122 @@ def moduli_tensor(
 
 
 #: Bits of a piece of a column weight in the float32 product (`_column_matrix()`).
-_PIECE_BITS = 4
+#: Bytes of a row (`ROW_WORDS` words).
+_ROW_BYTES = 2 * ROW_WORDS
+#: Bits of a piece of a keyed column weight (an int8 factor of the product).
+_PIECE_BITS = 7
 _PIECES = -(-_RESIDUE_BITS // _PIECE_BITS)
+#: Columns of the product: low and high bytes; ``j mod 128`` and ``j div 128`` on each; the
+#: keyed weights' pieces for each prime; two zero columns (16 in all).
+_NUM_COLUMNS = 16
 _COLUMNS: dict[tuple, torch.Tensor] = {}
+_INT_MM: dict[str, bool] = {}
 
 
 def _column_matrix(key: Key | None, device: torch.device) -> torch.Tensor:
-    """float32 ``(ROW_WORDS, 3 + 2 * 6)`` by which a row of words is multiplied, every product
-    sum exact in float32 (below ``2**24``: ``32 * 2**15 * 15``): ``1``; the column index's low 3
-    and high 2 bits (``B``'s row sum is ``c_lo + 8 c_hi``); the 4-bit pieces of ``a`` modulo
-    ``P1``, then ``P2`` (zeros without a key)."""
+    """int8 ``(2 * ROW_WORDS, 16)`` by which a row of bytes is multiplied (`row_sums()`): ``1`` on
+    the low bytes, ``1`` on the high bytes; the word index ``j`` (``b div 2``) in two 7-bit pieces
+    on the low and on the high bytes; the keyed byte weights ``a`` modulo ``P1`` then ``P2`` in
+    four 7-bit pieces each (zeros without a key); two zero columns."""
     cache_key = (None if key is None else key.secret, device)
     cached = _COLUMNS.get(cache_key)
     if cached is None:
-        cols = torch.arange(ROW_WORDS, dtype=torch.int64, device=device)
+        b = torch.arange(_ROW_BYTES, dtype=torch.int64, device=device)
+        low, high = (b % 2 == 0).long(), (b % 2 == 1).long()
+        j = b // 2
         a = (key.columns(device) if key is not None
-             else torch.zeros(ROW_WORDS, 2, dtype=torch.int64, device=device))  # fmt: skip
+             else torch.zeros(_ROW_BYTES, 2, dtype=torch.int64, device=device))  # fmt: skip
         shifts = torch.arange(_PIECES, dtype=torch.int64, device=device) * _PIECE_BITS
-        pieces = (a.unsqueeze(2) >> shifts) & ((1 << _PIECE_BITS) - 1)  # (32, 2, 6)
-        cached = torch.cat([torch.ones_like(cols).unsqueeze(1), (cols & 7).unsqueeze(1),
-                            (cols >> 3).unsqueeze(1), pieces.reshape(ROW_WORDS, -1)],
-                           1).to(torch.float32)  # fmt: skip
+        pieces = (a.unsqueeze(2) >> shifts) & ((1 << _PIECE_BITS) - 1)  # (bytes, 2, 4)
+        fixed = [low, high, low * (j & 127), low * (j >> 7), high * (j & 127), high * (j >> 7)]
+        columns = torch.cat([torch.stack(fixed, 1), pieces.reshape(_ROW_BYTES, -1)], 1)
+        pad = _NUM_COLUMNS - columns.shape[1]
+        cached = torch.cat([columns, columns.new_zeros(_ROW_BYTES, pad)], 1).to(torch.int8)
         if len(_COLUMNS) > 8:
             _COLUMNS.clear()
         _COLUMNS[cache_key] = cached
     return cached
 
 
+def _product(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``rows @ columns`` of int8 ``(n, 2 * ROW_WORDS)`` and ``(2 * ROW_WORDS, 16)``, int32, exact:
+    torch's int8 matrix product where the device has it, else in float32 (every sum below
+    ``128 * 127 * 1024 < 2**24``: the same integers)."""
+    kind = rows.device.type
+    if _INT_MM.get(kind, True) and hasattr(torch, "_int_mm"):
+        try:
+            out = torch._int_mm(rows, columns)
+            _INT_MM[kind] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            _INT_MM[kind] = False
+    return (rows.to(torch.float32) @ columns.to(torch.float32)).to(torch.int32)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    w = words(tensor)
+    return None if w is None else w.view(torch.int8)
+
+
 def row_sums(
     tensors: Sequence[torch.Tensor], device: torch.device, key: Key | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row sums of ``tensors`` read as one padded stream (each tensor from a row's start):
-    int64 ``(rows, 2)`` ``[sum w, sum col * w]`` per row, exact; and int64 ``(rows, 2)`` ``sum
-    a_col w`` modulo each prime (zeros without a ``key``).
+    """The row sums of ``tensors`` read as one padded stream of 16-bit words, each tensor from a
+    row's start, each word valued ``v = 256 * high + low`` of its signed bytes (an injective
+    value of its 16 bits): int64 ``(rows, 2)`` ``[sum v, sum j * v]`` per row (``j`` the word's
+    index in the row), exact; and int64 ``(rows, 2)``: ``sum a_b * byte_b`` over the row's signed
+    bytes, modulo each prime (zeros without a ``key``).
 
-    Torch's kernels, one read: a ``cat`` of every word into zero-padded rows of `ROW_WORDS`, its
-    conversion to float32 (exact), one matrix product by `_column_matrix()` (every sum exact),
-    then int64 ops on the rows. A tensor that is not dense floating point counts as empty."""
+    Torch's kernels, one read: a ``cat`` of every byte into zero-padded rows of ``2 *
+    ROW_WORDS``, one int8 matrix product by `_column_matrix()` (int32, exact), int64 ops on the
+    rows. A tensor that is not dense floating point counts as empty."""
     pieces: list[torch.Tensor] = []
     for t in tensors:
-        w = words(t)
-        if w is None or not w.numel():
+        b = _bytes(t)
+        if b is None or not b.numel():
             continue
-        pieces.append(w.to(device, non_blocking=True))
-        pad = -w.numel() % ROW_WORDS
+        pieces.append(b.to(device, non_blocking=True))
+        pad = -b.numel() % _ROW_BYTES
         if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.int16, device=device))
+            pieces.append(torch.zeros(pad, dtype=torch.int8, device=device))
     if not pieces:
         empty = torch.zeros(0, 2, dtype=torch.int64, device=device)
         return empty, empty
-    flat = torch.cat(pieces).view(-1, ROW_WORDS).to(torch.float32)
-    sums = (flat @ _column_matrix(key, device)).to(torch.int64)  # (rows, 15), exact
-    moments = torch.stack([sums[:, 0], sums[:, 1] + 8 * sums[:, 2]], 1)
+    flat = torch.cat(pieces).view(-1, _ROW_BYTES)
+    n = flat.shape[0]
+    if n < 32:  # the int8 product's smallest shape on some devices
+        flat = torch.cat([flat, flat.new_zeros(32 - n, _ROW_BYTES)])
+    sums = _product(flat, _column_matrix(key, device))[:n].to(torch.int64)  # (rows, 16)
+    a = sums[:, 0] + 256 * sums[:, 1]
+    b = sums[:, 2] + 128 * sums[:, 3] + 256 * (sums[:, 4] + 128 * sums[:, 5])
     shifts = torch.arange(_PIECES, dtype=torch.int64, device=device) * _PIECE_BITS
-    keyed = (sums[:, 3:].view(-1, 2, _PIECES) << shifts).sum(2).remainder(moduli_tensor(device))
-    return moments, keyed
+    keyed = (sums[:, 6 : 6 + 2 * _PIECES].view(-1, 2, _PIECES) << shifts).sum(2)
+    return torch.stack([a, b], 1), keyed.remainder(moduli_tensor(device))
 
 
 def word_moments(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Each tensor's moments: int64 ``(len(tensors), 4)`` on ``device``, ``[A mod P1, A mod P2,
-    B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k * w_k`` over the tensor's 16-bit
-    words ``w_k`` (positions from 0 in each tensor), exact: what the Triton pass computes in its
-    read. `row_sums()`, then per tensor (``index_add_``)."""
-    moments, _ = row_sums(tensors, device)
-    counts = [0 if w is None else -(-w.numel() // ROW_WORDS) for w in map(words, tensors)]
+    """Each tensor's moments as the Triton pass computes them in its read: int64 ``(len(tensors),
+    4)`` on ``device``, ``[A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and
+    ``B = sum_k k * w_k`` over the tensor's 16-bit words ``w_k`` as signed ``int16`` (positions from
+    0 in each tensor), exact. int64 ops in chunks of 2**22 words (a tensor's naming row at a
+    mismatch; the reference of the kernel's tests)."""
     p = moduli_tensor(device)
-    out = torch.zeros(len(tensors), 2, 2, dtype=torch.int64, device=device)
-    if not moments.numel():
-        return out.reshape(-1, 4)
-    owners = torch.repeat_interleave(torch.arange(len(tensors), device=device),
-                                     torch.tensor(counts, device=device))  # fmt: skip
-    local = torch.cat([torch.arange(c, dtype=torch.int64, device=device) for c in counts])
-    a = moments[:, :1].remainder(p)  # (rows, 2)
-    b = (moments[:, 1:] + (local * ROW_WORDS).unsqueeze(1).remainder(p) * a).remainder(p)
-    out.index_add_(0, owners, torch.stack([a, b], 1))
-    return out.reshape(-1, 4).remainder_(moduli_tensor(device, 4))
+    out = torch.zeros(len(tensors), 4, dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        w = words(t)
+        if w is None or not w.numel():
+            continue
+        w = w.to(device)
+        acc = torch.zeros(4, dtype=torch.int64, device=device)
+        for start in range(0, w.numel(), 1 << 22):
+            chunk = w[start : start + (1 << 22)].to(torch.int64).unsqueeze(1)  # (n, 1)
+            k = torch.arange(start, start + chunk.shape[0], dtype=torch.int64, device=device)
+            a = chunk.remainder(p).sum(0)
+            b = (k.unsqueeze(1).remainder(p) * chunk.remainder(p)).remainder(p).sum(0)
+            acc = (acc + torch.cat([a, b])).remainder(moduli_tensor(device, 4))
+        out[i] = acc
+    return out
+
 
 
 # ---------------------------------------------------------------------- the slots
@@ -511,9 +552,10 @@ def word_weights(
     positions: torch.Tensor, replica: ReplicaSet, key: Key
 ) -> torch.Tensor:
     """The weights of single words of replica set ``replica`` at ``positions`` in its padded
-    stream (int64 ``(n,)``), int64 ``(n, RESIDUES)``: a changed word's slot residues are its
-    change times these (modulo each prime). The sparse form of `rank_slots()` (the same
-    arithmetic; tests evaluate a model of any size through it)."""
+    stream (int64 ``(n,)``), int64 ``(n, RESIDUES, 2)``: a changed word's slot residues are the
+    change of its low signed byte times ``[..., 0]`` plus that of its high signed byte times
+    ``[..., 1]`` (modulo each prime). The sparse form of `rank_slots()` (the same arithmetic;
+    tests evaluate a model of any size through it)."""
     device = positions.device
     p = moduli_tensor(device)
     m, i = len(replica.ranks), replica.position
@@ -533,8 +575,13 @@ def word_weights(
     def b(r: int) -> torch.Tensor:
         return (key.blocks(k, r, blocks, device)[hi] * key.lows(k, r, device)[lo]).remainder(p)
 
-    r = (key.columns(device)[cols] * (b(i) - b((i + 1) % m))).remainder(p)
-    return torch.cat([cp.expand(n, 2), x, z, r], 1)
+    d = (b(i) - b((i + 1) % m)).remainder(p)
+    a = key.columns(device)
+    fixed = torch.cat([cp.expand(n, 2), x, z], 1)  # per word value v = 256 high + low
+    low = torch.cat([fixed, (a[2 * cols] * d).remainder(p)], 1)
+    high = torch.cat([(256 * fixed).remainder(moduli_tensor(device, 6)),
+                      (a[2 * cols + 1] * d).remainder(p)], 1)  # fmt: skip
+    return torch.stack([low, high], 2)
 
 
 # ---------------------------------------------------------------------- limbs and readings
