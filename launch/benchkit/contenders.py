@@ -75,8 +75,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "growth_interval": 1000,
     },
     "distscaler-noreport": {"skip_log_interval": 0},
-    # The replica check off (it is on by default, and runs where gradients are replicated: DDP).
+    # The replica check off (it is on by default, and runs where gradients are replicated: DDP),
+    # and at every update (by default every `distscaler.replica_check.INTERVAL`-th with torch's
+    # kernels: a run of fewer rounds times its default without a check).
     "distscaler-nocheck": {"replica_check": False},
+    "distscaler-everycheck": {"replica_check_interval": 1},
     # torch's multi-tensor kernels for the pass where kernels="auto" takes the Triton kernel (CUDA).
     "distscaler-torch-kernels": {"kernels": "torch"},
 }
