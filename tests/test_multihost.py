@@ -485,3 +485,138 @@ def test_c10d_rendezvous_needs_each_host_to_resolve_its_own_hostname(
     proc = bed.run(bed.hosts[1], [sys.executable, "-c", code], timeout=60)
     assert proc.wait() != 0
     assert "Temporary failure in name resolution" in proc.output()
+
+
+# ------------------------------------------------------------------------------------ faults
+
+#: The fault jobs: long enough to be hit mid-run, a checkpoint every CKPT_EVERY steps, and a
+#: process-group timeout of TIMEOUT_S seconds (the collectives, and the start of a restart).
+FAULT_STEPS = 200
+CKPT_EVERY = 20
+TIMEOUT_S = 6
+#: The fault comes once host 0's metrics.jsonl has this many lines.
+FAULT_AT = 50
+
+
+def _fault_config() -> str:
+    cfg = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    cfg.update(
+        device="cpu",
+        log_interval=CKPT_EVERY,
+        ckpt_interval=CKPT_EVERY,
+        dist_timeout_s=TIMEOUT_S,
+        decay_steps=FAULT_STEPS,
+    )
+    return yaml.safe_dump(cfg)
+
+
+def _fault_torchrun(bed: multihost.Testbed, host: Host, nproc: int, *extra: str) -> list[str]:
+    """torchrun of the fault job on ``host`` (static rendezvous at host 0), one restart allowed,
+    resuming from the last checkpoint of its own node's ``runs/job``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(bed.hosts)),
+        "--node-rank",
+        str(host.index),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        bed.hosts[0].addr,
+        "--master-port",
+        str(MASTER_PORT),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        "launch/train.py",
+        "--config",
+        "fault.yaml",
+        "--data",
+        "corpus.txt",
+        "--steps",
+        str(FAULT_STEPS),
+        "--out",
+        "runs/job",
+        *extra,
+    ]
+
+
+def _start_fault_job(
+    bed: multihost.Testbed, tmp_path: Path, nproc: int, *extra: str
+) -> list[HostProcess]:
+    (tmp_path / "fault.yaml").write_text(_fault_config())
+    env = {"PYTHONPATH": WORKDIR, "OMP_NUM_THREADS": "1"}
+    for host in bed.hosts:
+        bed.put(host, tmp_path / "fault.yaml")
+    return [bed.run(h, _fault_torchrun(bed, h, nproc, *extra), env=env) for h in bed.hosts]
+
+
+def _when_step(bed: multihost.Testbed, procs: list[HostProcess], step: int) -> int:
+    """Waits until host 0's metrics.jsonl holds ``step`` lines; returns how many it holds."""
+    metrics = bed.host_path(bed.hosts[0], f"{WORKDIR}/runs/job/metrics.jsonl")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if lines >= step:
+            return lines
+        assert all(p.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {JOB_TIMEOUT_S} s")
+
+
+def _wait_all(procs: list[HostProcess]) -> list[int | None]:
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait())
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def _ckpt(bed: multihost.Testbed, host: Host) -> dict[str, Any]:
+    import torch
+
+    path = bed.host_path(host, f"{WORKDIR}/runs/job/ckpt.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_a_link_cut_past_the_timeout_fails_the_collective_and_the_restart_resumes_on_each_node(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    # host1 is cut off for longer than the process group's timeout: every rank's collective
+    # fails within it, torchrun restarts the workers once the link is back, and each node's
+    # ranks resume from the checkpoint its own first rank wrote (no shared filesystem).
+    bed = make_testbed(2)
+    _prepare(bed, tmp_path)
+    procs = _start_fault_job(bed, tmp_path, 2, "--resume", "auto")
+    at = _when_step(bed, procs, FAULT_AT)
+    t_cut = time.monotonic()
+    bed.cut_link(bed.hosts[1], TIMEOUT_S + 2)
+    codes = _wait_all(procs)
+    took = time.monotonic() - t_cut
+    logs = [p.output() for p in procs]
+    assert codes == [0, 0], "\n\n".join(log[-4000:] for log in logs)
+    # The collective failed within the timeout, and the message says so.
+    assert f"Timed out waiting {TIMEOUT_S * 1000}ms for recv operation" in "".join(logs)
+    out = bed.host_path(bed.hosts[0], f"{WORKDIR}/runs/job")
+    summary = json.loads((out / "summary.json").read_text())
+    resumed = summary["resumed_from"]
+    assert resumed is not None and resumed["restart"] == 1, summary
+    # The last checkpoint before the cut (at least FAULT_AT steps were done when it came).
+    assert resumed["step"] % CKPT_EVERY == 0 and resumed["step"] >= at // CKPT_EVERY * CKPT_EVERY
+    assert f"resumed from runs/job/ckpt.pt at step {resumed['step']}" in logs[0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, FAULT_STEPS + 1))
+    # The resumed scale is the one the uninterrupted steps went on with.
+    assert resumed["scale"] == records[resumed["step"]]["scale"]
+    assert summary["ranks_consistent"] is True and summary["world_size"] == 4
+    # Each node holds its own final checkpoint; the two agree on the scaler and the model.
+    ckpts = [_ckpt(bed, h) for h in bed.hosts]
+    assert [c["step"] for c in ckpts] == [FAULT_STEPS, FAULT_STEPS]
+    assert ckpts[0]["scaler"] == ckpts[1]["scaler"]
+    assert all(ckpts[0]["model"][k].equal(ckpts[1]["model"][k]) for k in ckpts[0]["model"])
+    assert took < 90, took
