@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -510,9 +511,11 @@ def _fault_config() -> str:
     return yaml.safe_dump(cfg)
 
 
-def _fault_torchrun(bed: multihost.Testbed, host: Host, nproc: int, *extra: str) -> list[str]:
-    """torchrun of the fault job on ``host`` (static rendezvous at host 0), one restart allowed,
-    resuming from the last checkpoint of its own node's ``runs/job``."""
+def _fault_torchrun(
+    bed: multihost.Testbed, host: Host, nproc: int, *extra: str, restarts: int = 1
+) -> list[str]:
+    """torchrun of the fault job on ``host`` (static rendezvous at host 0), ``restarts``
+    restarts allowed."""
     return [
         sys.executable,
         "-m",
@@ -528,7 +531,7 @@ def _fault_torchrun(bed: multihost.Testbed, host: Host, nproc: int, *extra: str)
         "--master-port",
         str(MASTER_PORT),
         "--max-restarts",
-        "1",
+        str(restarts),
         "--monitor-interval",
         "0.5",
         "launch/train.py",
@@ -545,13 +548,14 @@ def _fault_torchrun(bed: multihost.Testbed, host: Host, nproc: int, *extra: str)
 
 
 def _start_fault_job(
-    bed: multihost.Testbed, tmp_path: Path, nproc: int, *extra: str
+    bed: multihost.Testbed, tmp_path: Path, nproc: int, *extra: str, restarts: int = 1
 ) -> list[HostProcess]:
     (tmp_path / "fault.yaml").write_text(_fault_config())
     env = {"PYTHONPATH": WORKDIR, "OMP_NUM_THREADS": "1"}
     for host in bed.hosts:
         bed.put(host, tmp_path / "fault.yaml")
-    return [bed.run(h, _fault_torchrun(bed, h, nproc, *extra), env=env) for h in bed.hosts]
+    cmds = [_fault_torchrun(bed, h, nproc, *extra, restarts=restarts) for h in bed.hosts]
+    return [bed.run(h, cmd, env=env) for h, cmd in zip(bed.hosts, cmds)]
 
 
 def _when_step(bed: multihost.Testbed, procs: list[HostProcess], step: int) -> int:
@@ -620,3 +624,48 @@ def test_a_link_cut_past_the_timeout_fails_the_collective_and_the_restart_resume
     assert ckpts[0]["scaler"] == ckpts[1]["scaler"]
     assert all(ckpts[0]["model"][k].equal(ckpts[1]["model"][k]) for k in ckpts[0]["model"])
     assert took < 90, took
+
+
+def test_a_killed_host_ends_the_job_naming_it_and_a_fresh_node_needs_the_checkpoint_copied(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    bed = make_testbed(2)
+    h0, h1 = bed.hosts
+    _prepare(bed, tmp_path)
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", "auto")
+    at = _when_step(bed, procs, FAULT_AT)
+    t_kill = time.monotonic()
+    assert bed.kill_host(h1) >= 2  # guard: its torchrun and its rank were running
+    codes = _wait_all(procs)
+    took = time.monotonic() - t_kill
+    log = procs[0].output()
+    # host0's rank loses its peer, torchrun restarts it, and the restart waits for rank 1 for
+    # the process group's timeout, then names the host it last ran on. No restart is left.
+    assert codes[0] == 1 and codes[1] == -9, log[-4000:]
+    assert (
+        f"1 of 2 rank(s) did not join the process group within {TIMEOUT_S} s (dist_timeout_s): "
+        "rank 1 (last on host1); is host1 up and reachable from host0?"
+    ) in log, log[-4000:]
+    assert took < 60, took
+    last = at // CKPT_EVERY * CKPT_EVERY
+    assert last >= CKPT_EVERY and _ckpt(bed, h1)["step"] >= last  # host1 kept its own copy
+    # host1 replaced by a fresh machine (its disk without the run): a resume is refused on every
+    # rank, naming the node without the checkpoint and the one with it.
+    shutil.rmtree(bed.host_path(h1, f"{WORKDIR}/runs"))
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [1, 1]
+    refused = (
+        "--resume: no checkpoint runs/job/ckpt.pt on host1 (ranks [1]); it is on host0 "
+        "(ranks [0]). Each rank reads the one on its own node: every node's first rank writes a "
+        "copy at each checkpoint; copy runs/job/ckpt.pt from a node that has it"
+    )
+    assert all(refused in p.output() for p in procs), procs[1].output()[-3000:]
+    # The checkpoint copied over: the job resumes on both nodes and finishes.
+    saved = bed.host_path(h0, f"{WORKDIR}/runs/job/ckpt.pt")
+    bed.host_path(h1, f"{WORKDIR}/runs/job").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(saved, bed.host_path(h1, f"{WORKDIR}/runs/job/ckpt.pt"))
+    step = _ckpt(bed, h0)["step"]
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [0, 0], procs[1].output()[-3000:]
+    assert f"resumed from runs/job/ckpt.pt at step {step}" in procs[0].output()
+    assert [_ckpt(bed, h)["step"] for h in bed.hosts] == [FAULT_STEPS, FAULT_STEPS]
