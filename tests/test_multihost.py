@@ -8,6 +8,12 @@ slows a transfer) and then run ``launch/train.py`` under ``torchrun`` on 2 hosts
 the static and the c10d rendezvous, against the same job on one host with 4 ranks: the same
 metrics, skipped steps, final scale, replica checks and final parameters, bit for bit.
 
+Faults of that job (a 6 s process-group timeout, a checkpoint every 20 steps, no shared
+filesystem): a link cut longer than the timeout fails the collective on every rank and torchrun's
+restart resumes from each node's own checkpoint; a killed host ends the job with rank 0 naming it,
+and a replacement node without the checkpoint is refused by name until it is copied over. Last,
+``launch/bench_hosts.py`` on rate-limited hosts, small.
+
 They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
 """
 
@@ -669,3 +675,23 @@ def test_a_killed_host_ends_the_job_naming_it_and_a_fresh_node_needs_the_checkpo
     assert _wait_all(procs) == [0, 0], procs[1].output()[-3000:]
     assert f"resumed from runs/job/ckpt.pt at step {step}" in procs[0].output()
     assert [_ckpt(bed, h)["step"] for h in bed.hosts] == [FAULT_STEPS, FAULT_STEPS]
+
+
+def test_bench_hosts_times_every_contender_across_rate_limited_hosts(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    import bench_hosts
+
+    make_testbed(1)  # skips where no testbed can be built
+    argv = ["--rates", "10mbit", "--layouts", "ddp", "--params", "20000", "--tensors", "4"]
+    argv += ["--rounds", "2", "--warmup", "0", "--contenders", "distscaler", "torch"]
+    assert bench_hosts.main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (record,) = results["records"]
+    assert (record["layout"], record["rate"], record["world_size"]) == ("ddp", "10mbit", 2)
+    assert set(record["phase_ms"]) == {"distscaler", "torch"}
+    # distscaler's one collective per step; torch's scaler has none under DDP.
+    assert record["counts"]["distscaler"]["collectives"] == 1
+    assert record["counts"]["torch"]["collectives"] == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| ddp | 10mbit | distscaler |" in table and "| ddp | 10mbit | torch |" in table
