@@ -11,7 +11,8 @@ metrics, skipped steps, final scale, replica checks and final parameters, bit fo
 Faults of that job (a 6 s process-group timeout, a checkpoint every 20 steps, no shared
 filesystem): a link cut longer than the timeout fails the collective on every rank and torchrun's
 restart resumes from each node's own checkpoint; a killed host ends the job with rank 0 naming it,
-and a replacement node without the checkpoint is refused by name until it is copied over. Last,
+and a replacement node without the checkpoint, or with a copy of another step, is refused by
+name until the checkpoint is copied over. Last,
 ``launch/bench_hosts.py`` on rate-limited hosts, small.
 
 They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
@@ -666,11 +667,22 @@ def test_a_killed_host_ends_the_job_naming_it_and_a_fresh_node_needs_the_checkpo
         "copy at each checkpoint; copy runs/job/ckpt.pt from a node that has it"
     )
     assert all(refused in p.output() for p in procs), procs[1].output()[-3000:]
-    # The checkpoint copied over: the job resumes on both nodes and finishes.
-    saved = bed.host_path(h0, f"{WORKDIR}/runs/job/ckpt.pt")
-    bed.host_path(h1, f"{WORKDIR}/runs/job").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(saved, bed.host_path(h1, f"{WORKDIR}/runs/job/ckpt.pt"))
+    # A stale copy on host1 (another step): refused after loading, each rank's host and step.
+    import torch
+
     step = _ckpt(bed, h0)["step"]
+    saved = bed.host_path(h0, f"{WORKDIR}/runs/job/ckpt.pt")
+    copy = bed.host_path(h1, f"{WORKDIR}/runs/job/ckpt.pt")
+    torch.save({**_ckpt(bed, h0), "step": step - CKPT_EVERY}, copy)
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [1, 1]
+    stale = (
+        "--resume: the nodes' copies of runs/job/ckpt.pt are of different steps (rank 0 on "
+        f"host0: step {step}, rank 1 on host1: step {step - CKPT_EVERY})"
+    )
+    assert all(stale in p.output() for p in procs), procs[0].output()[-3000:]
+    # The checkpoint copied over: the job resumes on both nodes and finishes.
+    shutil.copy2(saved, copy)
     procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
     assert _wait_all(procs) == [0, 0], procs[1].output()[-3000:]
     assert f"resumed from runs/job/ckpt.pt at step {step}" in procs[0].output()
