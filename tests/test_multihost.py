@@ -12,8 +12,8 @@ Faults of that job (a 6 s process-group timeout, a checkpoint every 20 steps, no
 filesystem): a link cut longer than the timeout fails the collective on every rank and torchrun's
 restart resumes from each node's own checkpoint; a killed host ends the job with rank 0 naming it,
 and a replacement node without the checkpoint, or with a copy of another step, is refused by
-name until the checkpoint is copied over. Last,
-``launch/bench_hosts.py`` on rate-limited hosts, small.
+name until the checkpoint is copied over. Last, ``launch/bench_hosts.py`` on rate-limited hosts,
+small.
 
 They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
 """
