@@ -69,9 +69,11 @@ command line)::
     --resume [auto] continue from DIR/ckpt.pt with its step, model, optimizer, scale and RNG
                     states; metrics.jsonl keeps the lines up to that step and grows from there.
                     ``--resume auto``: the same if DIR holds a checkpoint, a fresh start if not.
-                    Every rank reads the checkpoint: across nodes DIR must be on a shared
-                    filesystem. On another world size the state carries over (DCP reshards
-                    sharded layouts) but the data order changes (a warning says so).
+                    Every rank reads its own node's copy (ddp: every node's first rank writes
+                    one; the sharded layouts' ckpt_dcp/ needs DIR on a shared filesystem across
+                    nodes); a checkpoint on some nodes only stops the run, naming them. On
+                    another world size the state carries over (DCP reshards sharded layouts)
+                    but the data order changes (a warning says so).
 
 With the default config the scaler is visibly at work: it starts at 2**20, backs off on the first
 steps' overflows (skipped on every rank), then grows every ``scaler.growth_interval`` clean steps
@@ -86,8 +88,9 @@ Outputs, written by rank 0 into ``--out``:
   step), ``skipped``, ``grad_norm`` (global norm of the unscaled gradients before clipping;
   ``null`` when non-finite), ``lr``, ``tokens_per_s`` (all ranks), and ``eval_loss`` on
   evaluation steps.
-* ``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state; for every
-  layout but ddp the model and optimizer are in ``ckpt_dcp/step-N/`` (torch.distributed.checkpoint,
+* ``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state; under ddp
+  the first rank of every node writes it (each node keeps a copy); for every other layout rank 0
+  writes it and the model and optimizer are in ``ckpt_dcp/step-N/`` (torch.distributed.checkpoint,
   every rank writes its shards).
 * ``summary.json``: the figures of the final summary, among them what the scaler phase
   (``clip_grad_norm_`` + ``step`` + ``update``) costs: ``scaler_collectives_per_step`` and

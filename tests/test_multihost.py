@@ -8,6 +8,13 @@ slows a transfer) and then run ``launch/train.py`` under ``torchrun`` on 2 hosts
 the static and the c10d rendezvous, against the same job on one host with 4 ranks: the same
 metrics, skipped steps, final scale, replica checks and final parameters, bit for bit.
 
+Faults of that job (a 6 s process-group timeout, a checkpoint every 20 steps, no shared
+filesystem): a link cut longer than the timeout fails the collective on every rank and torchrun's
+restart resumes from each node's own checkpoint; a killed host ends the job with rank 0 naming it,
+and a replacement node without the checkpoint, or with a copy of another step, is refused by
+name until the checkpoint is copied over. Last, ``launch/bench_hosts.py`` on rate-limited hosts,
+small.
+
 They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -485,3 +493,217 @@ def test_c10d_rendezvous_needs_each_host_to_resolve_its_own_hostname(
     proc = bed.run(bed.hosts[1], [sys.executable, "-c", code], timeout=60)
     assert proc.wait() != 0
     assert "Temporary failure in name resolution" in proc.output()
+
+
+# ------------------------------------------------------------------------------------ faults
+
+#: The fault jobs: long enough to be hit mid-run, a checkpoint every CKPT_EVERY steps, and a
+#: process-group timeout of TIMEOUT_S seconds (the collectives, and the start of a restart).
+FAULT_STEPS = 200
+CKPT_EVERY = 20
+TIMEOUT_S = 6
+#: The fault comes once host 0's metrics.jsonl has this many lines.
+FAULT_AT = 50
+
+
+def _fault_config() -> str:
+    cfg = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    cfg.update(
+        device="cpu",
+        log_interval=CKPT_EVERY,
+        ckpt_interval=CKPT_EVERY,
+        dist_timeout_s=TIMEOUT_S,
+        decay_steps=FAULT_STEPS,
+    )
+    return yaml.safe_dump(cfg)
+
+
+def _fault_torchrun(
+    bed: multihost.Testbed, host: Host, nproc: int, *extra: str, restarts: int = 1
+) -> list[str]:
+    """torchrun of the fault job on ``host`` (static rendezvous at host 0), ``restarts``
+    restarts allowed."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(bed.hosts)),
+        "--node-rank",
+        str(host.index),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        bed.hosts[0].addr,
+        "--master-port",
+        str(MASTER_PORT),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        "launch/train.py",
+        "--config",
+        "fault.yaml",
+        "--data",
+        "corpus.txt",
+        "--steps",
+        str(FAULT_STEPS),
+        "--out",
+        "runs/job",
+        *extra,
+    ]
+
+
+def _start_fault_job(
+    bed: multihost.Testbed, tmp_path: Path, nproc: int, *extra: str, restarts: int = 1
+) -> list[HostProcess]:
+    (tmp_path / "fault.yaml").write_text(_fault_config())
+    env = {"PYTHONPATH": WORKDIR, "OMP_NUM_THREADS": "1"}
+    for host in bed.hosts:
+        bed.put(host, tmp_path / "fault.yaml")
+    cmds = [_fault_torchrun(bed, h, nproc, *extra, restarts=restarts) for h in bed.hosts]
+    return [bed.run(h, cmd, env=env) for h, cmd in zip(bed.hosts, cmds)]
+
+
+def _when_step(bed: multihost.Testbed, procs: list[HostProcess], step: int) -> int:
+    """Waits until host 0's metrics.jsonl holds ``step`` lines; returns how many it holds."""
+    metrics = bed.host_path(bed.hosts[0], f"{WORKDIR}/runs/job/metrics.jsonl")
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if lines >= step:
+            return lines
+        assert all(p.poll() is None for p in procs), "\n".join(p.output()[-3000:] for p in procs)
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {JOB_TIMEOUT_S} s")
+
+
+def _wait_all(procs: list[HostProcess]) -> list[int | None]:
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait())
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def _ckpt(bed: multihost.Testbed, host: Host) -> dict[str, Any]:
+    import torch
+
+    path = bed.host_path(host, f"{WORKDIR}/runs/job/ckpt.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_a_link_cut_past_the_timeout_fails_the_collective_and_the_restart_resumes_on_each_node(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    # host1 is cut off for longer than the process group's timeout: every rank's collective
+    # fails within it, torchrun restarts the workers once the link is back, and each node's
+    # ranks resume from the checkpoint its own first rank wrote (no shared filesystem).
+    bed = make_testbed(2)
+    _prepare(bed, tmp_path)
+    procs = _start_fault_job(bed, tmp_path, 2, "--resume", "auto")
+    at = _when_step(bed, procs, FAULT_AT)
+    t_cut = time.monotonic()
+    bed.cut_link(bed.hosts[1], TIMEOUT_S + 2)
+    codes = _wait_all(procs)
+    took = time.monotonic() - t_cut
+    logs = [p.output() for p in procs]
+    assert codes == [0, 0], "\n\n".join(log[-4000:] for log in logs)
+    # The collective failed within the timeout, and the message says so.
+    assert f"Timed out waiting {TIMEOUT_S * 1000}ms for recv operation" in "".join(logs)
+    out = bed.host_path(bed.hosts[0], f"{WORKDIR}/runs/job")
+    summary = json.loads((out / "summary.json").read_text())
+    resumed = summary["resumed_from"]
+    assert resumed is not None and resumed["restart"] == 1, summary
+    # The last checkpoint before the cut (at least FAULT_AT steps were done when it came).
+    assert resumed["step"] % CKPT_EVERY == 0 and resumed["step"] >= at // CKPT_EVERY * CKPT_EVERY
+    assert f"resumed from runs/job/ckpt.pt at step {resumed['step']}" in logs[0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, FAULT_STEPS + 1))
+    # The resumed scale is the one the uninterrupted steps went on with.
+    assert resumed["scale"] == records[resumed["step"]]["scale"]
+    assert summary["ranks_consistent"] is True and summary["world_size"] == 4
+    # Each node holds its own final checkpoint; the two agree on the scaler and the model.
+    ckpts = [_ckpt(bed, h) for h in bed.hosts]
+    assert [c["step"] for c in ckpts] == [FAULT_STEPS, FAULT_STEPS]
+    assert ckpts[0]["scaler"] == ckpts[1]["scaler"]
+    assert all(ckpts[0]["model"][k].equal(ckpts[1]["model"][k]) for k in ckpts[0]["model"])
+    assert took < 90, took
+
+
+def test_a_killed_host_ends_the_job_naming_it_and_a_fresh_node_needs_the_checkpoint_copied(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    bed = make_testbed(2)
+    h0, h1 = bed.hosts
+    _prepare(bed, tmp_path)
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", "auto")
+    at = _when_step(bed, procs, FAULT_AT)
+    t_kill = time.monotonic()
+    assert bed.kill_host(h1) >= 2  # guard: its torchrun and its rank were running
+    codes = _wait_all(procs)
+    took = time.monotonic() - t_kill
+    log = procs[0].output()
+    # host0's rank loses its peer, torchrun restarts it, and the restart waits for rank 1 for
+    # the process group's timeout, then names the host it last ran on. No restart is left.
+    assert codes[0] == 1 and codes[1] == -9, log[-4000:]
+    assert (
+        f"1 of 2 rank(s) did not join the process group within {TIMEOUT_S} s (dist_timeout_s): "
+        "rank 1 (last on host1); is host1 up and reachable from host0?"
+    ) in log, log[-4000:]
+    assert took < 60, took
+    last = at // CKPT_EVERY * CKPT_EVERY
+    assert last >= CKPT_EVERY and _ckpt(bed, h1)["step"] >= last  # host1 kept its own copy
+    # host1 replaced by a fresh machine (its disk without the run): a resume is refused on every
+    # rank, naming the node without the checkpoint and the one with it.
+    shutil.rmtree(bed.host_path(h1, f"{WORKDIR}/runs"))
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [1, 1]
+    refused = (
+        "--resume: no checkpoint runs/job/ckpt.pt on host1 (ranks [1]); it is on host0 "
+        "(ranks [0]). Each rank reads the one on its own node: every node's first rank writes a "
+        "copy at each checkpoint; copy runs/job/ckpt.pt from a node that has it"
+    )
+    assert all(refused in p.output() for p in procs), procs[1].output()[-3000:]
+    # A stale copy on host1 (another step): refused after loading, each rank's host and step.
+    import torch
+
+    step = _ckpt(bed, h0)["step"]
+    saved = bed.host_path(h0, f"{WORKDIR}/runs/job/ckpt.pt")
+    copy = bed.host_path(h1, f"{WORKDIR}/runs/job/ckpt.pt")
+    torch.save({**_ckpt(bed, h0), "step": step - CKPT_EVERY}, copy)
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [1, 1]
+    stale = (
+        "--resume: the nodes' copies of runs/job/ckpt.pt are of different steps (rank 0 on "
+        f"host0: step {step}, rank 1 on host1: step {step - CKPT_EVERY})"
+    )
+    assert all(stale in p.output() for p in procs), procs[0].output()[-3000:]
+    # The checkpoint copied over: the job resumes on both nodes and finishes.
+    shutil.copy2(saved, copy)
+    procs = _start_fault_job(bed, tmp_path, 1, "--resume", restarts=0)
+    assert _wait_all(procs) == [0, 0], procs[1].output()[-3000:]
+    assert f"resumed from runs/job/ckpt.pt at step {step}" in procs[0].output()
+    assert [_ckpt(bed, h)["step"] for h in bed.hosts] == [FAULT_STEPS, FAULT_STEPS]
+
+
+def test_bench_hosts_times_every_contender_across_rate_limited_hosts(
+    make_testbed: Callable[[int], multihost.Testbed], tmp_path: Path
+) -> None:
+    import bench_hosts
+
+    make_testbed(1)  # skips where no testbed can be built
+    argv = ["--rates", "10mbit", "--layouts", "ddp", "--params", "20000", "--tensors", "4"]
+    argv += ["--rounds", "2", "--warmup", "0", "--contenders", "distscaler", "torch"]
+    assert bench_hosts.main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (record,) = results["records"]
+    assert (record["layout"], record["rate"], record["world_size"]) == ("ddp", "10mbit", 2)
+    assert set(record["phase_ms"]) == {"distscaler", "torch"}
+    # distscaler's one collective per step; torch's scaler has none under DDP.
+    assert record["counts"]["distscaler"]["collectives"] == 1
+    assert record["counts"]["torch"]["collectives"] == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| ddp | 10mbit | distscaler |" in table and "| ddp | 10mbit | torch |" in table

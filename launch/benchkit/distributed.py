@@ -44,14 +44,25 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchkit.cases import OPTIMIZERS, Case, measure  # noqa: E402
-from benchkit.contenders import CONTENDERS, INIT_SCALE, ON_REQUEST  # noqa: E402
+from benchkit.contenders import CONTENDERS, INIT_SCALE, ON_REQUEST, VARIANTS  # noqa: E402
 from common.distributed import Dist, destroy_process_group, setup_distributed  # noqa: E402
 from common.tensors import local_tensor  # noqa: E402
 from common.wrapping import ddp_device_ids, fully_shard_blocks  # noqa: E402
 
-__all__ = ["LAYOUTS", "Blocks", "build_model", "main", "run_worlds", "slowest_rank"]
+__all__ = [
+    "DEFAULT_CONTENDERS",
+    "LAYOUTS",
+    "Blocks",
+    "build_model",
+    "main",
+    "run_worlds",
+    "slowest_rank",
+]
 
 LAYOUTS = ("ddp", "fsdp2")
+#: Who runs unless ``--contenders`` says otherwise.
+DEFAULT_CONTENDERS = (*(c for c in CONTENDERS if c not in ON_REQUEST), "distscaler-nocheck",
+                      "distscaler-everycheck")
 BATCH = 8
 _STDERR_TAIL = 4000
 #: What torchrun sets in its ranks' environment (prefixes).
@@ -157,8 +168,7 @@ def run_layout(layout: str, args: argparse.Namespace, d: Dist) -> dict[str, Any]
         case,
         params=list(wrapped.parameters()),
         device=d.device,
-        contenders=[*(c for c in CONTENDERS if c not in ON_REQUEST), "distscaler-nocheck",
-                    "distscaler-everycheck"],
+        contenders=args.contenders,
         rounds=args.rounds,
         warmup=args.warmup,
         model=wrapped if layout == "ddp" else None,
@@ -177,6 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        choices=CONTENDERS + tuple(VARIANTS),
+        default=list(DEFAULT_CONTENDERS),
+        help=f"default: {' '.join(DEFAULT_CONTENDERS)}",
+    )
     parser.add_argument("--out", required=True, help="JSON file (written by rank 0)")
     return parser.parse_args(argv)
 

@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 import uuid
 
 import torch.distributed as dist
 
-__all__ = ["NAMESPACE_KEY", "elastic_store", "uses_agent_store"]
+__all__ = ["HOST_KEY", "NAMESPACE_KEY", "elastic_store", "uses_agent_store"]
 
 #: Key of the agent's store that holds the current attempt's namespace.
 NAMESPACE_KEY = "distscaler/namespace"
+#: Prefix of the keys (``HOST_KEY/<rank>``) holding the hostname each rank last ran on.
+HOST_KEY = "distscaler/host"
 #: How long a rank waits for rank 0's acknowledgement before it reads the namespace again.
 _ACK_WAIT_S = 2.0
 _POLL_S = 0.05
@@ -47,8 +50,8 @@ def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     attempt of the workers (see the module docstring). Every rank of the world must call it.
 
     Raises:
-        TimeoutError: rank 0 of this attempt did not show up within ``timeout`` (or, on rank 0,
-            some other rank did not).
+        TimeoutError: rank 0 of this attempt did not show up within ``timeout``; on rank 0, some
+            other rank did not (the message names those ranks and the host each last ran on).
     """
     agent = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -58,16 +61,48 @@ def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
         timeout=timeout,
     )
     deadline = time.monotonic() + timeout.total_seconds()
+    # Outside any attempt's namespace: a rank that does not come back is named by its last host.
+    agent.set(f"{HOST_KEY}/{rank}", socket.gethostname())
     if rank == 0:
         namespace = f"distscaler/{uuid.uuid4().hex}"
         agent.set(NAMESPACE_KEY, namespace)
         for r in range(1, world_size):
             hello = f"{namespace}/hello/{r}"
-            agent.wait([hello], timeout)  # the namespace is new: no stale key can answer this
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            try:
+                agent.wait([hello], left)  # the namespace is new: no stale key can answer this
+            except dist.DistStoreError:
+                raise TimeoutError(_missing_ranks(agent, namespace, world_size, timeout)) from None
             agent.set(f"{namespace}/ack/{r}", agent.get(hello))
     else:
         namespace = _join_current_namespace(agent, rank, deadline)
     return dist.PrefixStore(namespace, agent)
+
+
+def _missing_ranks(
+    agent: dist.Store, namespace: str, world_size: int, timeout: datetime.timedelta
+) -> str:
+    """Rank 0's message when ranks did not join this attempt: which, and on which host they ran
+    before (a host that is down or cut off is the usual reason)."""
+    missing = [r for r in range(1, world_size) if not agent.check([f"{namespace}/hello/{r}"])]
+    hosts = {
+        r: agent.get(f"{HOST_KEY}/{r}").decode() if agent.check([f"{HOST_KEY}/{r}"]) else None
+        for r in missing
+    }
+    named = sorted({h for h in hosts.values() if h is not None})
+    where = ", ".join(
+        f"rank {r} (last on {h})" if h is not None else f"rank {r} (never seen)"
+        for r, h in hosts.items()
+    )
+    return (
+        f"rank 0: {len(missing)} of {world_size} rank(s) did not join the process group within "
+        f"{timeout.total_seconds():g} s (dist_timeout_s): {where}"
+        + (
+            f"; is {' / '.join(named)} up and reachable from {socket.gethostname()}?"
+            if named
+            else ""
+        )
+    )
 
 
 def _join_current_namespace(agent: dist.Store, rank: int, deadline: float) -> str:

@@ -1,11 +1,14 @@
 """``ckpt.pt``: model, optimizer, scaler, step and every rank's RNG / sampler state.
 
-For ``ddp`` (and a single process) ``ckpt.pt`` holds everything, written by rank 0. For the
+For ``ddp`` (and a single process) ``ckpt.pt`` holds everything, and the first rank of every node
+(``LOCAL_RANK`` 0) writes it: every rank holds the whole state, so each node keeps the copy its
+own ranks read at a resume, with or without a filesystem the nodes share (on a shared one the
+copies are the same checkpoint; each is written to a file of its own, then renamed). For the
 sharded and model-parallel layouts the model and optimizer state go to
 torch.distributed.checkpoint (DCP) in ``ckpt_dcp/step-N/`` (every rank writes its shards; DCP's
 ``get_state_dict`` / ``set_state_dict`` handle FSDP1, FSDP2, HSDP, DTensor and pipeline-stage
 modules alike, a stage's parameter names being unique), and ``ckpt.pt`` (rank 0) holds the rest
-and the folder's name.
+and the folder's name: across nodes they need a shared filesystem.
 
 Resuming needs the same layout. On another world size the model, optimizer and scaler state carry
 over (DCP reshards), but the batches drawn from there on differ from those of a run on the saved
@@ -75,7 +78,8 @@ def save_checkpoint(
     d: Dist,
     sharded: bool = False,
 ) -> None:
-    """Rank 0 writes ``path`` atomically; every rank must call this (it gathers RNG states).
+    """Writes ``path`` atomically: the first rank of every node without ``sharded`` (each node
+    keeps a copy), rank 0 with it. Every rank must call this (it gathers RNG states).
 
     ``sharded``: model and optimizer go to DCP first (every rank writes), then ``path`` names
     the new folder, then older folders are removed: a crash leaves the last complete checkpoint.
@@ -94,7 +98,8 @@ def save_checkpoint(
         dcp.save(
             {"model": model_state, "optimizer": optim_state}, checkpoint_id=path.parent / dcp_dir
         )
-    if d.is_main:
+    writes = d.is_main if sharded else d.local_rank == 0
+    if writes:
         state = {
             "step": step,
             "model": None if sharded else model.state_dict(),
@@ -106,10 +111,10 @@ def save_checkpoint(
             "world_size": d.world_size,
             "config": dataclasses.asdict(cfg),
         }
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{d.rank}.tmp")  # nodes sharing a filesystem write apart
         torch.save(state, tmp)
         os.replace(tmp, path)
-        if dcp_dir is not None:
+        if dcp_dir is not None and d.is_main:
             for old in (path.parent / DCP_DIR).iterdir():
                 if old.name != Path(dcp_dir).name:
                     shutil.rmtree(old, ignore_errors=True)

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import random
+import socket
 import statistics
 import time
 from contextlib import nullcontext
@@ -180,17 +181,42 @@ class Trainer:
     def _resuming(self) -> bool:
         if self.resume is None:
             return False
-        # Every rank reads the checkpoint: they must all see it (across nodes, a shared --out).
-        found = gather_objects(self.ckpt_path.is_file(), self.d)
-        if len(set(found)) > 1:
-            raise RuntimeError(
-                f"--resume: {self.ckpt_path} exists on ranks {[r for r, f in enumerate(found) if f]}"
-                f" only; every rank reads it, so --out must be on a filesystem they all share"
-            )
-        if not found[0] and self.resume == "auto":
+        # Every rank reads the checkpoint of its own node: all or none must find it, or some
+        # would resume and the others start over (or wait for them in a collective).
+        found = gather_objects((self.ckpt_path.is_file(), socket.gethostname()), self.d)
+        if len({has for has, _ in found}) > 1:
+            raise RuntimeError(self._missing_message(found))
+        if not found[0][0] and self.resume == "auto":
             logger.info("--resume auto: no checkpoint in %s, starting from step 0", self.out)
             return False
         return True
+
+    def _missing_message(self, found: list[tuple[bool, str]]) -> str:
+        """What to do when the checkpoint is on some nodes only; ``found``: (whether the rank
+        sees it, its host) per rank."""
+
+        def hosts(has: bool) -> str:
+            ranks: dict[str, list[int]] = {}
+            for rank, (f, host) in enumerate(found):
+                if f == has:
+                    ranks.setdefault(host, []).append(rank)
+            return ", ".join(f"{host} (ranks {r})" for host, r in ranks.items())
+
+        if self.par.sharded_checkpoint:
+            fix = (
+                f"the {self.cfg.parallelism} layout writes each rank's shards where it runs and "
+                "reads them back from every rank, so across nodes --out must be on a filesystem "
+                "they all share"
+            )
+        else:
+            fix = (
+                f"every node's first rank writes a copy at each checkpoint; copy {self.ckpt_path} "
+                "from a node that has it to the same path on the others, or start without --resume"
+            )
+        return (
+            f"--resume: no checkpoint {self.ckpt_path} on {hosts(False)}; it is on {hosts(True)}. "
+            f"Each rank reads the one on its own node: {fix}"
+        )
 
     def _load(self) -> None:
         self.start_step = load_checkpoint(
@@ -202,6 +228,15 @@ class Trainer:
             cfg=self.cfg,
             d=self.d,
         )
+        steps = gather_objects((self.start_step, socket.gethostname()), self.d)
+        if len({step for step, _ in steps}) > 1:
+            saved = ", ".join(
+                f"rank {r} on {host}: step {step}" for r, (step, host) in enumerate(steps)
+            )
+            raise RuntimeError(
+                f"--resume: the nodes' copies of {self.ckpt_path} are of different steps ({saved}); "
+                "remove the stale ones or copy the newest to every node"
+            )
         state = self.scaler.state_dict()
         self.resumed_from = {
             "step": self.start_step,
