@@ -35,7 +35,8 @@ def every_skip(rank: int, world_size: int) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = GradScaler("cpu", init_scale=2.0**8, skip_log_interval=1).register_model(ddp)
+    scaler = GradScaler("cpu", init_scale=2.0**8, skip_log_interval=1,
+                        replica_check_interval=1).register_model(ddp)  # every update checked
     out: dict[str, Any] = {"steps": []}
     for step in range(STEPS):
         opt.zero_grad()

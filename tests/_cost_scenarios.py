@@ -58,7 +58,8 @@ def costs(rank: int, world_size: int) -> dict[str, Any]:
                 ddp = DDP(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused,
                                         foreach=None if fused else True)  # fmt: skip
-                scaler = GradScaler("cpu", replica_check=replica_check).register_model(ddp)
+                scaler = GradScaler("cpu", replica_check=replica_check,
+                                    replica_check_interval=1).register_model(ddp)
                 torch.manual_seed(1 + rank)
                 scaler.scale(ddp(torch.randn(4, 8)).square().mean()).backward()
                 calls: list[tuple[str, int]] = []

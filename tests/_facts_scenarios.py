@@ -25,14 +25,17 @@ from distscaler import GradScaler
 #: Steps per (setting, optimizer); the facts hold for every one of them.
 STEPS = 3
 
-#: The settings measured: GradScaler's keyword arguments, and whether the step clips.
+#: The settings measured: GradScaler's keyword arguments, and whether the step clips. Where the
+#: replica check is on, every measured update is a checked one (``replica_check_interval=1``; by
+#: default every 32nd with torch's kernels): "defaults" are the sizes of a checked update.
+_CHECKED = {"replica_check_interval": 1}
 SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
-    "defaults": ({}, False),
-    "defaults, clipping": ({}, True),
+    "defaults": (_CHECKED, False),
+    "defaults, clipping": (_CHECKED, True),
     "replica_check=False": ({"replica_check": False}, False),
     "replica_check=False, clipping": ({"replica_check": False}, True),
-    "param_check_interval=1": ({"param_check_interval": 1}, False),
-    "param_check_interval=1, clipping": ({"param_check_interval": 1}, True),
+    "param_check_interval=1": ({**_CHECKED, "param_check_interval": 1}, False),
+    "param_check_interval=1, clipping": ({**_CHECKED, "param_check_interval": 1}, True),
 }
 
 

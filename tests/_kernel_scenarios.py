@@ -118,14 +118,17 @@ def _deferred_run(rank: int, mode: str, clip: float | None, policy: str, packed:
     """One run of the deferred-check scenario. ``mode``: ``"deferred"`` (the GPU's path, Triton
     kernels, the default cadence), ``"immediate"`` (the same with ``replica_check_interval=1``:
     read at the step), ``"off"`` (the same without the check) or ``"cpu"`` (torch's kernels on
-    the CPU's path). ``device="cuda"``: every rank on the one GPU (gloo), the kernels compiled."""
+    the CPU's path, checking every update as the Triton kernels do by default:
+    ``replica_check_interval=1``). ``device="cuda"``: every rank on the one GPU (gloo), the
+    kernels compiled."""
     from common.probes import DispatchCounter, HostReadSpy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
-    settings: dict[str, Any] = {"replica_check_interval": 1} if mode == "immediate" else {}
+    every = mode in ("immediate", "cpu")
+    settings: dict[str, Any] = {"replica_check_interval": 1} if every else {}
     if mode == "off":
         settings["replica_check"] = False
     if param_flip is not None:  # the parameters compared every other update

@@ -234,6 +234,7 @@ def clean_run(rank: int, world_size: int) -> dict[str, Any]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=opt_kind == "fused",
                                     foreach=opt_kind == "foreach")  # fmt: skip
             scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=50,
+                                replica_check_interval=1,
                                 param_check_interval=7).register_model(ddp)  # fmt: skip
             return opt, scaler
 
