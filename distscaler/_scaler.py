@@ -148,14 +148,15 @@ class GradScaler(torch.amp.GradScaler):
             step's collective, and a mismatch skips the step on every rank
             ([`distscaler.replica_check`][distscaler.replica_check]). False: never.
         replica_check_interval (int | None): keyword-only, updates between two gradient checks
-            (at least 1); default None: every update where a host read is free (the CPU), and on
-            CUDA with ``kernels="triton"`` (the checksum rides in the kernel's read): with a
+            (at least 1); default None: every update on CUDA with ``kernels="triton"`` (the
+            checksum rides in the kernel's read): with a
             fused optimizer and ``skip_log_interval > 0`` the check's reading waits for the
             periodic read (its mismatch flag skips the step and holds the update on the device: no
             host read; see [`distscaler.replica_check`][distscaler.replica_check]), with another
-            optimizer it is read beside the ``found_inf`` its step reads anyway; every 32 elsewhere
-            on a GPU (a checked step there costs one read pass over the gradients and one host
-            read). An int reads every check at its step.
+            optimizer it is read beside the ``found_inf`` its step reads anyway; every 32
+            (`distscaler.replica_check.INTERVAL`) with torch's kernels, the CPU's and a GPU's
+            without Triton (a checked step there costs a read pass over the gradients, and on a
+            GPU one host read). An int reads every check at its step.
         param_check_interval (int): keyword-only, updates between two comparisons of the
             replicated parameters and their optimizer state, default 1000 (0: never).
         on_replica_mismatch ("skip" | "raise" | callable): keyword-only, default

@@ -105,10 +105,11 @@ class ScalerConfig:
     """Ranks holding the same gradients compare them on the step's collective; a mismatch skips
     the step on every rank ([`distscaler.replica_check`][distscaler.replica_check])."""
     replica_check_interval: int | None = None
-    """Updates between two gradient comparisons (>= 1); None: every update where a host read is
-    free (the CPU) or where the Triton kernels read the checksum (CUDA: with a fused optimizer
-    and ``skip_log_interval > 0`` the reading waits, with another it rides on the step's own host
-    read), every 32 elsewhere on a GPU."""
+    """Updates between two gradient comparisons (>= 1); None: every update where the Triton
+    kernels read the checksum (CUDA: with a fused optimizer and ``skip_log_interval > 0`` the
+    reading waits, with another it rides on the step's own host read), every 32
+    (`distscaler.replica_check.INTERVAL`) where torch's kernels read it (the CPU, a GPU without
+    the Triton kernels)."""
     param_check_interval: int = 1000
     """Updates between two comparisons of the replicated parameters and their optimizer state
     (>= 0; 0: never)."""

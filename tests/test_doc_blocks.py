@@ -380,9 +380,9 @@ def test_the_replica_probe_finds_the_rank_local_write_on_2_gloo_ranks(tmp_path: 
 
     # What replica_check=False hides: no skip, and the parameters drift apart.
     probe = (tmp_path / "probe.py").read_text(encoding="utf-8")
-    built = 'scaler = GradScaler("cpu").register_model(model)'
+    built = 'scaler = GradScaler("cpu", replica_check_interval=1).register_model(model)'
     assert built in probe
-    probe = probe.replace(built, built.replace('("cpu")', '("cpu", replica_check=False)'))
+    probe = probe.replace(built, built.replace("replica_check_interval=1", "replica_check=False"))
     teardown = probe[probe.index("dist.barrier()"):]
     assert teardown.endswith("dist.destroy_process_group()\n")
     probe = probe[: -len(teardown)] + (
