@@ -4,19 +4,23 @@ for every other change), carried through the collective in float32 limbs.
 
 What [`distscaler.replica_check`][distscaler.replica_check] describes for users, as arithmetic.
 Each rank reads the checked tensors of each of its replica sets (the replicated gradients, in the
-optimizer's order) as one stream of signed 16-bit words ``w_k`` per set; each tensor starts at a
-multiple of `ROW_WORDS` in its set's stream (its *padded* offset), so ``k`` is a word's padded
-position there, the same on every replica of the set. A tensor of replica set ``S`` (``m`` ranks,
-this rank its ``i``-th) weighs word ``k`` with, modulo each prime ``P`` of `PRIMES`:
+optimizer's order) as one stream of 16-bit words ``w_k`` per set; each tensor starts at a multiple
+of `ROW_WORDS` in its set's stream (its *padded* offset), so ``k`` is a word's padded position
+there, the same on every replica of the set. A word's value is an injective integer of its 16
+bits: on torch's path ``256 * high + low`` of its signed bytes (`row_sums()`), in the Triton
+kernel its signed ``int16`` (`word_moments()`); the ranks of one run take one path. A tensor of
+replica set ``S`` (``m`` ranks, this rank its ``i``-th) weighs word ``k`` with, modulo each prime
+``P`` of `PRIMES`:
 
 - ``A``: ``c_i``, the replica coefficient (`coefficient()`: ``+1, -1, ...``, or ``1, 1, -2, +1,
   -1, ...``; the set's coefficients sum to 0, none is 0, none above 2 in magnitude);
 - ``B``: ``c_i * (k + D_m * v_i)``, with ``v_i`` the replica's distinct offset (`offsets()`,
   ``sum_i c_i v_i = 0``) and ``D_m`` the spacing `spacing()` (``P1 * P2 // (max v + 1)``);
 - ``C``: ``c_i * z_S``, the set's identity (`set_identity()`: its lowest and highest rank);
-- ``R``: ``a_col * (b_(S,i)(row) - b_(S,i+1 mod m)(row))`` for the word's row and column in rows of
-  `ROW_WORDS`: keyed weights, ``a`` per column and ``b(row) = e[row div BLOCK_ROWS] * f[row mod
-  BLOCK_ROWS]`` per replica and set, uniform modulo ``P`` and drawn from the secret (`Key`).
+- ``R`` (per byte, on torch's path): ``a_col * (b_(S,i)(row) - b_(S,i+1 mod m)(row))`` for each of
+  the word's two signed bytes, by its row of `ROW_WORDS` words and its byte column there: keyed
+  weights, ``a`` per byte column and ``b(row) = e[row div BLOCK_ROWS] * f[row mod BLOCK_ROWS]``
+  per replica and set, uniform modulo ``P`` and drawn from the secret (`Key`).
 
 Every set's weights sum to 0 over its replicas, word by word, so a clean set adds a multiple of
 ``P`` to every slot; the reduced slots are read by `mismatched()` on the host or
@@ -40,10 +44,10 @@ d_(S,i-1))[row, col]``, a polynomial of degree 3 in independent uniform weights 
 wherever two replicas of a set changed differently (Schwartz-Zippel), and the two primes draw
 their weights independently.
 
-**Cost.** A rank's words are read once per check by torch's kernels: converted to float32 and
-multiplied by 15 columns (`row_sums()`: each row's ``sum w``, ``sum col w`` and the 4-bit pieces
-of ``sum a_col w``, every sum exact in float32), then int64 ops on one value per row; the keyed
-weights are a few hundred values per set, drawn once. The Triton pass takes ``A, B, C`` in its
+**Cost.** A rank's words are read once per check by torch's kernels: its bytes in rows of
+``2 * ROW_WORDS``, one int8 matrix product by 16 columns (`row_sums()`: each row's byte sums,
+their sums by word index, the 7-bit pieces of the keyed sum, every sum exact in int32), then int64
+ops on one value per row; the keyed weights are a few thousand values per set, drawn once. The Triton pass takes ``A, B, C`` in its
 own read (its ``R`` is 0: the two-word certainty holds there, the bound on other changes on torch's
 path only).
 
@@ -286,7 +290,6 @@ def moduli_tensor(
     return cached
 
 
-#: Bits of a piece of a column weight in the float32 product (`_column_matrix()`).
 #: Bytes of a row (`ROW_WORDS` words).
 _ROW_BYTES = 2 * ROW_WORDS
 #: Bits of a piece of a keyed column weight (an int8 factor of the product).
