@@ -252,10 +252,10 @@ def test_quick_run_end_to_end(tmp_path):
         assert r["counts"]["distscaler"]["ops"] > 0, r
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
-        # The flag (fused: on the CPU only, where it is free), and at more than one DDP rank the
-        # replica check's verdict (every update on a CPU; distscaler.replica_check).
+        # The flag (fused: on the CPU only, where it is free); the replica check's verdict at
+        # more than one DDP rank runs every 32nd update by default (none in these rounds).
         checked = r.get("layout") == "ddp" and r["world_size"] > 1
-        assert ours["host_reads"] == 1 + checked, r
+        assert ours["host_reads"] == 1, r
         if checked:
             assert r["counts"]["distscaler-nocheck"]["host_reads"] == 1, r
     worlds = {
