@@ -347,14 +347,16 @@ def _run_triton(
     coll.summed_by = next((c for c in plan.contributions if c.kernel_part is not None), None)
     part = None if coll.summed_by is None else coll.summed_by.kernel_part
     primes = None if part is None else part.primes
-    terms = None
+    terms = keys = None
     in_pass = plan.per_tensor_flags and not plan.read_found_inf  # the flags made by the pass
     if part is not None and coll.active:
         terms = part.terms(params, flat)
+        if terms is not None and part.keys is not None:
+            keys = part.keys(params, flat)
     taken, done = kernels.phase(
         flat, state.scale, functools.partial(coll.reduce_, op=op) if coll.active else None,
         weights=weights, validate=False, norm_type=norm_type, flags=plan.per_tensor_flags,
-        primes=primes, terms=terms,
+        primes=primes, terms=terms, keys=keys,
         unscale=_inv_scale(state.scale) if grad_pass is GradPass.UNSCALE else None,
         max_norm=max_norm_t if norm_type else None,
         # torch's CUDA _foreach_div_ rounds the divisor to a 16-bit gradient's dtype first

@@ -109,10 +109,16 @@ class KernelPart(NamedTuple):
         terms: ``terms(params, grads)``: per-tensor terms (int64 ``(n, 8)`` on the device) from
             which the kernel's reduction sums the contribution's slots (given to
             `Contribution.local()` as ``sums``); None where it takes no sums at this step.
+        keys: ``keys(params, grads)``: the int32 table of keyed weights whose keyed sums the
+            kernel adds to the moments and to ``sums`` (their last two); None (the field, or
+            what it returns): no keyed sums.
     """
 
     primes: tuple[int, int]
     terms: Callable[[tuple[torch.Tensor, ...], Sequence[torch.Tensor]], torch.Tensor | None]
+    keys: Callable[[tuple[torch.Tensor, ...], Sequence[torch.Tensor]], torch.Tensor | None] | None = (
+        None
+    )
 
 
 class Contribution(Protocol):

@@ -1,6 +1,7 @@
 """The fused pass's kernels compiled for an NVIDIA GPU, their global loads and stores counted.
 
-Compiles ``_read_kernel`` (with and without the replica checksum) and ``_scale_kernel``
+Compiles ``_read_kernel`` (without the replica checksum, with it, with its keyed sums too) and
+``_scale_kernel``
 (``distscaler/_triton/kernels.py``; each with its branches for 16-byte aligned blocks, which read
 full tiles in vectors, and for the others) for compute capability ``--arch`` (default: this
 machine's GPU, else 90, an H100), and prints the PTX's ``ld.global``/``st.global`` instructions
@@ -35,6 +36,7 @@ def main() -> None:
     import triton
 
     from distscaler._triton import diagnostics as diag
+    from distscaler._triton.tables import KEY_ROW_WORDS
 
     if not diag.can_compile_for_a_gpu():
         sys.exit("needs Triton >= 3.3 with its CUDA backend (pip install triton)")
@@ -47,10 +49,11 @@ def main() -> None:
           f"num_warps={cfg['num_warps']}, INNER={cfg['INNER']}")  # fmt: skip
     print("| kernel | registers | spilled bytes | warps per SM | global loads and stores |")
     print("|---|---|---|---|---|")
-    cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"],
-                               "INNER": cfg["INNER"], "DYNAMIC": False, "UNSCALED": True},
-              f"moments={m}")
-             for m in (False, True)]  # fmt: skip
+    cases = [("_read_kernel", {"NORM": 2, "MOMENTS": m, "BLOCK": cfg["BLOCK"] // (1 + k),
+                               "INNER": cfg["INNER"] * (1 + k), "DYNAMIC": False,
+                               "UNSCALED": True, "KEYED": k, "ROW": KEY_ROW_WORDS},
+              f"moments={m}, keyed={k}" + (", half tiles" if k else ""))
+             for m, k in ((False, False), (True, False), (True, True))]  # fmt: skip
     cases.append(("_scale_kernel", {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}, "div"))
     for name, consts, what in cases:
         compiled = diag.compile_for_a_gpu(name, consts, arch)

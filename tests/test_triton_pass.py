@@ -590,10 +590,82 @@ def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
         assert torch.equal(moments, word_moments(grads, dev)), trial
         assert torch.equal(sums, tp.slot_sums(moments, terms, PRIMES)), trial
         assert torch.equal(sums, checked_sums), trial
-        residues = sums.remainder(moduli_tensor(dev, 6))
+        residues = sums.remainder(moduli_tensor(dev, 8))
         assert torch.equal(residues, slot_residues(moments, terms)), trial
+        assert not residues[6:].any()  # no keys: no keyed sums
         assert torch.equal(global_rows(moments, terms), naming_rows(grads, sets, None, dev)[:, :4])
     assert any(s is not None and coefficient(s.position, len(s.ranks)) < 0 for s in sets)
+
+
+def _python_keyed(t: torch.Tensor, first: int, a: list[list[int]], d: list[list[int]]) -> list[int]:
+    """A tensor's keyed sums with Python integers: ``sum_k a[k mod 512][q] * d[first + k div
+    512][q] * w_k`` modulo each prime, over its words ``w_k`` as signed int16."""
+    words = t.detach().cpu().contiguous().view(-1).view(torch.int16).tolist()
+    return [sum(a[k % 512][q] * d[first + k // 512][q] * w for k, w in enumerate(words)) % p
+            for q, p in enumerate(PRIMES)]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [64, 1024], ids=["tile-below-a-row", "tiles-of-rows"])
+def test_the_keyed_sums_are_exact_at_any_offset_and_caught_what_the_fixed_weights_miss(
+    device, block, monkeypatch
+):
+    """``grad_pass(keys=...)``: each tensor's keyed sums (the moments' columns 4 and 5) equal the
+    Python-integer sums over its words, and the reduction's slots add them (``sums[6:8]``), for
+    views at every offset 0 to 7 of every dtype (head blocks, rows cut across tiles: the launch's
+    tile of 32 elements is below a row, of 512 holds one or two rows), unchecked tensors (0) and
+    three replica sets; the torch reference (`keyed_sums`) agrees. Then the kernel path of the
+    replica check: a second difference (+1, -2, +1 on three neighbouring words of one rank), which
+    ``A``, ``B`` and ``C`` cannot see, leaves the fixed slots as a clean set's and moves ``R``."""
+    from distscaler._replica.checksum import Key, kernel_keys, layout_terms, slot_residues
+    from distscaler._triton.reference import keyed_sums
+    from distscaler.replica_check import ReplicaSet
+
+    monkeypatch.setitem(diag.CONFIG, "BLOCK", block)
+    monkeypatch.setitem(diag.CONFIG, "INNER", 4)
+    monkeypatch.setitem(diag.CONFIG, "RT", 16)
+    monkeypatch.setitem(diag.CONFIG, "target_blocks", 40)
+    monkeypatch.setitem(diag.CONFIG, "max_chunk", 4 * block)
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(11)
+    sets_of = [ReplicaSet((0, 1), 1), ReplicaSet((0, 2, 4), 2), ReplicaSet((1, 3, 5, 7), 0), None]
+    grads, sets = [], []
+    for i, offset in enumerate(range(8)):
+        dtype = DTYPES[i % 3]
+        buffer = torch.randn(1400 + 37 * i, generator=gen).to(dtype).to(device)
+        grads.append(buffer[offset : offset + 1300 + 11 * i])
+        sets.append(sets_of[i % 4])
+    sizes = [g.numel() * g.element_size() // 2 for g in grads]
+    key = Key(0x5EED + block)
+    keys = kernel_keys(sizes, sets, key, dev)
+    n = len(grads)
+    a = keys[:1024].view(512, 2).tolist()
+    first = keys[1024 : 1024 + n].tolist()
+    d = keys[1024 + n :].view(-1, 2).tolist()
+    taken = tp.grad_pass(grads, norm_type=2.0, primes=PRIMES, keys=keys)
+    _sync(device)
+    expected = torch.tensor([_python_keyed(g, f, a, d) if f >= 0 else [0, 0]
+                             for g, f in zip(grads, first)])  # fmt: skip
+    assert first.count(-1) == 2 and expected[[f >= 0 for f in first]].all()
+    assert torch.equal(taken.moments[:, 4:].cpu(), expected)
+    assert torch.equal(keyed_sums(grads, keys, PRIMES).cpu(), expected)
+    assert torch.equal(taken.moments[:, :4].cpu(), torch.tensor([ref_moments(g, PRIMES) for g in grads]))
+    terms = layout_terms(sizes, sets, dev)
+    seen = []
+    tp.phase([g.clone() for g in grads], torch.tensor(1.0, device=device),
+             lambda stat, moments, sums: seen.append(sums), norm_type=2.0, primes=PRIMES,
+             terms=terms, keys=keys, device=device, validate=False)  # fmt: skip
+    _sync(device)
+    assert torch.equal(seen[0][6:].cpu() % torch.tensor(PRIMES), expected.sum(0) % torch.tensor(PRIMES))
+    clean = slot_residues(taken.moments, terms)
+
+    # a second difference on words 100..102 of a checked float16 tensor (index 1: set (0, 2, 4))
+    changed = [g.clone() for g in grads]
+    w = changed[1].view(torch.int16)
+    w[100:103] += torch.tensor([1, -2, 1], dtype=torch.int16, device=device)
+    moved = slot_residues(tp.grad_pass(changed, primes=PRIMES, keys=keys).moments, terms)
+    assert torch.equal(moved[:6], clean[:6])  # A, B, C: as the clean words'
+    assert not torch.equal(moved[6:], clean[6:])  # R: moved
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -649,7 +721,7 @@ def test_aligned_kernels_compile_to_16_byte_vector_accesses():
     threads = 32 * cfg["num_warps"]
     vectors = sum(cfg["BLOCK"] * size // (threads * 16) for size in (4, 2, 2))  # f32, f16, bf16
     read = {"NORM": 2, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"], "DYNAMIC": False,
-            "UNSCALED": True}  # fmt: skip
+            "UNSCALED": True, "KEYED": False, "ROW": 512}  # fmt: skip
     write = {"DIVIDE": True, "ROUND": True, "BLOCK": cfg["BLOCK"]}
     for moments in (False, True):
         found = diag.ptx_accesses(diag.compile_for_a_gpu("_read_kernel", {**read, "MOMENTS": moments}))
@@ -671,7 +743,7 @@ def test_the_checksum_keeps_32_warps_per_sm_in_the_read_kernel():
         pytest.skip("compiling for a GPU on the CPU needs Triton >= 3.3 and its CUDA backend")
     cfg = diag.CONFIG
     consts = {"NORM": 2, "MOMENTS": True, "BLOCK": cfg["BLOCK"], "INNER": cfg["INNER"],
-              "DYNAMIC": False, "UNSCALED": True}  # fmt: skip
+              "DYNAMIC": False, "UNSCALED": True, "KEYED": False, "ROW": 512}  # fmt: skip
     compiled = diag.compile_for_a_gpu("_read_kernel", consts)
     resources = diag.registers(compiled)
     if not resources:
@@ -679,6 +751,14 @@ def test_the_checksum_keeps_32_warps_per_sm_in_the_read_kernel():
     assert resources["REG"] <= 64 and resources["STACK"] == 0, resources
     ir = compiled.asm["ttgir"]
     assert "tt.reshape" in ir and "convert_layout" not in ir
+    # With the keyed sums (every INTERVAL updates), on half the tile as the launch takes them:
+    # at most 104 registers, no spill (16 warps per SM), the spans reduced without a layout
+    # conversion; on the whole tile it would take 170 (8 warps).
+    keyed = dict(consts, KEYED=True, BLOCK=cfg["BLOCK"] // 2, INNER=cfg["INNER"] * 2)
+    compiled = diag.compile_for_a_gpu("_read_kernel", keyed)
+    resources = diag.registers(compiled)
+    assert resources["REG"] <= 104 and resources["STACK"] == 0, resources
+    assert "convert_layout" not in compiled.asm["ttgir"]
 
 
 def test_the_slot_sums_compile_to_relaxed_integer_reductions():
@@ -691,11 +771,13 @@ def test_the_slot_sums_compile_to_relaxed_integer_reductions():
     consts = {"NORM": 2, "PER_TENSOR": True, "MOMENTS": True, "RT": diag.CONFIG["RT"],
               "FINISH": False, "CLIP": False, "AS_FLAGS": True, "NAN_AS": -1.0,
               "INF_AS": -2.0, "UNSCALED": False}  # fmt: skip
-    with_slots = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
-    without = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
-    reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
-    assert reductions == {"red.global.gpu.relaxed.add.u64": 6}, with_slots
-    assert not {a for a in without if a.startswith(("red.", "atom."))}, without
+    for keyed, count in ((False, 6), (True, 8)):  # with the keyed sums, their two slots too
+        consts["KEYED"] = keyed
+        with_slots = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": True}))
+        without = diag.ptx_accesses(diag.compile_for_a_gpu("_reduce_kernel", {**consts, "SLOTS": False}))
+        reductions = {a: n for a, n in with_slots.items() if a.startswith(("red.", "atom."))}
+        assert reductions == {"red.global.gpu.relaxed.add.u64": count}, with_slots
+        assert not {a for a in without if a.startswith(("red.", "atom."))}, without
 
 
 # ---------------------------------------------------------------------- any gradients

@@ -33,8 +33,10 @@ from ..replica_check import (
 )
 from .checksum import (
     PRIMES,
+    RESIDUES,
     Key,
     global_rows,
+    kernel_keys,
     layout_terms,
     mismatch_flag,
     mismatched,
@@ -82,8 +84,12 @@ class ReplicaSlots:
         with_grads: bool,
         with_params: bool,
         deferred: bool = False,
+        keyed: bool = True,
     ) -> None:
         self.check = check
+        #: The Triton pass adds the keyed sums ``R`` at this check (`kernel_keys()`); without
+        #: them its ``R`` is 0 on every rank (two changed words still certain).
+        self.keyed = keyed
         #: The reading waits for `ReplicaCheck.count()` (`DeferredReading`): no host read; it
         #: keeps this rank's non-finite flag from before the reduce.
         self.deferred = self.keeps_local_flag = deferred
@@ -106,7 +112,8 @@ class ReplicaSlots:
         self._grads: Sequence[torch.Tensor] = ()
         self.param_nonfinite: torch.Tensor | None = None
         #: The Triton pass takes the word sums in its read and sums the slots in its reduction.
-        self.kernel_part: KernelPart | None = KernelPart(PRIMES, self.kernel_terms)
+        self.kernel_part: KernelPart | None = KernelPart(PRIMES, self.kernel_terms,
+                                                         self.kernel_keys)  # fmt: skip
 
     # -- the local part
 
@@ -122,6 +129,17 @@ class ReplicaSlots:
         sets = [self.sets.get(id(p)) for p in params]
         return self.check.layout_terms("gradients", grads, sets, self.device)
 
+    def kernel_keys(
+        self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The gradients' keyed weights for the kernel's keyed sums (`kernel_keys()`' int32
+        table on the device, for this run's secret); made once per layout. None where the
+        gradients are not compared at this step, or compared without keyed sums (``keyed``)."""
+        if not (self.with_grads and self.keyed):
+            return None
+        sets = [self.sets.get(id(p)) for p in params]
+        return self.check.kernel_keys(grads, sets, self.key, self.device)
+
     def local(
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
         moments: torch.Tensor | None = None, sums: torch.Tensor | None = None,
@@ -129,20 +147,19 @@ class ReplicaSlots:
         """This rank's slots, float32 ``(numel,)`` on the device: the limbs of its residues
         (`distscaler._replica.checksum`). ``grads``: the gathered gradients in the order of
         ``params`` (as the pass reads them); ``moments``: their `word_moments()` when the pass
-        computed them in its read (the Triton kernel), else all is computed here (one read, the
-        keyed sums included); ``sums``: the gradients' ``A, B, C`` residues before their last
-        reduction, int64 ``(6,)``, where the pass summed them from `kernel_terms()` (then a few
-        ops make the slots, and each tensor's global checksum is made only on a mismatch). The
-        kernel's read has no keyed sums: there ``R`` is 0 on every rank (two words still
-        certain; the bound on other changes holds on the torch path only)."""
+        computed them in its read (the Triton kernel: int64 ``(n, 6)`` with the keyed sums of
+        `kernel_keys()`), else all is computed here (one read, the keyed sums included);
+        ``sums``: the gradients' residues before their last reduction, int64 ``(8,)``, where the
+        pass summed them from `kernel_terms()` and `kernel_keys()` (``R`` is 0 where it had no
+        keys, on every rank: two changed words are still certain; then a few ops make the slots,
+        and each tensor's global checksum is made only on a mismatch)."""
         sets = [self.sets.get(id(p)) for p in params]
         self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
         parts: list[torch.Tensor] = []
         if self.with_grads and moments is not None:
             terms = self.check.layout_terms("gradients", grads, sets, self.device)
-            residues = (sums.remainder(moduli_tensor(self.device, 6)) if sums is not None
+            residues = (sums.remainder(moduli_tensor(self.device, RESIDUES)) if sums is not None
                         else slot_residues(moments, terms))  # fmt: skip
-            residues = torch.cat([residues, residues.new_zeros(2)])
             parts.append(to_limbs(residues, self.world_size))
             self._global["gradients"] = (functools.partial(_kernel_rows, moments, terms),
                                          list(sets))  # fmt: skip
@@ -428,9 +445,12 @@ class ReplicaCheck:
         sets = self._replica_sets(layouts, params, group, world_size)
         if all(s is None for s in sets.values()):
             return None
+        # the kernel's keyed sums every INTERVAL updates (their read keeps fewer warps resident:
+        # `distscaler._triton.launch`); every check of torch's kernels has them
+        keyed = (self.iteration + 1) % INTERVAL == 0 or self.interval(in_pass) > 1
         return ReplicaSlots(self, sets, optimizer, group=group, world_size=world_size,
                             device=device, with_grads=with_grads, with_params=with_params,
-                            deferred=deferred)  # fmt: skip
+                            deferred=deferred, keyed=keyed)  # fmt: skip
 
     # -- deferred readings
 
@@ -526,6 +546,23 @@ class ReplicaCheck:
             if len(self._terms) > 4:
                 self._terms.clear()
             cached = self._terms[key] = layout_terms(sizes, sets, device)
+        return cached
+
+    def kernel_keys(
+        self,
+        tensors: Sequence[torch.Tensor],
+        sets: Sequence[ReplicaSet | None],
+        key: Key,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """`kernel_keys()`' table, cached per layout and secret (torch's ops once)."""
+        sizes = tuple(0 if w is None else w.numel() for w in map(words, tensors))
+        cache_key = ("keys", sizes, tuple(sets), key.secret, device)
+        cached = self._terms.get(cache_key)
+        if cached is None:
+            if len(self._terms) > 4:
+                self._terms.clear()
+            cached = self._terms[cache_key] = kernel_keys(sizes, sets, key, device)
         return cached
 
     def key(self, group: dist.ProcessGroup | None, device: torch.device) -> Key:

@@ -81,12 +81,14 @@ __all__ = [
     "mismatch_flag",
     "mismatched",
     "global_rows",
+    "kernel_keys",
     "moduli_tensor",
     "naming_rows",
     "offsets",
     "padded",
     "rank_slots",
     "row_sums",
+    "row_weights",
     "set_identity",
     "set_key",
     "slot_numel",
@@ -246,6 +248,11 @@ class Key:
     def columns(self, device: torch.device) -> torch.Tensor:
         """``a``: int64 ``(2 * ROW_WORDS, 2)``, the weights of a row's bytes modulo each prime."""
         return self._draw(("a",), 2 * ROW_WORDS, device)
+
+    def word_columns(self, device: torch.device) -> torch.Tensor:
+        """The Triton pass's ``a``: int64 ``(ROW_WORDS, 2)``, the weights of a row's words (its
+        kernel keys a word by its 16 bits, not by its bytes) modulo each prime."""
+        return self._draw(("w",), ROW_WORDS, device)
 
     def lows(self, key: int, replica: int, device: torch.device) -> torch.Tensor:
         """``f`` of set ``key`` (`set_key()`), replica ``replica``: int64 ``(BLOCK_ROWS, 2)``."""
@@ -445,18 +452,21 @@ def layout_terms(
 
 
 def slot_residues(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """``A, B, C`` of a rank's tensors, int64 ``(6,)``: ``[A1, A2, B1, B2, C1, C2]`` summed over
-    tensors, each below ``P`` (``moments``: `word_moments()`' int64 ``(n, 4)``; ``terms``:
-    `layout_terms()`' int64 ``(n, 8)``). Torch's int64 ops, every product of two residues below
-    ``2**48``; what the Triton reduction's slot sums hold before their last residue."""
+    """A rank's residues from its tensors' moments, int64 ``(RESIDUES,)``: ``[A1, A2, B1, B2, C1,
+    C2]`` summed over tensors and ``R1, R2`` the sums of the moments' keyed sums (0 without),
+    each below ``P`` (``moments``: `word_moments()`' int64 ``(n, 4)``, or the Triton pass's ``(n,
+    6)`` with keyed sums; ``terms``: `layout_terms()`' int64 ``(n, 8)``). Torch's int64 ops,
+    every product of two residues below ``2**48``; what the Triton reduction's slot sums hold
+    before their last residue."""
     p = moduli_tensor(moments.device)
-    a, b_local = moments[:, :2], moments[:, 2:]
+    a, b_local = moments[:, :2], moments[:, 2:4]
     c, o, sh, cz = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6], terms[:, 6:8]
     b = (b_local + o * a).remainder(p)
     sa = (c * a).remainder(p).sum(0)
     sb = (c * (b + sh * a).remainder(p)).remainder(p).sum(0)
     sc = (cz * a).remainder(p).sum(0)
-    return torch.cat([sa, sb, sc]).remainder(moduli_tensor(moments.device, 6))
+    sr = moments[:, 4:6].sum(0) if moments.shape[1] == 6 else a.new_zeros(2)
+    return torch.cat([sa, sb, sc, sr]).remainder(moduli_tensor(moments.device, RESIDUES))
 
 
 def global_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
@@ -464,7 +474,7 @@ def global_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
     set's padded stream, int64 ``(n, 4)`` (for naming ranks)."""
     p = moduli_tensor(moments.device)
     a = moments[:, :2]
-    return torch.cat([a, (moments[:, 2:] + terms[:, 2:4] * a).remainder(p)], 1)
+    return torch.cat([a, (moments[:, 2:4] + terms[:, 2:4] * a).remainder(p)], 1)
 
 
 def _keyed_sum(
@@ -482,6 +492,50 @@ def _keyed_sum(
     f, e = key.lows(set_k, replica, device), key.blocks(set_k, replica, blocks, device)
     inner = (keyed.view(blocks, BLOCK_ROWS, 2) * f).remainder(p).sum(1).remainder(p)  # (blocks, 2)
     return (inner * e).remainder(p).sum(0).remainder(p)
+
+
+def row_weights(
+    key: Key, set_k: int, replica: int, replicas: int, rows: int, device: torch.device
+) -> torch.Tensor:
+    """The telescoped row weights ``b_i(row) - b_(i+1 mod m)(row)`` of replica ``replica`` of a
+    set of ``replicas`` (key ``set_k``) for ``rows`` rows: int64 ``(rows, 2)`` residues."""
+    p = moduli_tensor(device)
+    blocks = -(-rows // BLOCK_ROWS)
+    at = torch.arange(rows, dtype=torch.int64, device=device)
+
+    def b(r: int) -> torch.Tensor:
+        e = key.blocks(set_k, r, blocks, device)[at // BLOCK_ROWS]
+        return (e * key.lows(set_k, r, device)[at % BLOCK_ROWS]).remainder(p)
+
+    return (b(replica) - b((replica + 1) % replicas)).remainder(p)
+
+
+def kernel_keys(
+    sizes: Sequence[int], sets: Sequence[ReplicaSet | None], key: Key, device: torch.device
+) -> torch.Tensor:
+    """The keyed weights the Triton pass reads for ``R`` (per tensor of ``sizes`` words in its
+    replica set; None: not checked), one int32 tensor on ``device``: ``[a (ROW_WORDS, 2) | first
+    row (n,) | d (rows, 2)]``, flat. ``a[c]``: the word column ``c``'s weights (`Key.word_columns()`)
+    modulo ``P1``, ``P2``; a tensor's first row in ``d`` (-1: not checked); ``d``: the telescoped
+    row weights (`row_weights()`) of every checked set's padded stream, the sets one after
+    another. The kernel sums ``a[k mod ROW_WORDS] * d[first + k div ROW_WORDS] * w_k`` over a
+    tensor's words ``w_k`` (signed ``int16``), modulo each prime. Torch's ops, once per layout
+    (`distscaler._replica.check.ReplicaCheck.kernel_keys()` caches it): ``d`` holds 2 int32 per
+    row of ``ROW_WORDS`` words, 1/256 of the gradients' bytes (float32)."""
+    first = [-1] * len(sizes)
+    parts = [key.word_columns(device).reshape(-1)]
+    base = 0
+    for s, members in _grouped(sizes, sets).items():
+        offset = 0
+        for t in members:
+            first[t] = base + offset // ROW_WORDS
+            offset += padded(sizes[t])
+        rows = offset // ROW_WORDS
+        parts.append(row_weights(key, set_key(s.ranks), s.position, len(s.ranks), rows,
+                                 device).reshape(-1))  # fmt: skip
+        base += rows
+    parts.insert(1, torch.tensor(first, dtype=torch.int64, device=device))
+    return torch.cat(parts).to(torch.int32)
 
 
 class RankSums(NamedTuple):

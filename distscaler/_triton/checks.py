@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from .tables import DTYPE_CODE
+from .tables import DTYPE_CODE, KEY_ROW_WORDS
 
 __all__ = [
     "NORM_MODE",
     "check_float32",
+    "check_keys",
     "check_norm_type",
     "check_pass",
     "check_primes",
@@ -82,6 +83,22 @@ def check_primes(primes: Sequence[int] | None) -> tuple[int, int] | None:
     if any(not (2 < p < _PRIME_LIMIT) or p % 2 == 0 for p in primes):
         raise ValueError(f"primes must be odd and in (2, 2**24), got: {tuple(primes)!r}")
     return int(primes[0]), int(primes[1])
+
+
+def check_keys(keys: torch.Tensor | None, n: int, device: torch.device) -> None:
+    """``keys``: None, or the int32 table of the keyed weights for ``n`` tensors on ``device``
+    (at least the columns and one first row per tensor; its values are not read here)."""
+    if keys is None:
+        return
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int32 or keys.dim() != 1:
+        raise ValueError(f"keys must be a 1-dim int32 tensor, got: {keys!r}")
+    if keys.numel() < 2 * KEY_ROW_WORDS + n:
+        raise ValueError(
+            f"keys must hold at least {2 * KEY_ROW_WORDS + n} values (the columns and a first "
+            f"row per tensor), got: {keys.numel()}"
+        )
+    if keys.device != device:
+        raise ValueError(f"keys must be on the tensors' device {device}, got: {keys.device}")
 
 
 def check_weights(weights: Sequence[float] | None, n: int) -> tuple[float, ...] | None:

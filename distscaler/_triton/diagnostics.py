@@ -86,6 +86,8 @@ def compile_for_a_gpu(name: str, consts: dict[str, Any], arch: int = 90) -> Any:
             sig[arg] = "i64"
         elif arg in ("part_s", "factor", "stat", "per_tensor", "scale", "max_norm", "out"):
             sig[arg] = "*fp32"
+        elif arg == "keys":
+            sig[arg] = "*i32"
         else:
             sig[arg] = "*i64"
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}

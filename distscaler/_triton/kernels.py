@@ -68,9 +68,10 @@ if TYPE_CHECKING:  # bound by `get_kernels()` in the kernels' own namespace
 # ``triton.language`` (milliseconds), which made 10,000 tiny tensors take minutes.
 
 
-def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM: tl.constexpr,
-                 MOMENTS: tl.constexpr, BLOCK: tl.constexpr, INNER: tl.constexpr,
-                 DYNAMIC: tl.constexpr, UNSCALED: tl.constexpr):  # fmt: skip
+def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys, p1, p2,
+                 NORM: tl.constexpr, MOMENTS: tl.constexpr, BLOCK: tl.constexpr,
+                 INNER: tl.constexpr, DYNAMIC: tl.constexpr, UNSCALED: tl.constexpr,
+                 KEYED: tl.constexpr, ROW: tl.constexpr):  # fmt: skip
     """Grid: one program per block (at most ``chunk`` elements of one tensor). Writes
     ``part_s[b]`` (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits),
     ``part_i[nb + b]`` (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A
@@ -79,7 +80,10 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
     read in 16-byte vectors (the module docstring's Alignment); a tile is masked only where it
     passes the block's end. ``UNSCALED`` (p = 1, 2): ``|x|`` is multiplied by float32's
     ``1 / scale[0]`` before it is summed, so that the sum is of the unscaled gradients, as torch's
-    recipe sums them (docs/pass-semantics.md); the largest magnitude stays as held."""
+    recipe sums them (docs/pass-semantics.md); the largest magnitude stays as held. ``KEYED``
+    (with ``MOMENTS``): the block's keyed sums modulo ``p1`` and ``p2`` into ``part_i[3 nb + b]``
+    and ``part_i[4 nb + b]`` (the module docstring's Keyed sums; ``keys`` their int32 table, ``ROW``
+    its words per row)."""
     pid = tl.program_id(0)
     if UNSCALED:
         inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.load(scale))
@@ -92,6 +96,13 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
     code = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
     lane = tl.arange(0, BLOCK)
     span = INNER * BLOCK
+    if KEYED:  # the tensor's first row of keyed weights (-1: not checked)
+        first_row = tl.load(keys + 2 * ROW + t).to(tl.int64)
+        keyed_on = first_row >= 0
+        numel = tl.load(tab + num_tensors + t)
+        d_at = keys + 2 * ROW + num_tensors  # the row weights, 2 per row
+        r1_tot = tl.full([], 0, tl.int64)
+        r2_tot = tl.full([], 0, tl.int64)
     num_flush = (n_left + (span - 1)) // span
     for CODE in tl.static_range(6):  # a branch per dtype and alignment: the block takes its own
         if code == CODE:
@@ -109,6 +120,14 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
             # registers, more warps per SM (the module docstring's Exactness).
             VW: tl.constexpr = 4 if DT == 0 else 8
             ROWS: tl.constexpr = BLOCK // VW
+            if KEYED:  # a keyed row's elements; tiles cut into spans of at most one row
+                EPR: tl.constexpr = ROW // 2 if DT == 0 else ROW
+                VWID: tl.constexpr = BLOCK if BLOCK < EPR else EPR
+                NV: tl.constexpr = BLOCK // VWID
+                shift = (e0 % EPR).to(tl.int32)  # the block's first element in its row
+                row0 = first_row + e0 // EPR  # that row, in the table
+                vcol = tl.arange(0, VWID)
+                vidx = tl.arange(0, NV)
             row = tl.arange(0, ROWS)
             col = tl.arange(0, VW)
             s_acc = tl.full([BLOCK], 0, tl.float32)
@@ -144,6 +163,14 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
                             v_acc += it * r
                             c_acc += tl.reduce(u * col[None, :], 1, _SUM)
                             h_acc += tl.reduce(tl.reshape(hi, [ROWS, VW]), 1, _SUM)
+                            if KEYED:  # 4 int32 weights per element: its 2 words' a
+                                ka = keys + 4 * ((shift + offs) % EPR)
+                                lo64 = lo.to(tl.int64)
+                                hi64 = hi.to(tl.int64)
+                                k1 = (lo64 * tl.load(ka).to(tl.int64)
+                                      + hi64 * tl.load(ka + 2).to(tl.int64))  # fmt: skip
+                                k2 = (lo64 * tl.load(ka + 1).to(tl.int64)
+                                      + hi64 * tl.load(ka + 3).to(tl.int64))  # fmt: skip
                     else:
                         # 16-bit types read as their words (int16): bfloat16's float32 bits are
                         # the word shifted up (exact), float16's come from its conversion
@@ -163,6 +190,41 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
                             w_acc += r
                             v_acc += it * r
                             c_acc += tl.reduce(u * col[None, :], 1, _SUM)
+                            if KEYED:  # 2 int32 weights per element: its word's a
+                                ka = keys + 2 * ((shift + offs) % EPR)
+                                w64 = word.to(tl.int64)
+                                k1 = w64 * tl.load(ka).to(tl.int64)
+                                k2 = w64 * tl.load(ka + 1).to(tl.int64)
+                    if KEYED:
+                        if keyed_on:
+                            # The tile's keyed sum: per span of VWID elements (within one row,
+                            # or across a row's end at `cut`) its products' sums on each side of
+                            # the cut, each below 2**49, reduced, times its row's weights.
+                            g = shift + base + it * BLOCK + vidx * VWID  # from row0's start
+                            vrow = g // EPR
+                            upper = vcol[None, :] >= (EPR - g % EPR)[:, None]  # the next row's
+                            q1 = tl.reshape(k1, [NV, VWID])
+                            q2 = tl.reshape(k2, [NV, VWID])
+                            h1 = tl.reduce(tl.where(upper, q1, 0), 1, _SUM)
+                            h2 = tl.reduce(tl.where(upper, q2, 0), 1, _SUM)
+                            l1 = tl.reduce(q1, 1, _SUM) - h1
+                            l2 = tl.reduce(q2, 1, _SUM) - h2
+                            l1 = (l1 % p1 + p1) % p1
+                            l2 = (l2 % p2 + p2) % p2
+                            h1 = (h1 % p1 + p1) % p1
+                            h2 = (h2 % p2 + p2) % p2
+                            at = row0 + vrow.to(tl.int64)
+                            start = e0 - shift + vrow.to(tl.int64) * EPR  # the row's first element
+                            m_lo = start < numel  # rows past the tensor's end: weights 0
+                            m_hi = start + EPR < numel
+                            d_lo = d_at + 2 * at
+                            d_hi = d_lo + 2
+                            t1 = (l1 * tl.load(d_lo, mask=m_lo, other=0).to(tl.int64) % p1
+                                  + h1 * tl.load(d_hi, mask=m_hi, other=0).to(tl.int64) % p1)  # fmt: skip
+                            t2 = (l2 * tl.load(d_lo + 1, mask=m_lo, other=0).to(tl.int64) % p2
+                                  + h2 * tl.load(d_hi + 1, mask=m_hi, other=0).to(tl.int64) % p2)  # fmt: skip
+                            r1_tot = (r1_tot + tl.reduce(t1, 0, _SUM)) % p1
+                            r2_tot = (r2_tot + tl.reduce(t2, 0, _SUM)) % p2
                     abits = bits & 0x7FFFFFFF  # |x|: NaN's bits above inf's above any finite
                     mx_acc = tl.maximum(mx_acc, abits)
                     if NORM == 2:
@@ -192,6 +254,9 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, NORM:
                     j_tot = 2 * j_tot + h_tot  # 2 words per element; the high word's index is odd
                 tl.store(part_i + num_blocks + pid, u_tot)
                 tl.store(part_i + 2 * num_blocks + pid, j_tot)
+                if KEYED:
+                    tl.store(part_i + 3 * num_blocks + pid, r1_tot)
+                    tl.store(part_i + 4 * num_blocks + pid, r2_tot)
 
 
 def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, slots, num_blocks,
@@ -199,14 +264,15 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                    PER_TENSOR: tl.constexpr, MOMENTS: tl.constexpr, SLOTS: tl.constexpr,
                    RT: tl.constexpr, FINISH: tl.constexpr, CLIP: tl.constexpr,
                    AS_FLAGS: tl.constexpr, NAN_AS: tl.constexpr, INF_AS: tl.constexpr,
-                   UNSCALED: tl.constexpr):  # fmt: skip
+                   UNSCALED: tl.constexpr, KEYED: tl.constexpr):  # fmt: skip
     """Grid: program 0 the totals (``stat``; with ``FINISH``, what `_finish_kernel` computes from
     them, into ``out``), program ``1 + t`` tensor ``t``'s statistic and moments (with
     ``AS_FLAGS``, a NaN statistic written as ``NAN_AS`` and an inf one as ``INF_AS``: the overflow
-    report's flags, as ``nan_to_num`` makes them), and with ``SLOTS`` its terms of the replica check's four
+    report's flags, as ``nan_to_num`` makes them), and with ``SLOTS`` its terms of the replica check's
     slots (``terms``: its coefficient, word offset and shift modulo each prime), added into
-    ``slots`` (int64 atomics: integers, exact in any order). Fixed order: tiles of ``RT`` partials
-    in sequence, a tile's positions by the reduction's tree."""
+    ``slots`` (int64 atomics: integers, exact in any order). ``KEYED``: each tensor's keyed sums
+    too, ``moments`` of 6 columns, added into ``slots[6:8]``. Fixed order: tiles of ``RT``
+    partials in sequence, a tile's positions by the reduction's tree."""
     pid = tl.program_id(0)
     lane = tl.arange(0, RT)
     if pid == 0:
@@ -244,6 +310,8 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
         a2 = tl.full([RT], 0, tl.int64)
         c1 = tl.full([RT], 0, tl.int64)
         c2 = tl.full([RT], 0, tl.int64)
+        z1 = tl.full([RT], 0, tl.int64)
+        z2 = tl.full([RT], 0, tl.int64)
         for pos in range(b0, b1, RT):
             jdx = pos + lane
             mj = jdx < b1
@@ -261,6 +329,9 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 a2 = (a2 + u2) % p2
                 c1 = (c1 + (k0 % p1) * u1 + (j % p1 + p1) % p1) % p1  # < 2**48 + 2**25
                 c2 = (c2 + (k0 % p2) * u2 + (j % p2 + p2) % p2) % p2
+                if KEYED:  # residues already
+                    z1 = (z1 + tl.load(part_i + 3 * num_blocks + jdx, mask=mj, other=0)) % p1
+                    z2 = (z2 + tl.load(part_i + 4 * num_blocks + jdx, mask=mj, other=0)) % p2
         if PER_TENSOR:
             mx = tl.reduce(mx_acc, 0, _MAX)
             big = mx.to(tl.float32, bitcast=True)  # the largest magnitude: inf/NaN as held
@@ -279,10 +350,19 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
             ra2 = tl.reduce(a2, 0, _SUM) % p2
             rc1 = tl.reduce(c1, 0, _SUM) % p1
             rc2 = tl.reduce(c2, 0, _SUM) % p2
-            tl.store(moments + 4 * t, ra1)
-            tl.store(moments + 4 * t + 1, ra2)
-            tl.store(moments + 4 * t + 2, rc1)
-            tl.store(moments + 4 * t + 3, rc2)
+            MW: tl.constexpr = 6 if KEYED else 4
+            tl.store(moments + MW * t, ra1)
+            tl.store(moments + MW * t + 1, ra2)
+            tl.store(moments + MW * t + 2, rc1)
+            tl.store(moments + MW * t + 3, rc2)
+            if KEYED:
+                rz1 = tl.reduce(z1, 0, _SUM) % p1
+                rz2 = tl.reduce(z2, 0, _SUM) % p2
+                tl.store(moments + MW * t + 4, rz1)
+                tl.store(moments + MW * t + 5, rz2)
+                if SLOTS:
+                    tl.atomic_add(slots + 6, rz1, sem="relaxed")
+                    tl.atomic_add(slots + 7, rz2, sem="relaxed")
             if SLOTS:  # the replica checksum's terms of this tensor; products < 2**48
                 k1 = tl.load(terms + 8 * t)
                 k2 = tl.load(terms + 8 * t + 1)

@@ -23,7 +23,15 @@ from ..attribution import INF_CODE, NAN_CODE, flag_tensors
 from . import runtime
 from .checks import check_norm_type
 from .reference import slot_sums, torch_pass
-from .tables import CONFIG, DTYPE_CODE, Tables, describe, tables_for, tables_of
+from .tables import (
+    CONFIG,
+    DTYPE_CODE,
+    KEY_ROW_WORDS,
+    Tables,
+    describe,
+    tables_for,
+    tables_of,
+)
 
 __all__ = [
     "LAUNCHES",
@@ -45,7 +53,7 @@ class Slots:
     """The replica check's slot sums, for a reduction that adds them (`phase()`'s ``terms``)."""
 
     terms: torch.Tensor  # int64 (n, 8)
-    sums: torch.Tensor  # int64 (6,), zeros, added into
+    sums: torch.Tensor  # int64 (8,), zeros, added into (the keyed sums' two: 0 without keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +79,10 @@ def grad_pass_impl(
     slots: Slots | None = None,
     as_flags: bool = False,
     unscale_by: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The outputs of `grad_pass()`; with ``finish``, `finish()`'s too, written into
+    """The outputs of `grad_pass()`; with ``keys`` (and ``primes``), the moments' keyed sums
+    (``(n, 6)``; the kernels' Keyed sums); with ``finish``, `finish()`'s too, written into
     ``finish.out`` by the reduction (no collective between them: one launch fewer); with
     ``slots`` (and ``primes``), the replica check's slot sums added into ``slots.sums``; with
     ``as_flags``, ``per_tensor`` as `distscaler.attribution.flag_tensors()` makes it of the
@@ -86,7 +96,7 @@ def grad_pass_impl(
     unscaled = unscale_by is not None and mode in (1, 2)
     if torch.float64 in dtypes:
         stat, per_tensor, moments = torch_pass(tensors, device, weights, mode, n_flags, primes,
-                                               unscale_by if unscaled else None)  # fmt: skip
+                                               unscale_by if unscaled else None, keys)  # fmt: skip
         if as_flags:
             per_tensor = flag_tensors(per_tensor)
         if finish is not None:
@@ -99,7 +109,8 @@ def grad_pass_impl(
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     stat = torch.empty(2, dtype=torch.float32, device=device)
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
-    moments = torch.empty((n_moments, 4), dtype=torch.int64, device=device)
+    keyed = keys is not None and primes is not None
+    moments = torch.empty((n_moments, 6 if keyed else 4), dtype=torch.int64, device=device)
     if n == 0:
         stat.zero_()
         if finish is not None:
@@ -108,7 +119,7 @@ def grad_pass_impl(
         return stat, per_tensor, moments
     tables = tables_of(tensors, dtypes, weights)
     launch_pass(tables, stat, per_tensor, moments, mode, flags, primes, finish, slots, as_flags,
-                unscale_by if unscaled else None)  # fmt: skip
+                unscale_by if unscaled else None, keys if keyed else None)  # fmt: skip
     return stat, per_tensor, moments
 
 
@@ -124,24 +135,33 @@ def launch_pass(
     slots: Slots | None = None,
     as_flags: bool = False,
     unscale_by: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> None:
     """The two launches over ``tables`` (outputs written in place; with ``finish``, the
     reduction writes `finish()`'s ``out`` too; with ``slots``, it adds the slot sums; with
     ``as_flags``, ``per_tensor`` holds the overflow report's flags; with ``unscale_by``, the sums
-    are of the gradients divided by it)."""
+    are of the gradients divided by it; with ``keys`` (and ``primes``), the keyed sums too)."""
     k = runtime.get_kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
     part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float32, device=device)
-    part_i = torch.empty(nb * (3 if primes is not None else 1), dtype=torch.int64, device=device)
+    keyed = keys is not None and primes is not None
+    rows = 5 if keyed else 3 if primes is not None else 1
+    part_i = torch.empty(nb * rows, dtype=torch.int64, device=device)
     p1, p2 = primes if primes is not None else (3, 5)
+    block, inner = CONFIG["BLOCK"], CONFIG["INNER"]
+    if keyed and inner <= 64 and block >= 16:
+        # half the tile, twice the tiles per flush (the same span, so the same blocks): the
+        # keyed products' registers (104 per thread on sm_90 at 1024, 170 at 2048;
+        # launch/kernel_ptx.py)
+        block, inner = block // 2, inner * 2
     if nb:
         k._read_kernel[(nb,)](
             tables.tab, tables.blk, part_s, part_i, nb, n,
-            part_s if unscale_by is None else unscale_by,
-            NORM=mode, MOMENTS=primes is not None, BLOCK=CONFIG["BLOCK"],
-            INNER=CONFIG["INNER"], DYNAMIC=device.type != "cuda", UNSCALED=unscale_by is not None,
-            num_warps=CONFIG["num_warps"],
+            part_s if unscale_by is None else unscale_by, keys if keyed else part_i, p1, p2,
+            NORM=mode, MOMENTS=primes is not None, BLOCK=block, INNER=inner,
+            DYNAMIC=device.type != "cuda", UNSCALED=unscale_by is not None,
+            KEYED=keyed, ROW=KEY_ROW_WORDS, num_warps=CONFIG["num_warps"],
         )  # fmt: skip
     per_program = flags or primes is not None
     if finish is None:
@@ -157,7 +177,7 @@ def launch_pass(
         SLOTS=with_slots, RT=CONFIG["RT"], FINISH=finish is not None,
         CLIP=finish is not None and finish.max_norm is not None, AS_FLAGS=as_flags,
         NAN_AS=NAN_CODE, INF_AS=INF_CODE, UNSCALED=finish is not None and finish.unscaled,
-        num_warps=4,
+        KEYED=keyed, num_warps=4,
     )  # fmt: skip
 
 

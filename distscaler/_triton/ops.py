@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from ..attribution import flag_tensors
-from .checks import NORM_MODE, check_float32, check_norm_type, check_pass, check_tensors
+from .checks import (
+    NORM_MODE,
+    check_float32,
+    check_keys,
+    check_norm_type,
+    check_pass,
+    check_tensors,
+)
 from .launch import Finish, Slots, finish_impl, grad_pass_impl, scale_impl
 from .reference import slot_sums
 
@@ -103,6 +110,7 @@ def grad_pass(
     primes: Sequence[int] | None = None,
     device: torch.device | str | None = None,
     unscale_by: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> PassResult:
     """Read every element of ``tensors`` once: the non-finite flag, the norm statistic, the
     per-tensor statistics and the replica checksum, in 2 launches (read + reduce).
@@ -120,6 +128,9 @@ def grad_pass(
             the per-tensor 2-norms are of the tensors divided by it (the statistics of the
             unscaled gradients, docs/pass-semantics.md), as `phase()` reads them; finish them
             with ``finish(..., unscaled=True)``.
+        keys: with ``primes``, the int32 table of the replica check's keyed weights
+            (`distscaler._replica.checksum.kernel_keys()`): ``moments`` gets each tensor's keyed
+            sums as columns 4 and 5 (`distscaler._triton.kernels`' Keyed sums).
 
     Returns:
         `PassResult`: fresh tensors on the tensors' device.
@@ -129,15 +140,16 @@ def grad_pass(
     """
     dev, mode, ps, ws = check_pass(tensors, norm_type, primes, weights, device)
     check_float32(("unscale_by", unscale_by), device=dev)
+    check_keys(keys, len(tensors), dev)
     if torch.compiler.is_compiling() and OPS is not None:
         stat, per_tensor, moments = OPS.grad_pass(
             list(tensors), dev, None if ws is None else list(ws),
             None if norm_type is None else float(norm_type), flags,
-            None if ps is None else list(ps), unscale_by,
+            None if ps is None else list(ps), unscale_by, keys,
         )  # fmt: skip
     else:
         stat, per_tensor, moments = grad_pass_impl(list(tensors), dev, ws, mode, flags, ps,
-                                                   unscale_by=unscale_by)  # fmt: skip
+                                                   unscale_by=unscale_by, keys=keys)  # fmt: skip
     return PassResult(
         stat,
         per_tensor if flags else None,
@@ -288,6 +300,7 @@ def phase(
     flags: bool = True,
     primes: Sequence[int] | None = None,
     terms: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
     unscale: torch.Tensor | None = None,
     max_norm: torch.Tensor | None = None,
     clip: bool = False,
@@ -307,9 +320,9 @@ def phase(
     their checks of the arguments (the scaler's own call: its gradients are checked where they
     are gathered, and the Python passes over the list are the host's cost of a small step).
     ``terms`` (with ``primes``): int64 ``(len(tensors), 8)``, the replica check's terms per
-    tensor (`slot_sums()`): the reduction also sums its six residues (before their last reduction)
-    into a fresh int64 ``(4,)`` (one ``zeros`` more), which ``reduce`` gets third:
-    ``reduce(stat, moments, sums)``. For p = 1 and 2 the pass reads the statistics of the
+    tensor (`slot_sums()`): the reduction also sums its eight residues (before their last
+    reduction; the keyed sums last, 0 without ``keys``, `grad_pass()`'s) into a fresh int64
+    ``(8,)`` (one ``zeros`` more), which ``reduce`` gets third: ``reduce(stat, moments, sums)``. For p = 1 and 2 the pass reads the statistics of the
     unscaled gradients (`grad_pass()`'s ``unscale_by=scale``: each magnitude multiplied by
     float32's ``1 / scale`` before the sum, as torch's recipe sums them; docs/pass-semantics.md),
     and the finish takes them so. ``report_flags`` (with ``flags``):
@@ -330,7 +343,8 @@ def phase(
                                          device)  # fmt: skip
         else:
             taken = grad_pass(ts, weights=weights, norm_type=norm_type, flags=flags,
-                              primes=primes, device=device, unscale_by=scale)  # fmt: skip
+                              primes=primes, device=device, unscale_by=scale,
+                              keys=keys)  # fmt: skip
         if terms is not None and taken.moments is not None and primes is not None:
             sums = slot_sums(taken.moments, terms, (int(primes[0]), int(primes[1])))
         if report_flags and taken.per_tensor is not None:
@@ -347,10 +361,11 @@ def phase(
             done = FinishResult(fin.out)
         slots = None
         if terms is not None and ps is not None:
-            slots = Slots(terms, torch.zeros(6, dtype=torch.int64, device=dev))
+            slots = Slots(terms, torch.zeros(8, dtype=torch.int64, device=dev))
             sums = slots.sums
         stat, per_tensor, moments = grad_pass_impl(ts, dev, weights, mode, flags, ps, fin, slots,
-                                                    report_flags and flags, scale)  # fmt: skip
+                                                    report_flags and flags, scale,
+                                                    keys)  # fmt: skip
         taken = PassResult(stat, per_tensor if flags else None,
                            moments if ps is not None else None, norm_type is not None)  # fmt: skip
     if reduce is not None:
@@ -383,21 +398,26 @@ def _register_ops() -> Any:
             f"{lib}::grad_pass",
             mutates_args=(),
             schema="(Tensor[] tensors, Device device, float[]? weights, float? norm_type, "
-            "bool flags, int[]? primes, Tensor? unscale_by=None) -> (Tensor, Tensor, Tensor)",
+            "bool flags, int[]? primes, Tensor? unscale_by=None, Tensor? keys=None) -> "
+            "(Tensor, Tensor, Tensor)",
         )
-        def _grad_pass_op(tensors, device, weights, norm_type, flags, primes, unscale_by=None):  # type: ignore[no-untyped-def]
+        def _grad_pass_op(tensors, device, weights, norm_type, flags, primes, unscale_by=None,  # type: ignore[no-untyped-def]
+                          keys=None):  # fmt: skip
             mode = check_norm_type(norm_type)
             ps = None if primes is None else (int(primes[0]), int(primes[1]))
             return grad_pass_impl(list(tensors), device, weights, mode, flags, ps,
-                                  unscale_by=unscale_by)  # fmt: skip
+                                  unscale_by=unscale_by, keys=keys)  # fmt: skip
 
         @_grad_pass_op.register_fake
-        def _grad_pass_fake(tensors, device, weights, norm_type, flags, primes, unscale_by=None):  # type: ignore[no-untyped-def]
+        def _grad_pass_fake(tensors, device, weights, norm_type, flags, primes, unscale_by=None,  # type: ignore[no-untyped-def]
+                            keys=None):  # fmt: skip
             n = len(tensors)
+            width = 6 if keys is not None and primes is not None else 4
             return (
                 torch.empty(2, dtype=torch.float32, device=device),
                 torch.empty(n if flags else 0, dtype=torch.float32, device=device),
-                torch.empty((n if primes is not None else 0, 4), dtype=torch.int64, device=device),
+                torch.empty((n if primes is not None else 0, width), dtype=torch.int64,
+                            device=device),  # fmt: skip
             )
 
         @torch.library.custom_op(

@@ -23,29 +23,59 @@ from collections.abc import Sequence
 
 import torch
 
-from .tables import CONFIG, chunk_for
+from .tables import CONFIG, KEY_ROW_WORDS, chunk_for
 
-__all__ = ["norm_bound", "slot_sums", "torch_pass"]
+__all__ = ["keyed_sums", "norm_bound", "slot_sums", "torch_pass"]
 
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
-    """The replica check's ``A, B, C`` residues before their last reduction, int64 ``(6,)``: over
-    tensors ``t``, ``k A``, ``k ((B + o A) + s A)`` and ``kz A``, each term reduced modulo its
-    prime, for ``P1, P2`` in turn (`distscaler._replica.checksum.slot_residues()` before its
-    last residue). ``moments``: int64 ``(n, 4)``, `grad_pass()`'s; ``terms``: int64 ``(n, 8)``,
+    """The replica check's residues before their last reduction, int64 ``(8,)``: over tensors
+    ``t``, ``k A``, ``k ((B + o A) + s A)``, ``kz A`` and the keyed sums ``R`` (0 where
+    ``moments`` has none), each term reduced modulo its prime, for ``P1, P2`` in turn
+    (`distscaler._replica.checksum.slot_residues()` before its last residue). ``moments``:
+    int64 ``(n, 4)`` or ``(n, 6)``, `grad_pass()`'s; ``terms``: int64 ``(n, 8)``,
     per tensor ``[k, o, s, kz]`` modulo ``P1`` then ``P2`` (its coefficient, padded word offset,
     replica shift and coefficient times set identity). torch's int64 ops: what the reduction's
     atomics add, exactly (the reference of the tests, and float64 gradients' path)."""
     p = torch.tensor(primes, dtype=torch.int64, device=moments.device)
-    a, b_local = moments[:, :2], moments[:, 2:]
+    a, b_local = moments[:, :2], moments[:, 2:4]
     k, o, sh, kz = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6], terms[:, 6:8]
     b = (b_local + o * a).remainder(p)
     g0 = (k * a).remainder(p).sum(0)
     g1 = (k * (b + sh * a).remainder(p)).remainder(p).sum(0)
     g2 = (kz * a).remainder(p).sum(0)
-    return torch.cat([g0, g1, g2])
+    # the keyed sums ``R`` (`grad_pass()`'s ``keys``), added as they are; 0 without
+    g3 = moments[:, 4:6].sum(0) if moments.shape[1] == 6 else a.new_zeros(2)
+    return torch.cat([g0, g1, g2, g3])
+
+
+def keyed_sums(
+    tensors: Sequence[torch.Tensor], keys: torch.Tensor, primes: tuple[int, int]
+) -> torch.Tensor:
+    """Each tensor's keyed sums as the read kernel takes them (``keys``: the int32 table of
+    `distscaler._triton.kernels`' Keyed sums), int64 ``(n, 2)``: ``sum_k a[k mod ROW] * d[first +
+    k div ROW] * w_k`` over the tensor's 16-bit words ``w_k`` (signed ``int16``, any dtype's),
+    modulo ``P1`` then ``P2``; zeros where ``first`` is -1. torch's int64 ops, exact: per row of
+    ``ROW`` words a sum below ``2**49``, reduced, then times ``d``, products below ``2**48``."""
+    row = KEY_ROW_WORDS
+    device = keys.device
+    p = torch.tensor(primes, dtype=torch.int64, device=device)
+    k = keys.to(torch.int64)
+    a = k[: 2 * row].view(row, 2)
+    first = k[2 * row : 2 * row + len(tensors)]
+    d = k[2 * row + len(tensors) :].view(-1, 2)
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        start = int(first[i])
+        if start < 0 or not t.numel():
+            continue
+        w = t.detach().contiguous().view(-1).view(torch.int16).to(device, torch.int64)
+        w = torch.cat([w, w.new_zeros(-w.numel() % row)]).view(-1, row)  # (rows, ROW)
+        per_row = (w.unsqueeze(2) * a).sum(1).remainder(p)  # (rows, 2)
+        out[i] = (per_row * d[start : start + w.shape[0]]).remainder(p).sum(0).remainder(p)
+    return out
 
 
 def torch_pass(
@@ -56,10 +86,12 @@ def torch_pass(
     n_flags: int,
     primes: tuple[int, int] | None,
     unscale_by: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`grad_pass()`'s outputs with torch's ops (float64 gradients): several launches per tensor.
     ``unscale_by`` (p = 1, 2): the sums and the per-tensor 2-norms of the tensors divided by it,
-    as the kernels' ``UNSCALED`` read gives them."""
+    as the kernels' ``UNSCALED`` read gives them; ``keys`` (with ``primes``): the moments' keyed
+    sums too (`keyed_sums()`, ``(n, 6)``)."""
     n = len(tensors)
     ws = [1.0] * n if weights is None else list(weights)
     stat = torch.zeros(2, dtype=torch.float32, device=device)
@@ -90,6 +122,8 @@ def torch_pass(
     if primes is not None:
         for i, t in enumerate(tensors):
             moments[i] = _torch_moments(t, primes)
+        if keys is not None:
+            moments = torch.cat([moments, keyed_sums(tensors, keys, primes)], 1)
     return stat, per_tensor, moments
 
 

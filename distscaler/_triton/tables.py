@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "CONFIG",
     "DTYPE_CODE",
+    "KEY_ROW_WORDS",
     "Tables",
     "build_tables",
     "chunk_for",
@@ -38,6 +39,10 @@ __all__ = [
 #: them, in place.
 CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024,
                           "target_blocks": 32768, "max_chunk": 1 << 22}  # fmt: skip
+
+#: Words of a row of the replica check's keyed sums (``distscaler._replica.checksum.ROW_WORDS``;
+#: `distscaler._triton.kernels`' Keyed sums; a test holds the two equal).
+KEY_ROW_WORDS = 512
 
 #: The tables' dtype codes (the kernels' branches).
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
