@@ -98,6 +98,7 @@ Outputs, written by rank 0 into ``--out``:
   ``scaler_phase_ms_median`` (median wall time over the other steps; CUDA events on GPUs), and
   ``resumed_from`` (step and scaler state of the checkpoint a resumed run started from), and
   ``skipped_per_rank`` (each rank's own count of the steps it skipped in this run), and
+  ``hosts`` (the hostname each rank ran on), and
   ``params_digests`` (SHA-256 of the final parameters, one per replica group: the whole model for
   every data-parallel layout, one per stage under pp; two runs of the same job compare by it).
 * ``metrics.png``: loss and scale per step (``python launch/plot_metrics.py DIR`` redraws it).

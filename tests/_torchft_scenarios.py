@@ -21,7 +21,11 @@ local gradient, before the average) or "post" (after it, on that group only); wh
 step, the one it heals in)); where also "flip" (one low mantissa bit of a gradient flipped after
 the average, on that group only: a finite silent corruption), ``sync_quorum``, ``clip``,
 ``report_lone``, ``bad_heal`` ("lr" | "param_bit": the restarted group's first heal loads a stale
-learning rate, or its first parameter with one bit flipped, as a faulty load would).
+learning rate, or its first parameter with one bit flipped, as a faulty load would),
+``store_host`` (the name the group's manager gives for its store, which the other groups connect
+to for the cross-group process group; default "localhost", one machine), ``external_stop`` (run
+until the driver writes the manager step to stop at into ``rundir/stop_step``), ``rank_timeout``
+(seconds a rank runs at most, default 50).
 """
 
 from __future__ import annotations
@@ -322,7 +326,7 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"rg{g}",
-        store_addr="localhost",
+        store_addr=spec.get("store_host", "localhost"),
         store_port=store.port,
         rank=r,
         world_size=group_size,
@@ -410,7 +414,9 @@ def _main(spec: dict[str, Any]) -> None:  # noqa: C901 - one training loop with 
         it += 1
         step0 = manager.current_step()
         target = spec["steps"]
-        if spec.get("after_join"):  # run on until a group (re)joined, then after_join steps
+        if spec.get("after_join") or spec.get("external_stop"):
+            # Until the stop step is written: after_join steps after a group (re)joined, or the
+            # driver's.
             target = 10**9
             if os.path.exists(stop_file):
                 target = int(open(stop_file).read())

@@ -67,8 +67,9 @@ NOT_COMPAT: dict[str, str] = {
 
 
 #: What a plain ``pytest`` (the README's ``pytest -n auto``) leaves out, so that it fits 15 minutes
-#: on a 2-core CPU without fp16 units (docs/testing.md); CI runs them as a stage of their own,
-#: ``pytest -n auto -m "slow or integration"`` (.ci/run). ``slow``: whole jobs launched
+#: on a 2-core CPU without fp16 units (docs/testing.md); CI runs them as stages of their own,
+#: ``pytest -n auto -m "(slow or integration) and not multihost"`` and, the tests on the
+#: multi-host testbed (root), ``pytest -n 2 -m multihost`` (.ci/run). ``slow``: whole jobs launched
 #: (torchrun, ``accelerate launch``, a wheel built and installed); ``integration``: a framework's
 #: own code run against distscaler's integration of it (every ``test_<integration>*.py`` of a
 #: module of ``distscaler/integrations/``, and the integration guides' examples in

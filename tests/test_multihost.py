@@ -15,7 +15,8 @@ and a replacement node without the checkpoint, or with a copy of another step, i
 name until the checkpoint is copied over. Last, ``launch/bench_hosts.py`` on rate-limited hosts,
 small.
 
-They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives.
+They need root and iproute2; elsewhere they skip with the reason ``TestbedUnavailable`` gives (in
+CI's multi-host stage they fail: tests/_testbed.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from typing import Any
 import multihost
 import pytest
 import yaml
+from _testbed import build_testbeds, cannot_run
 from multihost import WORKDIR, Host, HostProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multihost]
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 150.0
@@ -53,28 +55,9 @@ INF_STEP = 2
 
 @pytest.fixture
 def make_testbed() -> Iterator[Callable[[int], multihost.Testbed]]:
-    """Builds testbeds (skips where the machine cannot); tears each down at the end and fails if
+    """Builds build_testbeds (skips where the machine cannot); tears each down at the end and fails if
     anything of it is left."""
-    beds: list[multihost.Testbed] = []
-
-    def make(num_hosts: int) -> multihost.Testbed:
-        bed = multihost.Testbed(num_hosts, command_timeout_s=JOB_TIMEOUT_S)
-        try:
-            bed.start()
-        except multihost.TestbedUnavailable as e:
-            pytest.skip(f"no multi-host testbed here: {e.reason}")
-        beds.append(bed)
-        return bed
-
-    yield make
-    incomplete = []
-    for bed in beds:
-        try:
-            bed.teardown()
-        except multihost.TeardownIncomplete as e:  # the others are torn down all the same
-            incomplete.append(str(e))
-    assert incomplete == []
-    assert [item for bed in beds for item in bed.leftovers()] == []
+    yield from build_testbeds(JOB_TIMEOUT_S)
 
 
 def _alive(pid: int) -> bool:
@@ -308,15 +291,16 @@ def test_link_cut_breaks_tcp_until_restored_and_rate_limit_slows_it(
 # ------------------------------------------------------------------------- reference job
 
 
-def _job_config() -> str:
+def _job_config(parallelism: str = "ddp") -> str:
     """configs/smoke.yaml on the CPU, logging every step, an inf on rank 3 at INF_STEP."""
     cfg = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
     cfg.update(device="cpu", log_interval=1, inject_inf={"steps": [INF_STEP], "rank": 3})
+    cfg.update(parallelism=parallelism, hsdp_shard_size=2)
     return yaml.safe_dump(cfg)
 
 
-def _prepare(bed: multihost.Testbed, tmp_path: Path) -> None:
-    (tmp_path / "job.yaml").write_text(_job_config())
+def _prepare(bed: multihost.Testbed, tmp_path: Path, parallelism: str = "ddp") -> None:
+    (tmp_path / "job.yaml").write_text(_job_config(parallelism))
     corpus = tmp_path / "corpus.txt"  # about 100 KB of real text: the source of argparse
     corpus.write_bytes(Path(argparse.__file__).read_bytes())
     for host in bed.hosts:
@@ -396,16 +380,16 @@ SAME_SUMMARY = (
 )
 
 
-@pytest.fixture(scope="module")
-def one_host_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The job on one host, 4 ranks (one torchrun, standalone rendezvous)."""
+def _one_host(tmp_path: Path, parallelism: str) -> dict[str, Any]:
+    """The job on one host, 4 ranks (one torchrun, standalone rendezvous), with the guards
+    against a vacuous comparison."""
     bed = multihost.Testbed(1, command_timeout_s=JOB_TIMEOUT_S)
     try:
         bed.start()
     except multihost.TestbedUnavailable as e:
-        pytest.skip(f"no multi-host testbed here: {e.reason}")
+        cannot_run(f"no multi-host testbed here: {e.reason}")
     with bed:
-        _prepare(bed, tmp_path_factory.mktemp("one_host"))
+        _prepare(bed, tmp_path, parallelism)
         run = _run_job(bed, [_torchrun("--standalone", "--nproc-per-node", "4")])
     assert bed.leftovers() == []
     summary = run["summary"]
@@ -416,7 +400,20 @@ def one_host_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert run["records"][INF_STEP - 1]["overflow"][0]["rank"] == 3
     assert summary["replica_checks"] == STEPS
     assert len(summary["params_digests"]) == 1 and len(summary["params_digests"][0]) == 64
+    assert summary["parallelism"] == parallelism and summary["hosts"] == ["host0"] * 4
     return run
+
+
+@pytest.fixture(scope="module")
+def one_host_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The DDP job on one host, 4 ranks."""
+    return _one_host(tmp_path_factory.mktemp("one_host"), "ddp")
+
+
+@pytest.fixture(scope="module")
+def one_host_hsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The HSDP job (mesh replicate=2 x shard=2) on one host, 4 ranks."""
+    return _one_host(tmp_path_factory.mktemp("one_host_hsdp"), "hsdp")
 
 
 def _assert_same_run(run: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -474,6 +471,46 @@ def test_two_hosts_c10d_rendezvous_by_hostname_match_one_host(
     )
     run = _run_job(bed, [_torchrun(*launcher) for _ in bed.hosts])
     _assert_same_run(run, one_host_run)
+
+
+def _static(bed: multihost.Testbed, host: Host) -> list[str]:
+    """torchrun of the job on ``host``: static rendezvous at host 0, 2 ranks per host (host i
+    runs ranks 2i and 2i+1)."""
+    return _torchrun(
+        "--nnodes",
+        str(len(bed.hosts)),
+        "--node-rank",
+        str(host.index),
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        bed.hosts[0].addr,
+        "--master-port",
+        str(MASTER_PORT),
+    )
+
+
+def test_hsdp_replicates_across_hosts_and_shards_inside_each_match_one_host(
+    make_testbed: Callable[[int], multihost.Testbed],
+    tmp_path: Path,
+    one_host_hsdp_run: dict[str, Any],
+) -> None:
+    # The mesh (replicate=2, shard=2) is laid over the ranks row by row: its rows, the shard
+    # groups, are ranks [0, 1] and [2, 3], which torchrun puts on one node each; the replicate
+    # dimension (ranks 0 and 2, 1 and 3: the gradients' all-reduce between the replicas) crosses
+    # the hosts' link.
+    bed = make_testbed(2)
+    _prepare(bed, tmp_path, "hsdp")
+    run = _run_job(bed, [_static(bed, h) for h in bed.hosts])
+    summary = run["summary"]
+    layout = "HSDP, mesh (replicate=2, shard=2), shard groups [[0, 1], [2, 3]]"
+    assert summary["layout"] == one_host_hsdp_run["summary"]["layout"] == layout
+    assert summary["hosts"] == ["host0", "host0", "host1", "host1"]
+    _assert_same_run(run, one_host_hsdp_run)
+    # The inf was written into rank 3's own shard, on the other host: every rank skipped it.
+    assert run["records"][INF_STEP - 1]["overflow"][0]["rank"] == 3
+    assert summary["skipped_per_rank"] == [1, 1, 1, 1]
+    assert "agreed on all 4 rank(s)" in run["log"]
 
 
 def test_c10d_rendezvous_needs_each_host_to_resolve_its_own_hostname(

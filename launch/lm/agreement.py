@@ -23,6 +23,8 @@ class RankView:
     replica: int = 0
     """Ranks with equal ``replica`` hold the same parameters (a pipeline stage index; 0 for
     every data-parallel layout, where all ranks hold the whole model)."""
+    host: str = ""
+    """The hostname this rank ran on (``socket.gethostname()``; empty where not recorded)."""
 
 
 def ranks_agree(views: Sequence[RankView]) -> list[str]:

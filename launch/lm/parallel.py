@@ -169,7 +169,10 @@ def _hsdp(model: ByteGPT, cfg: TrainConfig, d: Dist) -> Parallel:
         state_module=model,
         dp_rank=d.rank,
         dp_size=d.world_size,
-        describe=f"HSDP, mesh (replicate={replicas}, shard={cfg.hsdp_shard_size})",
+        # The rows are the shard groups (consecutive ranks: one node's under torchrun), the
+        # columns the replicas of each shard, across nodes.
+        describe=f"HSDP, mesh (replicate={replicas}, shard={cfg.hsdp_shard_size}), "
+        f"shard groups {mesh.mesh.tolist()}",
     )
 
 

@@ -374,6 +374,7 @@ class Trainer:
             # that hold the same ones: all of them, or the replicas of each pipeline stage.
             params_digest=self.par.params_digest(),
             replica=self.par.replica_key,
+            host=socket.gethostname(),
         )
         views = gather_objects(view, d)
         problems = ranks_agree(views)
@@ -400,6 +401,8 @@ class Trainer:
             ranks_consistent=True,
             # Each rank's own count of the steps it skipped in this run (all equal: checked above)
             skipped_per_rank=[len(v.skipped_steps) for v in views],
+            # Where each rank ran: the layout's groups placed on nodes (multi-node runs).
+            hosts=[v.host for v in views],
             # One digest per replica group (checked equal within it above): runs of the same job
             # on other launches (one host or several, another world layout) compare by it.
             params_digests=params_digests(views),
