@@ -28,9 +28,10 @@ The check compares them where the scaler already reads every gradient and runs o
 any change of at most two 16-bit words always (one rank, two replicas, two replica sets; every
 world size up to `MAX_WORLD_SIZE`; a rank's checked words per set below 2.1e9 at the largest set,
 far more at smaller ones); any other change missed with probability at most ``(3 / P1) (3 /
-P2) < 2**-44`` over the secret, with torch's kernels (the Triton kernels take ``A, B, C`` in their
-read, not ``R``). A change the unscale erases before the checksum reads it is not reported, and
-loses nothing.
+P2) < 2**-44`` over the secret, at every check with torch's kernels and at every `INTERVAL`-th
+update with the Triton kernels (their read takes ``A, B, C`` at every check and ``R``, keyed per
+16-bit word, at those updates). A change the unscale erases before the checksum reads it is not
+reported, and loses nothing.
 
 **Exact, no float64.** Every sum is exact: float32 products whose sums stay below ``2**24`` in the
 read, int64 residues after it, float32 limbs in the collective. The ops are float32 and int64
@@ -77,14 +78,15 @@ counters count them, under the cause ``overflow`` (the host never learns theirs:
 Python), and they are not named.
 
 **Cost** on a clean checked step, torch's kernels (the CPU and other devices): one read of the
-checked gradients' words (a ``cat`` into rows of 32 words, converted to float32, one matrix product
-by 15 columns), int64 ops on one value per row and a few per replica set, one host read of the
-reduced limbs; the collective grows by 64 bytes up to 4,096 ranks (twice that with the parameter
-check). With the Triton kernels the words are summed in the kernel's read (no pass of their own)
-and ``A, B, C`` in its reduction (`ReplicaSlots.kernel_terms()`: each tensor's coefficient,
-offset, shift and identity as residues; integer atomics, the same sum in any order), so a checked
-step adds a few small ops and each tensor's checksum for naming is made only on a mismatch; a
-deferred reading adds a dozen more and no host read (counted on the CPU, `tests/test_kernels.py`).
+checked gradients' bytes (a ``cat`` into rows of 512 words, one int8 matrix product by 16
+columns), int64 ops on one value per row and a few per replica set, one host read of the reduced
+limbs; the collective grows by 64 bytes up to 4,096 ranks (twice that with the parameter check).
+With the Triton kernels the words are summed in the kernel's read (no pass of their own) and the
+residues in its reduction (`ReplicaSlots.kernel_terms()`: each tensor's coefficient, offset, shift
+and identity as residues; `ReplicaSlots.kernel_keys()`: the keyed weights, made once per layout;
+integer atomics, the same sum in any order), so a checked step adds a few small ops and each
+tensor's checksum for naming is made only on a mismatch; a deferred reading adds a dozen more and
+no host read (counted on the CPU, `tests/test_kernels.py`).
 """
 
 from __future__ import annotations

@@ -211,3 +211,46 @@ def deferred_on_a_gpu(rank: int, world_size: int) -> dict[str, Any]:
     return {key: {m: _deferred_run(rank, m, *DEFER_CASES[key], device="cuda")
                   for m in ("deferred", "immediate", "off")}
             for key in ("noclip-torch", "clip-deepspeed-plain")}  # fmt: skip
+
+
+# ------------------------------------------------------------- the keyed sums' cadence
+
+#: The keyed sums ride in the kernel's read at every INTERVAL-th update (the 32nd here).
+KEYED_UPDATE = 32
+
+
+def _second_difference_run(rank: int, at_update: int) -> dict[str, Any]:
+    """DDP on 2 ranks, the Triton kernels on the GPU's path checking every update: rank 1 adds
+    (+1, -2, +1) to three neighbouring 16-bit words of a gradient after the reduce at update
+    ``at_update`` only (a change ``A``, ``B`` and ``C`` sum to 0)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = gpu_path(GradScaler("cpu", init_scale=2.0**8, kernels="triton",
+                                 replica_check_interval=1).register_model(ddp))  # fmt: skip
+    out: dict[str, Any] = {"skipped": [], "mismatch": [], "changed": None}
+    for step in range(KEYED_UPDATE):
+        opt.zero_grad()
+        torch.manual_seed(100 + step)  # the same batch on both ranks
+        scaler.scale(ddp(torch.randn(4, 8)).square().mean()).backward()
+        if step + 1 == at_update and rank == 1:
+            words = model[0].weight.grad.view(-1).view(torch.int16)
+            wide = words[40:43].to(torch.int32) + torch.tensor([1, -2, 1], dtype=torch.int32)
+            assert wide.abs().max() < 2**15  # no wrap: the change is exactly (+1, -2, +1)
+            words[40:43] = wide.to(torch.int16)
+            out["changed"] = step + 1
+        scaler.step(opt)
+        scaler.update()
+        out["skipped"].append(scaler.step_was_skipped)
+        last = scaler.last_replica_mismatch
+        out["mismatch"].append(None if last is None else last.step)
+    out["params"] = digest(model.parameters())
+    return out
+
+
+def keyed_every_interval(rank: int, world_size: int) -> dict[str, Any]:
+    """The second difference at update 31 (no keyed sums at that check) and, in a second run, at
+    update 32 (keyed)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    return {str(u): _second_difference_run(rank, u) for u in (KEYED_UPDATE - 1, KEYED_UPDATE)}

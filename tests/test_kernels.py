@@ -537,3 +537,29 @@ def _phase_of(scaler, opt, clip: bool, recipe: bool) -> None:
         scaler.clip_grad_norm_(opt, 1.0)
     scaler.step(opt)
     scaler.update()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    return spawn(S.keyed_every_interval, 2, tmp_path_factory.mktemp("keyed2"))
+
+
+@interpreted
+def test_the_kernels_keyed_sums_catch_a_second_difference_at_every_interval_th_update(keyed):
+    """A change the fixed weights cannot see (+1, -2, +1 on neighbouring words, rank 1 only):
+    at update 31 the kernel's check has no keyed sums and misses it (the replicas drift apart,
+    as with ``replica_check=False``); at update 32 (`INTERVAL`) its keyed sums catch it, on
+    both ranks, and the step is skipped with the replicas kept equal."""
+    from distscaler.replica_check import INTERVAL
+
+    assert S.KEYED_UPDATE == INTERVAL
+    missed, caught = (r[str(u)] for r in keyed[1:] for u in (S.KEYED_UPDATE - 1, S.KEYED_UPDATE))
+    assert missed["changed"] == S.KEYED_UPDATE - 1 and caught["changed"] == S.KEYED_UPDATE
+    for r in keyed:
+        run = r[str(S.KEYED_UPDATE)]
+        assert run["skipped"] == [False] * (S.KEYED_UPDATE - 1) + [True]
+        assert run["mismatch"][-1] == S.KEYED_UPDATE and run["mismatch"][-2] is None
+        early = r[str(S.KEYED_UPDATE - 1)]
+        assert not any(early["skipped"][: S.KEYED_UPDATE - 1]) and early["mismatch"][-2] is None
+    assert keyed[0][str(S.KEYED_UPDATE)]["params"] == keyed[1][str(S.KEYED_UPDATE)]["params"]
+    assert keyed[0][str(S.KEYED_UPDATE - 1)]["params"] != keyed[1][str(S.KEYED_UPDATE - 1)]["params"]

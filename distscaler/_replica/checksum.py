@@ -20,7 +20,9 @@ replica set ``S`` (``m`` ranks, this rank its ``i``-th) weighs word ``k`` with, 
 - ``R`` (per byte, on torch's path): ``a_col * (b_(S,i)(row) - b_(S,i+1 mod m)(row))`` for each of
   the word's two signed bytes, by its row of `ROW_WORDS` words and its byte column there: keyed
   weights, ``a`` per byte column and ``b(row) = e[row div BLOCK_ROWS] * f[row mod BLOCK_ROWS]``
-  per replica and set, uniform modulo ``P`` and drawn from the secret (`Key`).
+  per replica and set, uniform modulo ``P`` and drawn from the secret (`Key`). In the Triton
+  kernel, per word: ``a`` per word column (`Key.word_columns()`) times the same row weights, on
+  the word's signed ``int16`` (`kernel_keys()`: the table it reads).
 
 Every set's weights sum to 0 over its replicas, word by word, so a clean set adds a multiple of
 ``P`` to every slot; the reduced slots are read by `mismatched()` on the host or
@@ -47,9 +49,11 @@ their weights independently.
 **Cost.** A rank's words are read once per check by torch's kernels: its bytes in rows of
 ``2 * ROW_WORDS``, one int8 matrix product by 16 columns (`row_sums()`: each row's byte sums,
 their sums by word index, the 7-bit pieces of the keyed sum, every sum exact in int32), then int64
-ops on one value per row; the keyed weights are a few thousand values per set, drawn once. The Triton pass takes ``A, B, C`` in its
-own read (its ``R`` is 0: the two-word certainty holds there, the bound on other changes on torch's
-path only).
+ops on one value per row; the keyed weights are a few thousand values per set, drawn once. The
+Triton pass takes ``A, B, C`` in its own read at every check and ``R`` at every ``INTERVAL``-th
+update (``distscaler.replica_check.INTERVAL``; 0 at the others, on every rank: the two-word
+certainty holds at every check, the bound on other changes at those updates); its keyed read
+reads 2 int32 per row of ``ROW_WORDS`` words besides the gradients (`kernel_keys()`).
 
 Nothing here knows the scaler, the plan or the collective: `distscaler._replica.check` uses it.
 """

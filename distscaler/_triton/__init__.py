@@ -11,7 +11,8 @@ compiled branches), and from that read writes per-block partials of
 * the largest magnitude (as the int32 bits of ``|x|`` in float32: ordered like the values, and
   NaN's bits sort above inf's, so one integer max gives the max, the inf flag and the NaN flag),
 * ``sum |x|**p`` in float32 (p = 2 or 1; nothing for p = inf, which is the max),
-* the replica checksum's two exact integer moments of the tensor's 16-bit words.
+* the replica checksum's two exact integer moments of the tensor's 16-bit words and, given the
+  keyed weights, its two keyed sums (`kernels`' Keyed sums).
 
 A second launch reduces the partials **in a fixed order** (each tensor's blocks by tiles, each tile
 by ``tl.sum``'s fixed tree; no atomics, so the same bits on every run) into the step's collective

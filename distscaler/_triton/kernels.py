@@ -31,6 +31,21 @@ sum_blocks (K0 * U + J)``, every product of two residues below ``2**48``, every 
 ``P`` before it could reach 2**63. No float, no wrap, any order: exact (tests compare with Python
 integers).
 
+**Keyed sums** (``KEYED``, the replica check's ``R``; `distscaler._replica.checksum`). The table
+``keys`` (int32): ``a[c]`` for each of a row's ``ROW`` word columns modulo ``P1``, ``P2`` (``2 *
+ROW`` values), each tensor's first row (-1: not keyed), then per row its weights ``d`` modulo
+``P1``, ``P2``. A tensor's keyed sum is ``sum_k a[k mod ROW] * d[first + k div ROW] * w_k`` over
+its words (signed ``int16``; positions from the tensor's first word, which starts a row). Per
+element the kernel forms its words' products with ``a`` in int64 (``|w a| < 2**39``); a tile is
+cut into spans of ``min(BLOCK, elements per row)`` elements, each within one row or across one
+row's end (a block's first element need not start a row: a head block, a chunk not a multiple of
+a row), and each side of the cut is summed (``< 2**49`` in magnitude), reduced modulo ``P`` and
+multiplied by its row's ``d`` (``< 2**48``). The block's two residues go to ``part_i[3 nb + b]``
+and ``part_i[4 nb + b]``; the reduction adds a tensor's. Exact, any order (tests compare with
+Python integers at every offset and tile size). The launch takes this variant on half tiles (the
+same span per flush): its products hold registers (104 per thread on sm_90 there, 170 on whole
+tiles; ``launch/kernel_ptx.py``).
+
 **Alignment.** Each block's row in the table says whether its first element sits at a multiple
 of 16 bytes (the host computes it from the address). A tensor whose address is not such a
 multiple (a view at an odd offset: a bucket's, a flat buffer's) gets a *head* block of the
