@@ -325,7 +325,7 @@ def test_the_state_checksum_catches_one_flip_and_a_cancelling_pair():
     cpu = torch.device("cpu")
     a = torch.linspace(-3, 3, 300)
     b = torch.linspace(1, 2, 77, dtype=torch.float64)
-    base = _checksum([a, b], cpu)
+    base = _checksum([a, b], cpu, 7)
 
     def flipped(t: torch.Tensor, i: int, bit: int) -> torch.Tensor:
         t = t.clone()
@@ -334,21 +334,30 @@ def test_the_state_checksum_catches_one_flip_and_a_cancelling_pair():
         return t
 
     for i, bit in [(0, 0), (17, 15), (599, 7)]:
-        assert not torch.equal(_checksum([flipped(a, i, bit), b], cpu), base)
+        assert not torch.equal(_checksum([flipped(a, i, bit), b], cpu, 7), base)
     # Same bit, opposite directions: word 2 has bit 3 clear, word 40 has it set (constructed).
     c = a.clone()
     w = c.view(torch.int16)
     w[2] &= ~(1 << 3)
     w[40] |= 1 << 3
-    ref = _checksum([c, b], cpu)
+    ref = _checksum([c, b], cpu, 7)
     d = c.clone()
     d.view(torch.int16)[2] |= 1 << 3
     d.view(torch.int16)[40] &= ~(1 << 3)
     assert int(d.view(torch.int16).sum()) == int(c.view(torch.int16).sum())  # a plain sum cancels
-    assert not torch.equal(_checksum([d, b], cpu), ref)
+    assert not torch.equal(_checksum([d, b], cpu, 7), ref)
     e = b.clone()
     e.view(torch.int16)[5] ^= 1 << 3
-    assert not torch.equal(_checksum([flipped(c, 2, 3), e], cpu), ref)
+    assert not torch.equal(_checksum([flipped(c, 2, 3), e], cpu, 7), ref)
+    # A second difference (+1, -2, +1 on neighbouring words: plain and position sums cancel) is
+    # seen by the keyed sum, keyed by the step: at each of 20 steps, with that step's own key
+    # (the same in every group), and the keys differ from step to step.
+    f = c.clone()
+    f.view(torch.int16)[100:103] += torch.tensor([1, -2, 1], dtype=torch.int16)
+    for step in range(20):
+        ours, theirs = _checksum([f, b], cpu, step), _checksum([c, b], cpu, step)
+        assert torch.equal(ours[:4], theirs[:4]) and not torch.equal(ours[4:], theirs[4:]), step
+    assert not torch.equal(_checksum([c, b], cpu, 1), _checksum([c, b], cpu, 2))
 
 
 # ---------------------------------------------------------------------- the core, outside torchft

@@ -344,10 +344,10 @@ class TorchftCheck:
         if grads_due:
             grads = [getattr(p.grad, "_local_tensor", p.grad)
                      for g in optimizer.param_groups for p in g["params"] if p.grad is not None]  # fmt: skip
-            row[1 : 1 + fp] = (_checksum(grads, flat.device) + 1).mul_(1.0 - bad)
+            row[1 : 1 + fp] = (_checksum(grads, flat.device, step.step) + 1).mul_(1.0 - bad)
         if state_due:
             parts = state_parts(optimizer, self.scaler.state_dict())  # one host read
-            row[1 + fp :] = torch.cat([_checksum(t, flat.device) for t in parts]) + 1
+            row[1 + fp :] = torch.cat([_checksum(t, flat.device, step.step) for t in parts]) + 1
             step.state_checked = True
         return rows, grads_due, state_due
 
@@ -506,22 +506,26 @@ class FaultTolerantGradScaler:
         self.check.heal_counts_own = value
 
 
-#: The keyed weights of the exchange's checksums: every group holds the same key without an
-#: exchange of its own.
-_KEY = Key(0x64697374)
+@functools.lru_cache(maxsize=4)
+def _key(step: int) -> Key:
+    """The keyed weights of the exchange's checksums at ``step`` (torchft's step, the same in
+    every group of the quorum): every group holds the same key without an exchange of its own,
+    and a new one at each step, so that a fault that repeats meets fresh weights each time."""
+    return Key(0x64697374 ^ ((int(step) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)))
 
 
-def _checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _checksum(tensors: Sequence[torch.Tensor], device: torch.device, step: int) -> torch.Tensor:
     """The checksum of ``tensors`` read as one stream of 16-bit words: float32 ``(6,)``, residues
     below ``2**24`` (`distscaler._replica.checksum.digest()`: two streams that differ in at most
-    two words never share it). Tensors on another device are copied to ``device``. No host
-    read."""
-    return digest(tensors, _KEY, device)
+    two words never share it; any other difference shares it for at most ``(3 / P1) (3 / P2)``
+    of the keys), keyed by ``step`` (`_key()`). Tensors on another device are copied to
+    ``device``. No host read."""
+    return digest(tensors, _key(step), device)
 
 
 @functools.cache
 def _checksum_numel() -> int:
-    return _checksum([], torch.device("cpu")).numel()
+    return _checksum([], torch.device("cpu"), 0).numel()
 
 
 def install(
