@@ -468,7 +468,9 @@ class GradScaler(torch.amp.GradScaler):
 
         torch's semantics (``policy="torch"``; others:
         [`distscaler.policies`][distscaler.policies]), clamped to ``[min_scale, max_scale]``. A
-        handful of device ops (one ``lerp_`` per optimizer keeps the overflow flags,
+        handful of device ops (the overflow flags ride in the skip counters' ``_foreach_lerp_``
+        where the inf check gave ``found_inf`` in their shape, as a fused step's check on a GPU
+        does; else one ``lerp_`` per optimizer keeps them:
         [`distscaler.attribution`][distscaler.attribution]), no collective, no host read but one
         every ``skip_log_interval`` calls (never inside CUDA graph capture): the periodic skip
         report, which, when a step was skipped since the last one, also attributes it
@@ -514,7 +516,10 @@ class GradScaler(torch.amp.GradScaler):
                 counters = records[0].next_counters
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
-                self._overflows.record_(found_inf, flagged, update, lerps)
+                # one record: its check's found_inf is the agreed one, and so are its flags'
+                # weights (found_inf in every lane)
+                self._overflows.record_(found_inf, flagged, update, lerps,
+                                        own_weights=len(found) == 1)  # fmt: skip
         counted = new_scale is None and own is None
         for reading in readings:  # before the update's periodic read, which counts them
             reading.close(update, found_inf, counted=counted)

@@ -150,9 +150,11 @@ class DeviceState:
 
     def skip_counters_(self, found_inf: torch.Tensor, counters: NextCounters, extra: Sequence[Lerp] = ()) -> None:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
-        and the scale it used; ``extra`` lerps of 0-dim tensors (the policy's) ride in the same
-        ``_foreach_lerp_``, the one op of this call with no overflow flags; one of a vector (the
-        overflow flags') is a ``lerp_`` of its own. Call before the policy changes the scale.
+        and the scale it used; ``extra`` lerps ride in the same ``_foreach_lerp_``, the one op of
+        this call, where the weight has the tensor's sizes (the policy's 0-dim counters; the
+        overflow flags with their own weight, found_inf in every lane); a vector with a 0-dim
+        weight (the overflow flags' otherwise) is a ``lerp_`` of its own. Call before the policy
+        changes the scale.
 
         Args:
             found_inf: 0-dim float32, exactly 1.0 (skipped) or 0.0.
@@ -169,10 +171,10 @@ class DeviceState:
                 targets.append(t)
                 ends.append(e)
                 weights.append(w)
-            else:  # a vector (the overflow flags' flags) with a 0-dim weight: torch's CUDA
-                # foreach kernels take their per-tensor path for the whole list when one entry's
-                # sizes differ (a kernel per entry, 5 in place of 1, seen on an H100), so it
-                # runs apart, one lerp_ of its own
+            else:  # a vector (the overflow flags) with a 0-dim weight: torch's CUDA foreach
+                # kernels take their per-tensor path for the whole list when the sizes of a
+                # tensor and of its weight differ (a kernel per entry, 5 in place of 1, seen on
+                # an H100), so it runs apart, one lerp_ of its own
                 apart.append((t, e, w))
         # lerp with a weight of exactly 0 or 1 selects its start or its end, bit for bit.
         torch._foreach_lerp_(targets, ends, weights)
@@ -440,7 +442,8 @@ class ScalerState:
         held: torch.Tensor | None = None,
     ) -> bool:
         """One update from an agreed ``found_inf`` (0-dim float32, exactly 0.0 or 1.0): the skip
-        skip counters (with ``extra`` lerps, the overflow flags', in its one op), then the policy, on
+        counters (with ``extra`` lerps, the overflow flags', in its one op where their weight has
+        their shape: `DeviceState.skip_counters_()`), then the policy, on
         the device (two ops with the torch policy, four with DeepSpeed's or Megatron's packed, plus
         the clamp with bounds; ``counters``: what the inf check's ``_foreach_addcdiv`` made,
         `DeviceState.counter_terms()`, else one more op makes them); ``held``: a deferred replica

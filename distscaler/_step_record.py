@@ -102,7 +102,7 @@ class StepRecord:
             flags = result.per_tensor_flags
             taken = None
             if flags is not None or result.clean_read:
-                taken = TensorFlags(result.params, flags)
+                taken = TensorFlags(result.params, flags, result.flag_weights)
             self.flags = StepFlags(optimizer, taken, result.flags_after_read)
 
 

@@ -11,12 +11,13 @@ clean steps a few small device ops:
    when it holds a NaN, [`INF_CODE`][distscaler.attribution.INF_CODE] when it holds an inf or -inf
    (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
 2. **The overflow flags** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
-   ``update()``, one ``lerp_`` per optimizer beside the skip counters' ``_foreach_lerp_``: inside
-   it, the flags' vector among 0-dim tensors would send torch's CUDA foreach kernel down its
-   per-tensor path): a device tensor per optimizer that takes the iteration's flags when the
-   agreed ``found_inf`` is exactly 1.0 and keeps its own when it is 0.0. It always holds this
-   rank's flags of the most recent skipped step, stays on the device and advances under CUDA
-   graph replay.
+   ``update()``, in the skip counters' ``_foreach_lerp_`` where the inf check gave ``found_inf``
+   in one lane per flag (a fused step's check on a GPU: at world size 1 without clipping, at any
+   with it), else one ``lerp_`` per optimizer beside it: a vector weighed by a 0-dim tensor would
+   send torch's CUDA foreach kernel down its per-tensor path): a device tensor per optimizer that
+   takes the iteration's flags when the agreed ``found_inf`` is exactly 1.0 and keeps its own when
+   it is 0.0. It always holds this rank's flags of the most recent skipped step, stays on the
+   device and advances under CUDA graph replay.
 3. **The report** ([`OverflowTracker.report()`][distscaler.attribution.OverflowTracker.report], with
    the periodic skip report, every ``skip_log_interval`` updates on every rank at the same update):
    when a step was skipped since the last report, each rank reads its overflow flags (one host read), names
@@ -143,6 +144,10 @@ class TensorFlags(NamedTuple):
     #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
     #: was read on the host (nothing to record: the overflow flags are kept as they are).
     flags: torch.Tensor | None
+    #: The inf check's own ``found_inf`` in every lane of ``flags``' shape, where it made it so:
+    #: the weight of the overflow flags' lerp that keeps it in the skip counters'
+    #: ``_foreach_lerp_`` (see `OverflowTracker.record_()`); None: the 0-dim ``found_inf``.
+    weights: torch.Tensor | None = None
 
 
 class StepFlags(NamedTuple):
@@ -258,17 +263,26 @@ class OverflowTracker:
         flagged: list[StepFlags],
         step: int,
         lerps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        *,
+        own_weights: bool = False,
     ) -> None:
         """Keep this iteration's flags where ``found_inf`` (0-dim float32, exactly 0.0 or 1.0,
         agreed) says the step was skipped: one ``lerp_`` per optimizer with flags, or, given
-        ``lerps``, those lerps appended to it as ``(kept, flags, found_inf)`` for the caller to
-        run (the scaler runs them beside the skip counters' lerp: no op here).
+        ``lerps``, those lerps appended to it as ``(kept, flags, weight)`` for the caller to
+        run (the scaler runs them in the skip counters' ``_foreach_lerp_``: no op here). The
+        weight is ``found_inf``, or with ``own_weights`` the flags' own
+        (`TensorFlags.weights`) where they have the overflow flags' shape: the same value in every
+        lane, with which torch's CUDA foreach keeps a vector among 0-dim tensors on its
+        multi-tensor path (a 0-dim weight for a vector sends the whole list down its per-tensor
+        path: one kernel per tensor).
 
         Args:
             flagged: the optimizers stepped in this iteration, their flags (None: not flagged, as a
                 non-fused optimizer's clean step is not; its overflow flags are then left as they were) and
                 whether they were taken after the host read the flag (then only on a skip).
             step: the number of this update.
+            own_weights: the flags' weights hold ``found_inf`` itself (one stepped optimizer, whose
+                inf check's flag is the agreed one).
         """
         lerps_due: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         present = set()
@@ -289,7 +303,10 @@ class OverflowTracker:
                 kept = _KeptFlags(flags.params, flags.flags.device)
                 self._kept[optimizer] = kept
                 dense = flags.flags
-            lerps_due.append((kept.flags, dense, found_inf))
+            weight = found_inf
+            if own_weights and flags.weights is not None and flags.weights.shape == dense.shape:
+                weight = flags.weights
+            lerps_due.append((kept.flags, dense, weight))
             kept.host_step = step if after_read else None
         # The flags of optimizers not stepped in this iteration (none when every one's was).
         kept_all = list(self._kept.items()) if len(self._kept) > kept_for else []

@@ -142,10 +142,16 @@ def test_the_report_is_of_the_last_skipped_step_of_the_interval():
     assert scaler.last_overflow is report and len(spy.reads) == 1
 
 
-def test_parameters_without_a_gradient_this_step_are_clean():
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_parameters_without_a_gradient_this_step_are_clean(path):
+    # On the GPU's path the subset's flags are scattered into the overflow flags' order, which the
+    # inf check's lanes of found_inf (one per flagged gradient) do not fit: they take the 0-dim
+    # found_inf, in a lerp_ of their own.
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = distscaler.GradScaler("cpu", skip_log_interval=1).register_model(model)
+    if path == "gpu":
+        gpu_path(scaler)
     _train(scaler, model, opt, [[("0.weight", math.inf)]], mode="clip")
     opt.zero_grad()
     _backward(scaler, model, [("4.weight", math.nan)])
@@ -156,15 +162,21 @@ def test_parameters_without_a_gradient_this_step_are_clean():
     assert _entries(scaler.last_overflow) == [(0, "4.weight", "nan")]
 
 
-def test_an_optimizer_that_held_nothing_is_not_blamed():
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+@pytest.mark.parametrize("second", ["foreach", "fused"])
+def test_an_optimizer_that_held_nothing_is_not_blamed(path, second):
+    # Two optimizers stepped: the agreed found_inf is their maximum, so neither check's lanes of
+    # its own found_inf weigh its flags (the GPU's path with two fused optimizers).
     model = make_model()
     first, rest = (
         list(model[0].parameters()),
         [p for m in (model[2], model[4]) for p in m.parameters()],
     )
     fused = torch.optim.AdamW(first, lr=1e-3, fused=True)
-    plain = torch.optim.AdamW(rest, lr=1e-3, foreach=True)
+    plain = torch.optim.AdamW(rest, lr=1e-3, **{second: True})
     scaler = distscaler.GradScaler("cpu", skip_log_interval=1).register_model(model)
+    if path == "gpu":
+        gpu_path(scaler)
 
     def update(faults, optimizers):
         for opt in (fused, plain):
@@ -174,7 +186,7 @@ def test_an_optimizer_that_held_nothing_is_not_blamed():
             scaler.step(opt)
         scaler.update()
 
-    update([("2.weight", math.inf)], [fused, plain])  # the non-fused optimizer codes after its read
+    update([("2.weight", math.inf)], [fused, plain])  # a non-fused one codes after its read
     assert _entries(scaler.last_overflow) == [(0, "2.weight", "inf")]
     update([("0.bias", math.nan)], [fused, plain])  # plain's own step was clean: not blamed
     assert _entries(scaler.last_overflow) == [(0, "0.bias", "nan")]

@@ -11,6 +11,7 @@ graph of aten ops, the host code then never runs again); on a GPU with ``torch.c
 from __future__ import annotations
 
 import math
+import operator
 
 import _capture as C
 import _nccl
@@ -97,6 +98,16 @@ def test_nccl_all_reduce_inside_a_cuda_graph_agrees_on_every_rank(tmp_path):
     assert not math.isclose(results[0]["scales"][-1], C.INIT_SCALE)
 
 
+def _through_views(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose output ``node`` is a view of (itself if it is none): through view ops and
+    the items of one that gives several (``unbind``)."""
+    while node.op == "call_function" and (
+        getattr(node.target, "is_view", False) or node.target is operator.getitem
+    ):
+        node = node.args[0]  # type: ignore[assignment]
+    return node
+
+
 @pytest.mark.parametrize("clip", [True, False], ids=["clip", "noclip"])
 def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
     # An interval no replay reaches: the record is only advanced by the traced ops, and read once
@@ -111,12 +122,17 @@ def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
     traced.step()
     traced.set_grads(1, faults)
     graph = make_fx(lambda: traced.step())()
-    # The skip counters' four lanes in one _foreach_lerp_, the overflow flags (a vector: apart,
-    # so that torch's CUDA foreach keeps its one-kernel path) in a lerp_ of its own, both traced.
+    # The skip counters' four lanes and the overflow flags in one _foreach_lerp_, traced: the
+    # flags weighed by found_inf in one lane per gradient, a view of the clamp that makes the
+    # skip counters' found_inf (a weight of the flags' sizes keeps torch's CUDA foreach on its
+    # one-kernel path), and no lerp_ of their own.
     (lerp,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten._foreach_lerp_.List]
-    assert len(lerp.args[0]) == 4
-    (record,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten.lerp_.Tensor]
-    assert record.args[2] in lerp.args[2]  # weighted by the skip counters' found_inf
+    assert len(lerp.args[0]) == 5
+    assert not [n for n in graph.graph.nodes if n.target == torch.ops.aten.lerp_.Tensor]
+    weights = lerp.args[2]
+    clamp = _through_views(weights[1])
+    assert clamp.target in (torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor)
+    assert _through_views(weights[-1]) is clamp and weights[-1] is not weights[1]
     for step in range(2, STEPS):
         traced.set_grads(step, faults)
         graph()
