@@ -105,9 +105,13 @@ def test_teardown_leaves_nothing_after_failed_timed_out_and_running_commands(
     # Left running at teardown: a process tree on each host.
     running = [bed.run(h, "sleep 300 & sleep 300") for h in bed.hosts]
     deadline = time.monotonic() + 10
-    while not all(len(bed.host_pids(h)) >= 2 for h in bed.hosts) and time.monotonic() < deadline:
+    # One snapshot of every host, taken until each shows both sleeps (a shell still forking or
+    # exec'ing counts apart from them for a moment: two lookups could see different trees).
+    seen = [bed.host_pids(h) for h in bed.hosts]
+    while not all(len(p) >= 2 for p in seen) and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = [pid for h in bed.hosts for pid in bed.host_pids(h)]
+        seen = [bed.host_pids(h) for h in bed.hosts]
+    pids = [pid for p in seen for pid in p]
     assert len(pids) >= 4  # guard: the teardown has processes to end
     assert multihost.leftovers(bed.tag) != []  # guard: the check sees a running testbed
     bed.teardown()
