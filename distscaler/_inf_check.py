@@ -23,14 +23,14 @@ Device ops per pass (world size 1, one (device, dtype) group; world size > 1 add
   ``stack``, ``nan_to_num`` on a skip). On a GPU with flags: ``_foreach_norm`` with p = inf (each
   gradient's largest magnitude: read-only, inf/NaN exactly when the gradient holds one), ``stack``,
   ``nan_to_num``, ``amin``, the ``_foreach_addcdiv`` (``-min``), ``clamp`` for a flag of exactly
-  0.0 or 1.0 (at world size 1 in one lane per gradient: the overflow flags' weight,
+  0.0 or 1.0 (at world size 1 in one element per gradient: the overflow flags' weight,
   ``StepResult.flag_weights``): 6.
 * ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then the
   ``_foreach_addcdiv`` for the norm, ``scaled norm / max_norm`` and the overflow flag; on the CPU
   (fused) the flag's host read and ``fmax`` for ``grad_scale``: 6. On a GPU: the ``stack`` also
   makes the slots of the total norm and of the update's counters, one ``nan_to_num`` flags the
   per-tensor norms and the total norm together, the ``_foreach_addcdiv_`` writes into the slots, one
-  ``clamp`` gives the exact flag and ``grad_scale``, in one lane per gradient: 6
+  ``clamp`` gives the exact flag and ``grad_scale``, in one element per gradient: 6
   (`_norm_on_device()`).
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
@@ -85,11 +85,11 @@ class StepResult:
         clean_read: ``found_inf`` was read on the host and no flags were taken for it (a clean
             step): the optimizer's overflow flags stays as it is.
         flags_after_read: the flags were taken after the host read ``found_inf`` (on a skip only).
-        flag_weights: ``found_inf`` in every lane of ``per_tensor_flags``' shape (a view of the op
-            that made ``found_inf``), where the pass made it so: the weight that lets the overflow
-            flags ride in the skip counters' one ``_foreach_lerp_`` (torch's CUDA foreach keeps its
-            multi-tensor path where every tensor and its weight have the same sizes); None where it
-            did not (then the flags take a ``lerp_`` of their own).
+        flag_weights: ``found_inf`` in every element of ``per_tensor_flags``' shape (a view of the
+        op that made ``found_inf``), where the pass made it so: the weight that lets the overflow
+        flags ride in the skip counters' one ``_foreach_lerp_`` (torch's CUDA foreach keeps its
+        multi-tensor path where every tensor and its weight have the same sizes); None where it did
+        not (then the flags take a ``lerp_`` of their own).
         next_counters: the update's counters made by this pass (``DeviceState.next_counters``), or None
             (the update makes them).
         skipped: ``found_inf`` as read on the host, None where it was not read.
@@ -417,7 +417,7 @@ def _check(
     factor of exactly 1.0 (it writes back the values it read). Otherwise the largest magnitude of
     each gradient (``_foreach_norm`` with p = inf: inf or NaN exactly when the gradient holds one)
     gives the flags and, by their minimum, ``found_inf``: where no collective follows, clamped in
-    one lane per flag (``flag_weights``, found_inf the first), the weight that puts the overflow
+    one element per flag (``flag_weights``, found_inf the first), the weight that puts the overflow
     flags in the skip counters' ``_foreach_lerp_``.
     """
     kernel = not plan.per_tensor_flags or plan.read_found_inf
@@ -435,11 +435,11 @@ def _check(
         neg_min, *next_values = torch._foreach_addcdiv(
             [state.zero, *a], [flags.amin(), *b], [state.minus_one, *c]
         )
-        if coll.active:  # agreed after the clamp: lanes clamped here would hold this rank's flag
+        if coll.active:  # agreed after the clamp: elements clamped here would hold this rank's flag
             found = neg_min.clamp(0.0, 1.0)
         else:
-            # The same clamp over -min in one lane per flag (an expanded view: no op more), the
-            # overflow flags' weight (`StepResult.flag_weights`), found_inf its first lane.
+            # The same clamp over -min in one element per flag (an expanded view: no op more), the
+            # overflow flags' weight (`StepResult.flag_weights`), found_inf its first element.
             weights = neg_min.expand(flags.shape).clamp(0.0, 1.0)  # (num_grads,)
             found = weights[0]
         counters = state.next_counters(next_values)
@@ -832,13 +832,13 @@ def _norm_on_device(
         [flagged_total, flagged_total, total, *b],
         [state.minus_one, max_norm_t, scale, *c],
     )
-    # The clamp over one lane per gradient (its operands repeated by views: no op more), so that
-    # its first row, found_inf in every lane, weighs the overflow flags (`StepResult.flag_weights`);
-    # T is agreed before it at any world size.
+    # The clamp over one element per gradient (its operands repeated by views: no op more), so that
+    # its first row, found_inf in every element, weighs the overflow flags
+    # (`StepResult.flag_weights`); T is agreed before it at any world size.
     width, at = max(num_grads, 1), num_grads + 1  # ``at``: where ``slots`` starts in ``buffer``
-    lanes = torch.clamp(_repeated(buffer, at, width), min=_repeated(buffer, at + 2, width),
+    clamped = torch.clamp(_repeated(buffer, at, width), min=_repeated(buffer, at + 2, width),
                         max=_repeated(buffer, at + 4, width))  # fmt: skip
-    weights, scales = lanes.unbind()  # (width,) each: found_inf, grad_scale
+    weights, scales = clamped.unbind()  # (width,) each: found_inf, grad_scale
     found, grad_scale = weights[0], scales[0]
     if not plan.fused:
         _div_(grads, grad_scale)

@@ -263,9 +263,8 @@ class GradScaler(torch.amp.GradScaler):
         self._collapse = CollapseWatch()
         #: (host update count, cause, report) of the last skip only the host knows the cause of.
         self._last_host_skip: tuple[int, str, Any] | None = None
-        #: An error a check's periodic naming gave (``on_replica_mismatch="raise"``), raised when
-        #: its update completes.
-        self._deferred_error: Exception | None = None
+        #: An error a check's periodic naming gave, raised when its update completes.
+        self._check_error: Exception | None = None
         #: The most recent collapse report (``collapse_window``), or None.
         self.last_collapse: CollapseReport | None = None
 
@@ -517,7 +516,7 @@ class GradScaler(torch.amp.GradScaler):
             if self._attributing:
                 flagged = [r.flags for r in records if r.flags is not None]
                 # one record: its check's found_inf is the agreed one, and so are its flags'
-                # weights (found_inf in every lane)
+                # weights (found_inf in every element)
                 self._overflows.record_(found_inf, flagged, update, lerps,
                                         own_weights=len(found) == 1)  # fmt: skip
         counted = new_scale is None and own is None
@@ -548,7 +547,7 @@ class GradScaler(torch.amp.GradScaler):
         # Cleared in place: torch 2.6's dynamo gives a dict made in a compiled graph back as a
         # plain dict.
         self._records.clear()
-        self._raise_deferred()
+        self._raise_check_error()
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         # The optimizers of this iteration (their records keep them), for the parameter check.
@@ -556,7 +555,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _skip(self, cause: str, report: Any = None) -> None:
         # An iteration whose step was skipped for ``cause`` without moving the scale (torchft's
-        # uncommitted step): counted in the one skip account, as update() counts a mismatch.
+        # uncommitted step): counted in the one skip account, as update() counts a check's skip.
         self._device_state("update")
         due = self._state.skip(cause, self._config)
         self._last_host_skip = (self._state.num_host_updates, cause, report)
@@ -602,10 +601,10 @@ class GradScaler(torch.amp.GradScaler):
         # waiting readings found (named here, where every rank is), the overflow report, the
         # collapse watch.
         _, values, totals = self._read()
-        self._name_deferred()
+        self._name_waiting()
         self._report(totals, values.scale)
 
-    def _count_deferred(self) -> None:
+    def _count_waiting(self) -> None:
         # The checks' readings that waited on the device, read on the host (nothing when none
         # wait; no collective): each that held its update is a skip of its own cause.
         for check in self._checks:
@@ -615,8 +614,8 @@ class GradScaler(torch.amp.GradScaler):
                 if last is None or last[0] <= update:
                     self._last_host_skip = (update, cause, None)
 
-    def _name_deferred(self) -> None:
-        # What those skips were (every rank together); an error waits for `_raise_deferred` at
+    def _name_waiting(self) -> None:
+        # What those skips were (every rank together); an error waits for `_raise_check_error` at
         # the end of the update.
         for check in self._checks:
             named, error = check.name()
@@ -624,14 +623,13 @@ class GradScaler(torch.amp.GradScaler):
                 last = self._last_host_skip
                 if last is not None and last[0] == update:
                     self._last_host_skip = (update, last[1], report)
-            if error is not None and self._deferred_error is None:
-                self._deferred_error = error
+            if error is not None and self._check_error is None:
+                self._check_error = error
 
-    def _raise_deferred(self) -> None:
-        # An error a check's naming gave (``on_replica_mismatch="raise"`` for a mismatch named by
-        # the periodic read), once the update is complete (its step was skipped and the update
-        # held on the device).
-        error, self._deferred_error = self._deferred_error, None
+    def _raise_check_error(self) -> None:
+        # An error a check's naming gave at the periodic read, once the update is complete (its
+        # step was skipped and the update held on the device).
+        error, self._check_error = self._check_error, None
         if error is not None:
             raise error
 
@@ -704,7 +702,7 @@ class GradScaler(torch.amp.GradScaler):
         # iterations (no inf check awaiting its update) the device's counts fold into the host's. Never asks the
         # process group (safe on another thread: torchft's quorum calls state_dict there).
         fold = not self._records
-        self._count_deferred()
+        self._count_waiting()
         return self._state.read(*extra, fold=fold, world_size=self._group.last_world_size)
 
     def _report(self, totals: SkipTotals, scale: float | None = None) -> None:
@@ -886,7 +884,7 @@ class GradScaler(torch.amp.GradScaler):
         flag = self._state.last_found_inf
         if not self._enabled or flag is None:
             return False
-        found = self._read(flag)[0][0]  # (counts a deferred replica check's mismatch flag too)
+        found = self._read(flag)[0][0]  # (counts the checks' waiting readings too)
         host = self._last_host_skip  # a skip whose cause only the host knows (no inf found)
         if host is not None and host[0] == self._state.num_host_updates:
             return True
@@ -1059,8 +1057,8 @@ class GradScaler(torch.amp.GradScaler):
         if self._records:
             raise CallOrderError("report_skip() must be called after update().")
         totals = self._read()[2]
-        self._name_deferred()
-        self._raise_deferred()
+        self._name_waiting()
+        self._raise_check_error()
         if not totals.last_skipped:
             return None
         host = self._host_skip(totals)
@@ -1131,7 +1129,7 @@ class GradScaler(torch.amp.GradScaler):
             state.update(_state=self._state.portable(values, totals), _scale=None)
             state["_growth_tracker"] = None
         state["_records"] = {}
-        state["_deferred_error"] = None
+        state["_check_error"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1139,7 +1137,7 @@ class GradScaler(torch.amp.GradScaler):
         state.setdefault("_records", {})
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
         state.setdefault("_kernels", "torch")
-        state.setdefault("_deferred_error", None)
+        state.setdefault("_check_error", state.pop("_deferred_error", None))
         self.__dict__.update(state)
         if "_checks" not in state:  # pickled before the checks were a list
             self._checks = [self._replicas]

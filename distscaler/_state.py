@@ -152,7 +152,7 @@ class DeviceState:
         """Fold one update in: count it, count it as skipped if ``found_inf``, remember its number
         and the scale it used; ``extra`` lerps ride in the same ``_foreach_lerp_``, the one op of
         this call, where the weight has the tensor's sizes (the policy's 0-dim counters; the
-        overflow flags with their own weight, found_inf in every lane); a vector with a 0-dim
+        overflow flags with their own weight, found_inf in every element); a vector with a 0-dim
         weight (the overflow flags' otherwise) is a ``lerp_`` of its own. Call before the policy
         changes the scale.
 

@@ -12,7 +12,7 @@ clean steps a few small device ops:
    (and no NaN). The flags are finite, so that a ``lerp`` can keep them.
 2. **The overflow flags** ([`OverflowTracker.record_()`][distscaler.attribution.OverflowTracker.record_], in
    ``update()``, in the skip counters' ``_foreach_lerp_`` where the inf check gave ``found_inf``
-   in one lane per flag (a fused step's check on a GPU: at world size 1 without clipping, at any
+   in one element per flag (a fused step's check on a GPU: at world size 1 without clipping, at any
    with it), else one ``lerp_`` per optimizer beside it: a vector weighed by a 0-dim tensor would
    send torch's CUDA foreach kernel down its per-tensor path): a device tensor per optimizer that
    takes the iteration's flags when the agreed ``found_inf`` is exactly 1.0 and keeps its own when
@@ -144,7 +144,7 @@ class TensorFlags(NamedTuple):
     #: [`flag_tensors()`][distscaler.attribution.flag_tensors]); None for a clean step whose flag
     #: was read on the host (nothing to record: the overflow flags are kept as they are).
     flags: torch.Tensor | None
-    #: The inf check's own ``found_inf`` in every lane of ``flags``' shape, where it made it so:
+    #: The inf check's own ``found_inf`` in every element of ``flags``' shape, where it made it so:
     #: the weight of the overflow flags' lerp that keeps it in the skip counters'
     #: ``_foreach_lerp_`` (see `OverflowTracker.record_()`); None: the 0-dim ``found_inf``.
     weights: torch.Tensor | None = None
@@ -272,7 +272,7 @@ class OverflowTracker:
         run (the scaler runs them in the skip counters' ``_foreach_lerp_``: no op here). The
         weight is ``found_inf``, or with ``own_weights`` the flags' own
         (`TensorFlags.weights`) where they have the overflow flags' shape: the same value in every
-        lane, with which torch's CUDA foreach keeps a vector among 0-dim tensors on its
+        element, with which torch's CUDA foreach keeps a vector among 0-dim tensors on its
         multi-tensor path (a 0-dim weight for a vector sends the whole list down its per-tensor
         path: one kernel per tensor).
 

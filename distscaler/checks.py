@@ -5,14 +5,15 @@ slots to it: the replica check's checksum ([`distscaler.replica_check`][distscal
 an FP8 amax agreed across ranks, anything an integration needs agreed at the step. Each check is one
 object the scaler holds (the replica check from its settings; others through
 [`GradScaler.add_check()`][distscaler.GradScaler.add_check]), and declares its whole life through
-the three protocols below. The scaler, the plan and the pass call them in this order and name
-none of them:
+the two protocols and the record below: a `Check` for the run, a `Contribution` it declares for a
+step (its slots and the two functions the pass calls), a `Reading` of the reduced slots. The
+scaler, the plan and the pass call them in this order and name none of them:
 
 | when | the call |
 |---|---|
 | ``unscale_``, ``clip_grad_norm_`` or ``step`` plans the step's pass | `Check.contribution()`: this step's `Contribution`, or None (not due) |
-| the pass reads the gradients | `Contribution.local()`: this rank's slots, float32 |
-| right after the collective, on every rank | `Contribution.read()`: a `Reading`, or None (nothing to act on) |
+| the pass reads the gradients | the contribution's ``local``: this rank's slots, float32 |
+| right after the collective, on every rank | the contribution's ``read``: a `Reading`, or None (nothing to act on) |
 | the optimizer's step | `Reading.step_flag()`: what the step takes as ``found_inf`` |
 | ``update()`` | `Reading.settle()`, then `Reading.close()`; then `Check.end_iteration()` |
 | a host read of the scaler (``skip_totals``, ``state_dict``, ``metrics``...) | `Check.count()`: skips that readings found on the device |
@@ -26,15 +27,14 @@ only ``found_inf`` moves the scale. A settlement's ``held`` flag (0-dim float32 
 exactly 0.0 or 1.0) holds the update on the device where it is 1.0, with no host read: the
 scale and counters stay as they were, and the skip is counted by the check's `Check.count()`
 at the next host read. A check never moves the scale itself.
-
 **A check that agrees beyond the scaler's group** (torchft's other replica groups: the
-`TorchftCheck` of [`distscaler.integrations.torchft`][distscaler.integrations.torchft]) declares
-two more things: ``Check.every_step`` (True: the collective runs at every step, also at one rank
-of no group, where nothing is reduced and the contributions are still read, over a world treated
-as one whose membership changes, so the replica check, which never compares over such a group, is
-not due) and ``Contribution.reads_agreed`` (True: `Contribution.read()` gets the pass's reduced
-buffer as ``agreed``, the non-finite flag and the norm statistic where the pass has one, which the
-reading may change in place before the pass reads it: torchft's raises it to the groups' MAX, or
+`TorchftCheck` of [`distscaler.integrations.torchft`][distscaler.integrations.torchft]) declares two
+more things: ``Check.every_step`` (True: the collective runs at every step, also at one rank of no
+group, where nothing is reduced and the contributions are still read, over a world treated as one
+whose membership changes, so the replica check, which never compares over such a group, is not due)
+and ``Contribution.reads_agreed`` (True: the contribution's ``read`` gets the pass's reduced buffer
+as ``agreed``, the non-finite flag and the norm statistic where the pass has one, which the reading
+may change in place before the pass reads it: torchft's raises it to the groups' MAX, or
 forces a skip). Every other check sets both to False.
 
 How the slots combine (``Contribution.combine``): ``"sum"`` slots are summed over the group, in
@@ -105,10 +105,10 @@ class KernelPart(NamedTuple):
 
     Attributes:
         primes: the moduli of the per-tensor word sums the kernel takes in its read (given to
-            `Contribution.local()` as ``moments``).
+            the contribution's ``local`` as ``moments``).
         terms: ``terms(params, grads)``: per-tensor terms (int64 ``(n, 8)`` on the device) from
             which the kernel's reduction sums the contribution's slots (given to
-            `Contribution.local()` as ``sums``); None where it takes no sums at this step.
+            the contribution's ``local`` as ``sums``); None where it takes no sums at this step.
         keys: ``keys(params, grads)``: the int32 table of keyed weights whose keyed sums the
             kernel adds to the moments and to ``sums`` (their last two); None (the field, or
             what it returns): no keyed sums.
@@ -121,44 +121,40 @@ class KernelPart(NamedTuple):
     )
 
 
-class Contribution(Protocol):
-    """One check's part of one step's collective (made by `Check.contribution()`)."""
+class Contribution(NamedTuple):
+    """One check's part of one step's collective, as `Check.contribution()` declares it: its
+    slots, how they combine, and the two functions the pass calls (`local` before the collective,
+    `read` right after it, on every rank).
 
-    #: Float32 slots it adds to the collective.
+    Attributes:
+        numel: float32 slots it adds to the collective.
+        local: ``local(params, grads, moments, sums)``: this rank's slots, float32 ``(numel,)``,
+            from the gradients as the pass reads them (``grads`` in ``params``' order);
+            ``moments``, ``sums``: what the Triton pass computed for it (``kernel_part``), else
+            None.
+        read: ``read(reduced, local_flag, agreed)``: what the reduced slots (float32
+            ``(numel,)``, the same on every rank) say: a `Reading`, or None when there is nothing
+            to act on. ``local_flag``: this rank's non-finite flag before the reduce, float32
+            ``(1,)``, where ``keeps_local_flag``; ``agreed``: the pass's reduced buffer (the flag
+            first), where ``reads_agreed``.
+        combine: how its slots combine across ranks (module docstring).
+        keeps_local_flag: ``read`` takes this rank's part of the buffer before the reduce (its
+            non-finite flag first: one ``clone``).
+        kernel_part: what the Triton pass computes for it in its read; None: ``local`` reads the
+            gradients.
+        reads_agreed: ``read`` gets the pass's reduced buffer as ``agreed`` (module docstring).
+    """
+
     numel: int
-    #: How its slots combine across ranks (module docstring).
-    combine: Literal["sum", "max"]
-    #: `read()` takes this rank's part of the buffer before the reduce (its non-finite flag
-    #: first: one ``clone``).
-    keeps_local_flag: bool
-    #: What the Triton pass computes for it in its read; None: `local()` reads the gradients.
-    kernel_part: KernelPart | None
-    #: `read()` gets the pass's reduced buffer as ``agreed`` (module docstring).
-    reads_agreed: bool
-
-    def local(
-        self,
-        params: tuple[torch.Tensor, ...],
-        grads: Sequence[torch.Tensor],
-        moments: torch.Tensor | None = None,
-        sums: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """This rank's slots, float32 ``(numel,)``, from the gradients as the pass reads them (in
-        ``params``' order). ``moments``, ``sums``: what the Triton pass computed for it
-        (`kernel_part`), else None."""
-        ...
-
-    def read(
-        self,
-        reduced: torch.Tensor,
-        local_flag: torch.Tensor | None = None,
-        agreed: torch.Tensor | None = None,
-    ) -> Reading | None:
-        """What the reduced slots (float32 ``(numel,)``, the same on every rank) say: a `Reading`,
-        or None when there is nothing to act on. ``local_flag``: this rank's non-finite flag
-        before the reduce, float32 ``(1,)``, where `keeps_local_flag`; ``agreed``: the pass's
-        reduced buffer (the flag first), where `reads_agreed`."""
-        ...
+    local: Callable[
+        [tuple[torch.Tensor, ...], Sequence[torch.Tensor], torch.Tensor | None, torch.Tensor | None],
+        torch.Tensor,
+    ]
+    read: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], Reading | None]
+    combine: Literal["sum", "max"] = "sum"
+    keeps_local_flag: bool = False
+    kernel_part: KernelPart | None = None
+    reads_agreed: bool = False
 
 
 class Check(Protocol):

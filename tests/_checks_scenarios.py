@@ -5,7 +5,7 @@ amax agreed on the step's one collective, defined here and nowhere in distscaler
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distscaler import GradScaler
-from distscaler.checks import KernelPart, Settlement
+from distscaler.checks import Contribution, Settlement
 
 #: The agreed amax above which the check skips the step (its own cause; the scale stays).
 LIMIT = 1e4
@@ -44,11 +44,7 @@ class AmaxReading:
 
 
 class AmaxSlots:
-    numel = 1
-    combine: Literal["sum", "max"] = "max"
-    keeps_local_flag = False
-    kernel_part: KernelPart | None = None
-    reads_agreed = False
+    """The check's part of one step: this rank's amax, the group's maximum read back."""
 
     def __init__(self, check: AmaxCheck) -> None:
         self.check = check
@@ -83,8 +79,9 @@ class AmaxCheck:
         self.seen: list[tuple[int, float]] = []
         self.ended: list[str | None] = []
 
-    def contribution(self, plan: Any, layouts: Any, optimizer: Any, device: Any) -> AmaxSlots:
-        return AmaxSlots(self)
+    def contribution(self, plan: Any, layouts: Any, optimizer: Any, device: Any) -> Contribution:
+        slots = AmaxSlots(self)
+        return Contribution(1, slots.local, slots.read, combine="max")
 
     def end_iteration(self, cause: str | None, optimizers: Any) -> None:
         self.ended.append(cause)

@@ -2,7 +2,8 @@
 reading at the step or later on the device, and what it settles at ``update()``.
 
 `ReplicaCheck` is the `distscaler.checks.Check` the scaler holds; at each step it is due it makes a
-`ReplicaSlots` (the `distscaler.checks.Contribution`), whose reading is a `MismatchReading` (read
+`ReplicaSlots` and declares it as the `distscaler.checks.Contribution` (`ReplicaSlots.local_slots()`
+and `ReplicaSlots.read_slots()`), whose reading is a `MismatchReading` (read
 on the host at the step) or a `DeferredReading` (the mismatch flag kept on the device until the
 host's next read of the scaler). The checksum is `distscaler._replica.checksum`'s, the naming of
 ranks `distscaler._replica.naming`'s; what users see (the ledger, the mismatch) is
@@ -15,12 +16,12 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..checks import KernelPart, Settlement
+from ..checks import Contribution, KernelPart, Settlement
 from ..errors import ReplicaMismatchError
 from ..replica_check import (
     INTERVAL,
@@ -57,20 +58,17 @@ __all__ = ["DeferredReading", "MismatchReading", "ReplicaCheck", "ReplicaSlots"]
 
 
 class ReplicaSlots:
-    """The replica check's contribution to one step's collective (a
-    `distscaler.checks.Contribution`): its local part, the checksum slots of this rank's
-    replicated gradients (and, when due, parameters and optimizer state), summed over the group;
-    its reading, a `MismatchReading` (or None), with its consequences (the ledger, the log line,
-    ``"raise"``, the callback).
+    """The replica check's part of one step's collective (declared as a
+    `distscaler.checks.Contribution` by `ReplicaCheck.contribution()`): its local part, the
+    checksum slots of this rank's replicated gradients (and, when due, parameters and optimizer
+    state), summed over the group; its reading, a `MismatchReading` (or None), with its
+    consequences (the ledger, the log line, ``"raise"``, the callback).
 
-    Made by `ReplicaCheck.contribution()` when the plan is built; the pass computes `local()`
-    from the gradients it reads, and `read()` takes the reduced slots (one host read; on a
-    mismatch one gather on every rank together), or, ``deferred``, keeps them with their mismatch
-    flag on the device (`DeferredReading`) for `ReplicaCheck.count()` and `ReplicaCheck.name()`."""
-
-    combine: Literal["sum", "max"] = "sum"
-    #: It reads its own slots only.
-    reads_agreed = False
+    Made by `ReplicaCheck.contribution()` when the plan is built; the pass computes
+    `local_slots()` from the gradients it reads, and `read_slots()` takes the reduced slots (one
+    host read; on a mismatch one gather on every rank together), or, ``deferred``, keeps them with
+    their mismatch flag on the device (`DeferredReading`) for `ReplicaCheck.count()` and
+    `ReplicaCheck.name()`."""
 
     def __init__(
         self,
@@ -92,7 +90,7 @@ class ReplicaSlots:
         self.keyed = keyed
         #: The reading waits for `ReplicaCheck.count()` (`DeferredReading`): no host read; it
         #: keeps this rank's non-finite flag from before the reduce.
-        self.deferred = self.keeps_local_flag = deferred
+        self.deferred = deferred
         self.sets = sets
         self.optimizer = optimizer
         self.group = group
@@ -123,7 +121,8 @@ class ReplicaSlots:
         """The gradients' terms for a pass that sums this check's ``A, B, C`` residues in its own
         reduction (`distscaler._triton.slot_sums()`): `layout_terms()`' int64 ``(len(grads),
         8)`` on the device; made once per layout. None where the gradients are not compared at
-        this step. ``grads`` in the order of ``params``; the pass gives the sums to `local()`."""
+        this step. ``grads`` in the order of ``params``; the pass gives the sums to
+        `local_slots()`."""
         if not self.with_grads:
             return None
         sets = [self.sets.get(id(p)) for p in params]
@@ -140,7 +139,7 @@ class ReplicaSlots:
         sets = [self.sets.get(id(p)) for p in params]
         return self.check.kernel_keys(grads, sets, self.key, self.device)
 
-    def local(
+    def local_slots(
         self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
         moments: torch.Tensor | None = None, sums: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
@@ -192,7 +191,7 @@ class ReplicaSlots:
 
     # -- the reading
 
-    def read(
+    def read_slots(
         self,
         reduced: torch.Tensor,
         local_flag: torch.Tensor | None = None,
@@ -225,7 +224,7 @@ class ReplicaSlots:
         local_nonfinite = any(
             not bool(g.isfinite().all()) for g in self._grads if g.is_floating_point()
         )  # a mismatch's one more read: an inf/NaN makes it an overflow too
-        mismatch = self.settle(step, values, local_nonfinite)
+        mismatch = self.mismatch_at(step, values, local_nonfinite)
         if check.on_mismatch == "raise":
             raise ReplicaMismatchError(mismatch)
         return MismatchReading(mismatch)
@@ -237,7 +236,9 @@ class ReplicaSlots:
         parts = [("gradients", values[0:n]), ("parameters", values[n : 2 * n])]
         return [what for what, slots in parts if slots and mismatched(slots, self.world_size)]
 
-    def settle(self, step: int, values: Sequence[float], local_nonfinite: bool) -> ReplicaMismatch:
+    def mismatch_at(
+        self, step: int, values: Sequence[float], local_nonfinite: bool
+    ) -> ReplicaMismatch:
         """The mismatch the reduced slots (``values``, host floats, some differing) show at update
         ``step``: the ranks named (`name_ranks()`: one gather on every rank together), noted in the
         ledger, logged on rank 0; a callable ``on_mismatch`` is called. ``local_nonfinite``: this
@@ -296,7 +297,7 @@ class DeferredReading:
     """A replica check whose reading waits (a fused step on CUDA with the Triton kernels, the
     default cadence; a `distscaler.checks.Reading`): the mismatch flag on the device, which the
     step and the update take without a host read, and what the later reading needs. Made by
-    `ReplicaSlots.read()`; `ReplicaCheck.count()` reads it at the host's next read of the
+    `ReplicaSlots.read_slots()`; `ReplicaCheck.count()` reads it at the host's next read of the
     scaler."""
 
     #: The check's part of the step (its checksums, for naming the ranks).
@@ -422,17 +423,16 @@ class ReplicaCheck:
         layouts: Any,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
-    ) -> ReplicaSlots | None:
-        """The check's part of this step's collective, or None when it is not due or nothing of
-        ``optimizer`` is replicated (the ranks of a group are alike in this: DDP, HSDP, FSDP2 +
-        TP, pipeline stages each replicated or none, which the collective's size relies on).
-        How it may be read is the ``plan``'s (`distscaler._plan.StepPlan`): with the Triton
-        kernels (``plan.kernels``), which take the checksum in their read, the default interval
-        checks every update, read at the step where ``plan.reading_free`` (a step that reads
-        ``found_inf`` on the host anyway) or waiting on the device where
-        ``plan.reading_may_wait`` (a fused step, a periodic read to come: `DeferredReading`);
-        with torch's kernels (a read pass of its own) every `INTERVAL` updates, read at the
-        step."""
+    ) -> Contribution | None:
+        """The check's part of this step's collective (a `ReplicaSlots`, declared), or None when it
+        is not due or nothing of ``optimizer`` is replicated (the ranks of a group are alike in
+        this: DDP, HSDP, FSDP2 + TP, pipeline stages each replicated or none, which the collective's
+        size relies on). How it may be read is the ``plan``'s (`distscaler._plan.StepPlan`): with
+        the Triton kernels (``plan.kernels``), which take the checksum in their read, the default
+        interval checks every update, read at the step where ``plan.reading_free`` (a step that
+        reads ``found_inf`` on the host anyway) or waiting on the device where
+        ``plan.reading_may_wait`` (a fused step, a periodic read to come: `DeferredReading`); with
+        torch's kernels (a read pass of its own) every `INTERVAL` updates, read at the step."""
         world = plan.world
         group, world_size = world.group, world.size
         free = plan.reading_free
@@ -448,9 +448,11 @@ class ReplicaCheck:
         # the kernel's keyed sums every INTERVAL updates (their read keeps fewer warps resident:
         # `distscaler._triton.launch`); every check of torch's kernels has them
         keyed = (self.iteration + 1) % INTERVAL == 0 or self.interval(in_pass) > 1
-        return ReplicaSlots(self, sets, optimizer, group=group, world_size=world_size,
-                            device=device, with_grads=with_grads, with_params=with_params,
-                            deferred=deferred, keyed=keyed)  # fmt: skip
+        slots = ReplicaSlots(self, sets, optimizer, group=group, world_size=world_size,
+                             device=device, with_grads=with_grads, with_params=with_params,
+                             deferred=deferred, keyed=keyed)  # fmt: skip
+        return Contribution(slots.numel, slots.local_slots, slots.read_slots,
+                            keeps_local_flag=deferred, kernel_part=slots.kernel_part)  # fmt: skip
 
     # -- deferred readings
 
@@ -512,7 +514,7 @@ class ReplicaCheck:
         and, for ``"raise"``, the error to raise (the first mismatch's) once the caller's update
         is complete."""
         unnamed, self.unnamed = self.unnamed, []
-        named = [(u, r.slots.settle(r.step, slots, local)) for u, r, slots, local in unnamed]
+        named = [(u, r.slots.mismatch_at(r.step, slots, local)) for u, r, slots, local in unnamed]
         error = None
         if named and self.on_mismatch == "raise":
             error = ReplicaMismatchError(named[0][1])
@@ -539,14 +541,9 @@ class ReplicaCheck:
         device: torch.device,
     ) -> torch.Tensor:
         """`layout_terms()`' terms, cached per layout (host arithmetic once)."""
-        sizes = tuple(0 if w is None else w.numel() for w in map(words, tensors))
-        key = (what, sizes, tuple(sets), device)
-        cached = self._terms.get(key)
-        if cached is None:
-            if len(self._terms) > 4:
-                self._terms.clear()
-            cached = self._terms[key] = layout_terms(sizes, sets, device)
-        return cached
+        sizes = _word_counts(tensors)
+        return self._cached((what, sizes, tuple(sets), device),
+                            lambda: layout_terms(sizes, sets, device))  # fmt: skip
 
     def kernel_keys(
         self,
@@ -556,13 +553,17 @@ class ReplicaCheck:
         device: torch.device,
     ) -> torch.Tensor:
         """`kernel_keys()`' table, cached per layout and secret (torch's ops once)."""
-        sizes = tuple(0 if w is None else w.numel() for w in map(words, tensors))
-        cache_key = ("keys", sizes, tuple(sets), key.secret, device)
-        cached = self._terms.get(cache_key)
+        sizes = _word_counts(tensors)
+        return self._cached(("keys", sizes, tuple(sets), key.secret, device),
+                            lambda: kernel_keys(sizes, sets, key, device))  # fmt: skip
+
+    def _cached(self, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        # A per-layout table, built once (the last few layouts kept).
+        cached = self._terms.get(key)
         if cached is None:
             if len(self._terms) > 4:
                 self._terms.clear()
-            cached = self._terms[cache_key] = kernel_keys(sizes, sets, key, device)
+            cached = self._terms[key] = build()
         return cached
 
     def key(self, group: dist.ProcessGroup | None, device: torch.device) -> Key:
@@ -612,6 +613,11 @@ class ReplicaCheck:
         if cause == "replica_mismatch":  # the skip account counted it under this cause
             self.ledger.skipped += 1
         self.iteration = n
+
+
+def _word_counts(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    # Each tensor's 16-bit words (0: not checked), the layout's part of a table's cache key.
+    return tuple(0 if w is None else w.numel() for w in map(words, tensors))
 
 
 def _kernel_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:

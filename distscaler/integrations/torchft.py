@@ -35,7 +35,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ from .._plan import host_read_is_free
 from .._process_group import has_dynamic_membership
 from .._replica.checksum import Key, digest
 from .._scaler import GradScaler
-from ..checks import Contribution, KernelPart, Reading, Settlement
+from ..checks import Contribution, Reading, Settlement
 from ..errors import ReplicaMismatchError
 from ..replica_check import GPU_INTERVAL, ReplicaMismatch
 from ._scaler_arg import scaler_from_argument
@@ -114,15 +114,10 @@ class TorchftCheck:
     """torchft's protocol as a [`Check`][distscaler.checks.Check] on the scaler's collective: the
     exchange across replica groups and ``should_commit()`` in its reading (module docstring).
     Added by [`install()`][distscaler.integrations.torchft.install], one per scaler and manager;
-    it is its own contribution and reading (no slots inside the group: it reads the agreed
-    buffer)."""
+    its contribution has no slots inside the group (it reads the agreed buffer), and it is its own
+    reading."""
 
     every_step = True  # every group joins the exchange at every step, also at one rank
-    numel: int = 0
-    combine: Literal["sum", "max"] = "sum"
-    keeps_local_flag: bool = False
-    kernel_part: KernelPart | None = None
-    reads_agreed = True  # raises the agreed flag and statistic in place to the groups' MAX
     host_skip = False  # an uncommitted step skips on its forced found_inf
 
     def __init__(self, scaler: GradScaler, manager: Manager, report_lone_replica: bool = False):
@@ -145,17 +140,13 @@ class TorchftCheck:
     def contribution(
         self, plan: Any, layouts: Any, optimizer: torch.optim.Optimizer, device: torch.device
     ) -> Contribution | None:
-        """Itself, at every step (no slots: it reads the agreed buffer); `Check.contribution()`."""
+        """At every step: no slots, and a reading of the agreed buffer (``reads_agreed``: it raises
+        the agreed flag and statistic in place to the groups' MAX); `Check.contribution()`."""
         self.state.optimizer, self.world = optimizer, (plan.world.group, plan.world.size)
-        return self
+        return Contribution(0, _no_slots, self.read_agreed, reads_agreed=True)
 
-    def local(self, params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
-              moments: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """No slots of its own: an empty float32 tensor."""
-        return torch.zeros(0, dtype=torch.float32)
-
-    def read(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None,
-             agreed: torch.Tensor | None = None) -> Reading | None:  # fmt: skip
+    def read_agreed(self, reduced: torch.Tensor, local_flag: torch.Tensor | None = None,
+                    agreed: torch.Tensor | None = None) -> Reading | None:  # fmt: skip
         """`across()` on the agreed buffer, which it raises in place to the groups' MAX (or forces
         to a skip); returns itself."""
         assert agreed is not None, "the scaler's collective hands the agreed buffer"
@@ -524,6 +515,12 @@ def _checksum(tensors: Sequence[torch.Tensor], device: torch.device, step: int) 
 
 
 @functools.cache
+def _no_slots(params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
+              moments: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    # The exchange's contribution has no slots inside the group: an empty float32 tensor.
+    return torch.zeros(0, dtype=torch.float32)
+
+
 def _checksum_numel() -> int:
     return _checksum([], torch.device("cpu"), 0).numel()
 
