@@ -1133,13 +1133,13 @@ class GradScaler(torch.amp.GradScaler):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.pop("_per_optimizer_states", None)  # pickled before the records (now a view)
+        state.pop("_per_optimizer_states", None)  # an older pickle's: the records hold it
         state.setdefault("_records", {})
         state.setdefault("_host_reads", host_read_is_free(state.get("_device", "cuda")))
         state.setdefault("_kernels", "torch")
         state.setdefault("_check_error", state.pop("_deferred_error", None))
         self.__dict__.update(state)
-        if "_checks" not in state:  # pickled before the checks were a list
+        if "_checks" not in state:  # an older pickle: the replica check alone
             self._checks = [self._replicas]
 
     # ------------------------------------------------------------------ settings

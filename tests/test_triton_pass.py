@@ -546,7 +546,7 @@ def test_the_reduction_writes_the_report_flags_as_nan_to_num_does(device, norm_t
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
     """``phase(terms=...)``: the reduction's int64 atomics give exactly the slot sums of torch's
-    ops (`slot_sums`), whose residues are `_replica.checksum.slot_residues()`, for replica sets of
+    ops (`slot_sums`), for replica sets of
     2 to 5 ranks at every position (negative coefficients among them) and unchecked tensors; the
     checked phase and float64 gradients (torch's pass) give the same. (Torch's path,
     `rank_slots()`, values a word by its signed bytes: other residues, the same guarantee; the
@@ -558,7 +558,6 @@ def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
         layout_terms,
         moduli_tensor,
         naming_rows,
-        slot_residues,
         word_moments,
     )
     from distscaler.replica_check import ReplicaSet
@@ -591,7 +590,6 @@ def test_the_reduction_sums_the_replica_slots_as_checksum_slots(device):
         assert torch.equal(sums, tp.slot_sums(moments, terms, PRIMES)), trial
         assert torch.equal(sums, checked_sums), trial
         residues = sums.remainder(moduli_tensor(dev, 8))
-        assert torch.equal(residues, slot_residues(moments, terms)), trial
         assert not residues[6:].any()  # no keys: no keyed sums
         assert torch.equal(global_rows(moments, terms), naming_rows(grads, sets, None, dev)[:, :4])
     assert any(s is not None and coefficient(s.position, len(s.ranks)) < 0 for s in sets)
@@ -617,7 +615,7 @@ def test_the_keyed_sums_are_exact_at_any_offset_and_caught_what_the_fixed_weight
     three replica sets; the torch reference (`keyed_sums`) agrees. Then the kernel path of the
     replica check: a second difference (+1, -2, +1 on three neighbouring words of one rank), which
     ``A``, ``B`` and ``C`` cannot see, leaves the fixed slots as a clean set's and moves ``R``."""
-    from distscaler._replica.checksum import Key, kernel_keys, layout_terms, slot_residues
+    from distscaler._replica.checksum import Key, kernel_keys, layout_terms, moduli_tensor
     from distscaler._triton.reference import keyed_sums
     from distscaler.replica_check import ReplicaSet
 
@@ -657,13 +655,14 @@ def test_the_keyed_sums_are_exact_at_any_offset_and_caught_what_the_fixed_weight
              terms=terms, keys=keys, device=device, validate=False)  # fmt: skip
     _sync(device)
     assert torch.equal(seen[0][6:].cpu() % torch.tensor(PRIMES), expected.sum(0) % torch.tensor(PRIMES))
-    clean = slot_residues(taken.moments, terms)
+    clean = tp.slot_sums(taken.moments, terms, PRIMES).remainder(moduli_tensor(dev, 8))
 
     # a second difference on words 100..102 of a checked float16 tensor (index 1: set (0, 2, 4))
     changed = [g.clone() for g in grads]
     w = changed[1].view(torch.int16)
     w[100:103] += torch.tensor([1, -2, 1], dtype=torch.int16, device=device)
-    moved = slot_residues(tp.grad_pass(changed, primes=PRIMES, keys=keys).moments, terms)
+    moved = tp.slot_sums(tp.grad_pass(changed, primes=PRIMES, keys=keys).moments, terms, PRIMES)
+    moved = moved.remainder(moduli_tensor(dev, 8))
     assert torch.equal(moved[:6], clean[:6])  # A, B, C: as the clean words'
     assert not torch.equal(moved[6:], clean[6:])  # R: moved
 

@@ -44,7 +44,6 @@ from .checksum import (
     moduli_tensor,
     rank_slots,
     slot_numel,
-    slot_residues,
     to_limbs,
     words,
 )
@@ -148,17 +147,17 @@ class ReplicaSlots:
         ``params`` (as the pass reads them); ``moments``: their `word_moments()` when the pass
         computed them in its read (the Triton kernel: int64 ``(n, 6)`` with the keyed sums of
         `kernel_keys()`), else all is computed here (one read, the keyed sums included);
-        ``sums``: the gradients' residues before their last reduction, int64 ``(8,)``, where the
-        pass summed them from `kernel_terms()` and `kernel_keys()` (``R`` is 0 where it had no
-        keys, on every rank: two changed words are still certain; then a few ops make the slots,
-        and each tensor's global checksum is made only on a mismatch)."""
+        ``sums``: the gradients' residues before their last reduction, int64 ``(8,)``, which the
+        pass sums from `kernel_terms()` and `kernel_keys()` wherever it computed ``moments`` (``R``
+        is 0 where it had no keys, on every rank: two changed words are still certain; then a few
+        ops make the slots, and each tensor's global checksum is made only on a mismatch)."""
         sets = [self.sets.get(id(p)) for p in params]
         self._grads = grads  # read again only on a mismatch: whether a value is inf/NaN
         parts: list[torch.Tensor] = []
         if self.with_grads and moments is not None:
+            assert sums is not None, "the pass sums the slots wherever it takes the moments"
             terms = self.check.layout_terms("gradients", grads, sets, self.device)
-            residues = (sums.remainder(moduli_tensor(self.device, RESIDUES)) if sums is not None
-                        else slot_residues(moments, terms))  # fmt: skip
+            residues = sums.remainder(moduli_tensor(self.device, RESIDUES))
             parts.append(to_limbs(residues, self.world_size))
             self._global["gradients"] = (functools.partial(_kernel_rows, moments, terms),
                                          list(sets))  # fmt: skip
@@ -390,7 +389,7 @@ class ReplicaCheck:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # (a check pickled before deferred readings and keyed weights existed)
+        # (a check pickled by an older version: no deferred readings, no keyed weights)
         state.pop("_kernel_terms", None)
         state.setdefault("secret", None)
         state.setdefault("_key", None)

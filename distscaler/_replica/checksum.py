@@ -96,7 +96,6 @@ __all__ = [
     "set_identity",
     "set_key",
     "slot_numel",
-    "slot_residues",
     "spacing",
     "to_limbs",
     "word_moments",
@@ -440,7 +439,7 @@ def layout_terms(
     ``device``: ``[c, o, D_m * v_i, c * z_S]`` each modulo ``P1`` then ``P2``: the coefficient
     (as a residue), the tensor's padded offset in its set's stream (the set's checked tensors, in
     order), the replica's shift and the coefficient times the set identity. Zeros for a tensor not
-    checked. The terms of `slot_residues()` and of the Triton reduction's slot sums. Host
+    checked. The terms of the Triton reduction's slot sums. Host
     arithmetic."""
     terms = [[0] * 8 for _ in sizes]
     for s, members in _grouped(sizes, sets).items():
@@ -453,24 +452,6 @@ def layout_terms(
             terms[t] = [v % p for v in (c, offset, shift, ident) for p in PRIMES]
             offset += padded(sizes[t])
     return torch.tensor(terms, dtype=torch.int64, device=device).reshape(-1, 8)
-
-
-def slot_residues(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
-    """A rank's residues from its tensors' moments, int64 ``(RESIDUES,)``: ``[A1, A2, B1, B2, C1,
-    C2]`` summed over tensors and ``R1, R2`` the sums of the moments' keyed sums (0 without),
-    each below ``P`` (``moments``: `word_moments()`' int64 ``(n, 4)``, or the Triton pass's ``(n,
-    6)`` with keyed sums; ``terms``: `layout_terms()`' int64 ``(n, 8)``). Torch's int64 ops,
-    every product of two residues below ``2**48``; what the Triton reduction's slot sums hold
-    before their last residue."""
-    p = moduli_tensor(moments.device)
-    a, b_local = moments[:, :2], moments[:, 2:4]
-    c, o, sh, cz = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6], terms[:, 6:8]
-    b = (b_local + o * a).remainder(p)
-    sa = (c * a).remainder(p).sum(0)
-    sb = (c * (b + sh * a).remainder(p)).remainder(p).sum(0)
-    sc = (cz * a).remainder(p).sum(0)
-    sr = moments[:, 4:6].sum(0) if moments.shape[1] == 6 else a.new_zeros(2)
-    return torch.cat([sa, sb, sc, sr]).remainder(moduli_tensor(moments.device, RESIDUES))
 
 
 def global_rows(moments: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:

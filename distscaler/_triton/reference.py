@@ -34,7 +34,7 @@ def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int
     """The replica check's residues before their last reduction, int64 ``(8,)``: over tensors
     ``t``, ``k A``, ``k ((B + o A) + s A)``, ``kz A`` and the keyed sums ``R`` (0 where
     ``moments`` has none), each term reduced modulo its prime, for ``P1, P2`` in turn
-    (`distscaler._replica.checksum.slot_residues()` before its last residue). ``moments``:
+    (the replica check's residues, `distscaler._replica.checksum`, before their last residue). ``moments``:
     int64 ``(n, 4)`` or ``(n, 6)``, `grad_pass()`'s; ``terms``: int64 ``(n, 8)``,
     per tensor ``[k, o, s, kz]`` modulo ``P1`` then ``P2`` (its coefficient, padded word offset,
     replica shift and coefficient times set identity). torch's int64 ops: what the reduction's

@@ -514,13 +514,17 @@ def _checksum(tensors: Sequence[torch.Tensor], device: torch.device, step: int) 
     return digest(tensors, _key(step), device)
 
 
-@functools.cache
-def _no_slots(params: tuple[torch.Tensor, ...], grads: Sequence[torch.Tensor],
-              moments: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def _no_slots(
+    params: tuple[torch.Tensor, ...],
+    grads: Sequence[torch.Tensor],
+    moments: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+) -> torch.Tensor:
     # The exchange's contribution has no slots inside the group: an empty float32 tensor.
     return torch.zeros(0, dtype=torch.float32)
 
 
+@functools.cache
 def _checksum_numel() -> int:
     return _checksum([], torch.device("cpu"), 0).numel()
 
