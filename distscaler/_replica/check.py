@@ -3,10 +3,10 @@ reading at the step or later on the device, and what it settles at ``update()``.
 
 `ReplicaCheck` is the `distscaler.checks.Check` the scaler holds; at each step it is due it makes a
 `ReplicaSlots` and declares it as the `distscaler.checks.Contribution` (`ReplicaSlots.local_slots()`
-and `ReplicaSlots.read_slots()`), whose reading is a `MismatchReading` (read
-on the host at the step) or a `DeferredReading` (the mismatch flag kept on the device until the
-host's next read of the scaler). The checksum is `distscaler._replica.checksum`'s, the naming of
-ranks `distscaler._replica.naming`'s; what users see (the ledger, the mismatch) is
+and `ReplicaSlots.read_slots()`), whose reading is a `MismatchReading` (read on the host at the
+step) or a `DeferredReading` (the mismatch flag kept on the device until the host's next read of the
+scaler). The checksum is `distscaler._replica.checksum`'s, the naming of ranks
+`distscaler._replica.naming`'s; what users see (the ledger, the mismatch) is
 [`distscaler.replica_check`][distscaler.replica_check].
 """
 

@@ -31,14 +31,14 @@ _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def slot_sums(moments: torch.Tensor, terms: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
-    """The replica check's residues before their last reduction, int64 ``(8,)``: over tensors
-    ``t``, ``k A``, ``k ((B + o A) + s A)``, ``kz A`` and the keyed sums ``R`` (0 where
-    ``moments`` has none), each term reduced modulo its prime, for ``P1, P2`` in turn
-    (the replica check's residues, `distscaler._replica.checksum`, before their last residue). ``moments``:
-    int64 ``(n, 4)`` or ``(n, 6)``, `grad_pass()`'s; ``terms``: int64 ``(n, 8)``,
-    per tensor ``[k, o, s, kz]`` modulo ``P1`` then ``P2`` (its coefficient, padded word offset,
-    replica shift and coefficient times set identity). torch's int64 ops: what the reduction's
-    atomics add, exactly (the reference of the tests, and float64 gradients' path)."""
+    """The replica check's residues before their last reduction, int64 ``(8,)``: over tensors ``t``,
+    ``k A``, ``k ((B + o A) + s A)``, ``kz A`` and the keyed sums ``R`` (0 where ``moments`` has
+    none), each term reduced modulo its prime, for ``P1, P2`` in turn (the checksum of
+    `distscaler._replica.checksum`). ``moments``: int64 ``(n, 4)`` or ``(n, 6)``, `grad_pass()`'s;
+    ``terms``: int64 ``(n, 8)``, per tensor ``[k, o, s, kz]`` modulo ``P1`` then ``P2`` (its
+    coefficient, padded word offset, replica shift and coefficient times set identity). torch's
+    int64 ops: what the reduction's atomics add, exactly (the reference of the tests, and float64
+    gradients' path)."""
     p = torch.tensor(primes, dtype=torch.int64, device=moments.device)
     a, b_local = moments[:, :2], moments[:, 2:4]
     k, o, sh, kz = terms[:, 0:2], terms[:, 2:4], terms[:, 4:6], terms[:, 6:8]
