@@ -379,6 +379,8 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         out["save_without_cfg"] = "no error"
     except ValueError as e:
         out["save_without_cfg"] = f"{e}; written: {os.path.exists(optim)}"
+    # every rank has looked before any writes: the ranks share the folder
+    dist.barrier()
     worker.save_checkpoint(weights, optimizer_path=optim, checkpointing_cfg={"is_async": False})
     out["listing"] = sorted(os.listdir(optim))
     out["ours"] += run(worker, range(3, 5))
