@@ -35,7 +35,7 @@ model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.L
 )
 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-# The verdict spans WORLD. register_model tells clip_grad_norm_ that DDP's gradients are copies
+# found_inf and the norm are agreed over WORLD. register_model tells clip_grad_norm_ that DDP's gradients are copies
 # (counted once in the norm); without clipping it is not needed.
 scaler = GradScaler(device.type).register_model(model)
 

@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``): sharded gradients, one verdict, an exact global norm.
+"""FSDP2 (``fully_shard``): sharded gradients, one agreed found_inf, an exact global norm.
 
     torchrun --standalone --nproc-per-node=2 examples/fsdp2.py
 

@@ -2,11 +2,11 @@
 
     torchrun --standalone --nproc-per-node=4 examples/hsdp.py     # 2 replicas x 2 shards
 
-A 2-D device mesh (``replicate``, ``shard``) given to ``fully_shard`` makes HSDP. The verdict
-spans every rank of the mesh (WORLD here); the gradients' placements (Replicate on ``replicate``,
-Shard on ``shard``) tell ``clip_grad_norm_`` to count each shard once, not once per replica. Any
-even number of ranks works: N ranks make 2 replicas of N/2 shards. At iteration 8 an inf goes into
-the last rank's shard of one gradient only: every rank skips.
+A 2-D device mesh (``replicate``, ``shard``) given to ``fully_shard`` makes HSDP. found_inf and the
+norm are agreed over every rank of the mesh (WORLD here); the gradients' placements (Replicate on
+``replicate``, Shard on ``shard``) tell ``clip_grad_norm_`` to count each shard once, not once per
+replica. Any even number of ranks works: N ranks make 2 replicas of N/2 shards. At iteration 8 an
+inf goes into the last rank's shard of one gradient only: every rank skips.
 """
 
 import gc

@@ -55,7 +55,7 @@ for _ in range(10):
     scaler.scale(loss1).backward()
 
     with CommDebugMode() as comm:
-        # Clip only model0 (clip_grad_norm_ is optimizer0's verdict; its step adds none).
+        # Clip only model0 (clip_grad_norm_ is optimizer0's collective; its step adds none).
         scaler.clip_grad_norm_(optimizer0, max_norm=1.0)
         scaler.step(optimizer0)
         scaler.step(optimizer1)

@@ -342,7 +342,7 @@ def compiled_kernels() -> dict[str, Any]:
     ``step`` and ``update``; ``skip_log_interval=0``) traced as one graph on the CPU, against the
     device ops eager dispatches for the same calls (:class:`common.probes.DispatchCounter`), the
     optimizer's fused step included, after a warm-up step (the optimizer's state exists): the
-    CPU's eager verdict (it reads its flag on the host) and the one a GPU runs, which is also the
+    CPU's eager inf check (it reads its flag on the host) and the one a GPU runs, which is also the
     one a trace takes."""
     from torch._inductor.utils import run_and_get_code
 
@@ -371,7 +371,7 @@ def compiled_kernels() -> dict[str, Any]:
         counts[clip_id] = {
             "eager": ops.total,
             "eager_ops": ops.ops,
-            "eager_gpu_verdict": gpu_ops.total,
+            "eager_gpu_path": gpu_ops.total,
             "compiled": _kernels(code),
         }
     return counts

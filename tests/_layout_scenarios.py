@@ -16,7 +16,7 @@ the same data and the same steps skipped:
   (``FSDP.clip_grad_norm_``, ``torch.nn.utils.clip_grad_norm_`` on DTensors; for a pipeline, whose
   stages torch cannot clip globally, ``torch.nn.utils.clip_grads_with_norm_`` with the gathered
   global norm). Every fault of the ours-run is written on *every* rank here, so that each torch
-  rank skips locally the steps our ranks skipped by agreement: a single verdict group.
+  rank skips locally the steps our ranks skipped by agreement: a single process group.
 
 Nothing here asserts across ranks; every rank runs the same collectives in the same order.
 """
@@ -627,7 +627,7 @@ def _unknown_case(case: str, rank: int, world_size: int) -> dict[str, Any]:
     record["collectives"] = comm.get_total_counts()
     record["grads_unchanged"] = digest([p.grad for p in model.parameters()]) == grads_before
     record["stage"] = scaler._per_optimizer_states[id(opt)]["stage"].name
-    # The ranks are still in step: a later collective completes (no rank waits in a verdict).
+    # The ranks are still in step: a later collective completes (no rank waits in a collective).
     probe = torch.ones(1)
     dist.all_reduce(probe)
     record["probe"] = float(probe)

@@ -52,7 +52,7 @@ def spawn_per_gpu(
 
 
 def sync_free_fused_step(rank: int, world_size: int, device: str) -> dict[str, Any]:
-    """Host syncs inside (clip_grad_norm_ +) step + update of a fused AdamW, NCCL verdict included.
+    """Host syncs inside (clip_grad_norm_ +) step + update of a fused AdamW, NCCL collective included.
 
     ``torch.cuda.set_sync_debug_mode("warn")`` rather than ``"error"``: an error raised on one rank
     in the middle of a step would leave the other ranks waiting in the collective, a warning is

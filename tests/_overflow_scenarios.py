@@ -34,7 +34,7 @@ INTERVAL = 2
 UPDATES = 8
 _VALUES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
-#: (layout, optimizer, clip) per world size. DDP runs every verdict path: clip (fused), the fused
+#: (layout, optimizer, clip) per world size. DDP runs every inf check path: clip (fused), the fused
 #: check, and the non-fused step that codes its gradients after reading the flag. Every case runs
 #: the path a GPU runs (no host read of the flag: ``gpu_path``) except the
 #: ``-cpuread`` ones, which run the CPU's (the flag read on the host, gradients coded on a skip).

@@ -304,7 +304,7 @@ def fused_step_ops(rank: int = 0, world_size: int = 1, device: str = "cpu") -> d
     for clip in (False, True):
         model = mlp().to(device)
         opt = make_optimizer("fused", model.parameters())
-        # The verdict alone: the replica check's own ops are pinned by tests/test_replica_check.py.
+        # The inf check alone: the replica check's own ops are pinned by tests/test_replica_check.py.
         scaler = GradScaler(
             device, init_scale=2.0**8, grad_layout="replicated", replica_check=False
         )

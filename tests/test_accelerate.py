@@ -145,7 +145,7 @@ def test_clip_grad_norm_goes_through_the_scaler_and_matches_torch(make_accelerat
     clip = scaler.clip_grad_norm_
     scaler.clip_grad_norm_ = lambda *a, **k: calls.append(1) or clip(*a, **k)  # test-only spy
     ours = _run(accelerator, model, optimizer, steps=3, inject=set(), clip=max_norm)
-    assert len(calls) == 3  # routed to GradScaler.clip_grad_norm_ (one verdict per step)
+    assert len(calls) == 3  # routed to GradScaler.clip_grad_norm_ (one inf check per step)
     for (_, _, _, ref), (_, _, _, norm) in zip(stock, ours):
         assert norm.dtype == torch.float32 and norm.shape == ()
         assert float(norm) > max_norm
@@ -365,7 +365,7 @@ def test_write_to_is_overflow_marks_a_skipped_step_as_with_accelerate(make_accel
         optimizer._is_overflow = True  # skipped
         scheduler.step()
         seen.append((scheduler.get_last_lr()[0], accelerator.optimizer_step_was_skipped))
-        # A real step replaces the written value with the step's own verdict.
+        # A real step replaces the written value with the step's own found_inf.
         accelerator.backward(model(torch.randn(3, 2)).pow(2).mean())
         optimizer.step()
         scheduler.step()
@@ -574,7 +574,7 @@ def test_train_accelerate_runs_with_accelerate_launch_on_two_cpu_processes(tmp_p
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [r["step"] == 5 for r in records]
     assert records[5]["scale"] == records[4]["scale"] / 2  # backed off after the skip
-    assert records[4]["grad_norm"] is None  # the inf reached the norm: the verdict saw it
+    assert records[4]["grad_norm"] is None  # the inf reached the norm: the inf check saw it
     # Accelerate's scheduler does not step after a skipped step: step 6 keeps step 5's lr.
     assert records[5]["lr"] == records[4]["lr"] != records[3]["lr"]
     assert (out / "state" / "scaler.pt").is_file()

@@ -485,7 +485,7 @@ def test_per_optimizer_states_read_as_torchs_through_an_iteration(opt_kind):
         seen[cls] = states
     ours, theirs = seen.values()
     assert ours == theirs
-    assert ours[0]["stage"] is distscaler.OptState.UNSCALED  # guard: a verdict was recorded
+    assert ours[0]["stage"] is distscaler.OptState.UNSCALED  # guard: an inf check was recorded
 
 
 def test_init_growth_tracker_follows_torchs_through_load_and_pickle():
@@ -564,7 +564,7 @@ def test_min_and_max_scale_bound_the_scale():
     assert scales == [2048.0, 4096.0, 4096.0, 4096.0]
 
 
-def test_step_was_skipped_follows_the_verdict():
+def test_step_was_skipped_follows_the_agreed_found_inf():
     model = make_model()
     opt = make_optimizer("fused", model.parameters())
     scaler = distscaler.GradScaler("cpu")

@@ -1,6 +1,6 @@
 """Overflow attribution (``distscaler.attribution``, ``GradScaler.last_overflow``).
 
-* In this process (world size 1): every verdict path names the tensors that held inf, -inf or NaN
+* In this process (world size 1): every inf check path names the tensors that held inf, -inf or NaN
   (clip, the fused check, the non-fused step, ``unscale_()`` before a fused step or before
   ``clip_grad_norm_``), with the user's names or ``param_groups[g][i]``; the record keeps the last
   skipped step of an interval; optimizers that did not overflow are not blamed; the log line.
@@ -145,7 +145,7 @@ def test_the_report_is_of_the_last_skipped_step_of_the_interval():
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 def test_parameters_without_a_gradient_this_step_are_clean(path):
     # On the GPU's path the subset's flags are scattered into the overflow flags' order, which the
-    # inf check's lanes of found_inf (one per flagged gradient) do not fit: they take the 0-dim
+    # inf check's elements of found_inf (one per flagged gradient) do not fit: they take the 0-dim
     # found_inf, in a lerp_ of their own.
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -165,7 +165,7 @@ def test_parameters_without_a_gradient_this_step_are_clean(path):
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("second", ["foreach", "fused"])
 def test_an_optimizer_that_held_nothing_is_not_blamed(path, second):
-    # Two optimizers stepped: the agreed found_inf is their maximum, so neither check's lanes of
+    # Two optimizers stepped: the agreed found_inf is their maximum, so neither check's elements of
     # its own found_inf weigh its flags (the GPU's path with two fused optimizers).
     model = make_model()
     first, rest = (

@@ -92,7 +92,7 @@ def test_contenders_leave_the_same_gradients(world_of_one, clip):
 
 def test_counts_distinguish_the_contenders(world_of_one):
     """Host reads and collectives are counted per contender: DeepSpeed's check reads each gradient's
-    verdict on the host, ShardedGradScaler.unscale_ all-reduces found_inf (and with a fused
+    found_inf on the host, ShardedGradScaler.unscale_ all-reduces found_inf (and with a fused
     optimizer and no unscale_ it issues none: torch's inherited _check_inf_per_device), distscaler
     with a fused optimizer neither reads nor (at world size 1) communicates."""
     case = Case(params=2000, tensors=5)
@@ -112,7 +112,7 @@ def test_counts_distinguish_the_contenders(world_of_one):
     assert counts["distscaler", "fused"] == {
         "collectives": 0,
         "collective_bytes": 0,
-        "host_reads": 1,  # on the CPU the flag is read (no sync there); a GPU's verdict reads none
+        "host_reads": 1,  # on the CPU the flag is read (no sync there); a GPU's step reads none
         "ops": 5,  # torch's check kernel, the record's counts, the read, the record, the policy
     }
     assert counts["torch", "fused"]["ops"] == 8  # torch 2.13: the same step, counted the same way
@@ -252,7 +252,7 @@ def test_quick_run_end_to_end(tmp_path):
         assert r["counts"]["distscaler"]["ops"] > 0, r
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
-        # The flag (fused: on the CPU only, where it is free); the replica check's verdict at
+        # The flag (fused: on the CPU only, where it is free); the replica check's reading at
         # more than one DDP rank runs every 32nd update by default (none in these rounds).
         checked = r.get("layout") == "ddp" and r["world_size"] > 1
         assert ours["host_reads"] == 1, r

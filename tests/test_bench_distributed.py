@@ -77,9 +77,9 @@ def test_distscaler_agrees_with_one_collective_and_no_host_read(records, world_s
     assert "distscaler" not in r["errors"]
     # One all_reduce per step across the ranks; none in a world of one rank.
     assert r["counts"]["distscaler"]["collectives"] == (1 if world_size > 1 else 0)
-    # Fused AdamW reads found_inf on the device; the CPU's verdict reads the agreed flag once (no
+    # Fused AdamW reads found_inf on the device; the CPU's step reads the agreed flag once (no
     # sync on a CPU: distscaler._plan.host_read_is_free), a GPU's none. The replica check (on by
-    # default, every 32nd update with torch's kernels: none in these rounds) reads its verdict once
+    # default, every 32nd update with torch's kernels: none in these rounds) reads its slots once
     # more where gradients are replicated (ddp at more than one rank; fsdp2 on a 1-D mesh shards
     # every gradient), at every update with replica_check_interval=1.
     checked = layout == "ddp" and world_size > 1

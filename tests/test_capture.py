@@ -122,8 +122,8 @@ def test_a_traced_step_keeps_the_overflow_record_on_the_device(clip):
     traced.step()
     traced.set_grads(1, faults)
     graph = make_fx(lambda: traced.step())()
-    # The skip counters' four lanes and the overflow flags in one _foreach_lerp_, traced: the
-    # flags weighed by found_inf in one lane per gradient, a view of the clamp that makes the
+    # The skip counters' four elements and the overflow flags in one _foreach_lerp_, traced: the
+    # flags weighed by found_inf in one element per gradient, a view of the clamp that makes the
     # skip counters' found_inf (a weight of the flags' sizes keeps torch's CUDA foreach on its
     # one-kernel path), and no lerp_ of their own.
     (lerp,) = [n for n in graph.graph.nodes if n.target == torch.ops.aten._foreach_lerp_.List]

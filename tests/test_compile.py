@@ -116,7 +116,7 @@ def test_graph_breaks_of_the_phase(runs):
         pytest.skip("checked in one process")
     breaks = _whole(results[0]["breaks"])
     assert breaks["fused"] == []
-    # A non-fused step is decided on the host (the agreed flag, read once, by the step's verdict:
+    # A non-fused step is decided on the host (the agreed flag, read once, by the step's inf check:
     # distscaler._plan.plan_step): that read breaks it.
     assert breaks["foreach"], "the non-fused step's graph break was not seen"
     assert all(
@@ -158,7 +158,7 @@ def test_inductor_kernels_of_the_whole_phase(runs):
         assert counts["eager_ops"]["aten._fused_adamw_.default"] == 1, counts  # the step counted
     # With clipping the inf check's counter terms and the step counts fuse: fewer kernels than eager ops.
     assert kernels["clip"]["compiled"] < kernels["clip"]["eager"], kernels
-    assert kernels["clip"]["compiled"] < kernels["clip"]["eager_gpu_verdict"], kernels
+    assert kernels["clip"]["compiled"] < kernels["clip"]["eager_gpu_path"], kernels
     # Without clipping there is little to fuse, and the copy of the kernel's outputs back into
     # the parameters, gradients and moments is one kernel more.
     assert kernels["noclip"]["compiled"] <= kernels["noclip"]["eager"] + 1, kernels

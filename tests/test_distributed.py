@@ -85,7 +85,7 @@ def test_more_ranks_add_only_the_all_reduce_to_the_device_ops(runs):
     _, results = runs
     single = S.fused_step_ops()  # this process has no process group: world size 1
     collective = {"c10d.allreduce_.default": 1}
-    # With clipping the squares are summed across ranks: the local sum goes into the verdict
+    # With clipping the squares are summed across ranks: the local sum goes into the step's collective
     # buffer (addmv_, in place of linalg_vector_norm) and the norm is its square root after.
     clip = {k: v for k, v in single["clip"].items() if k != "aten.linalg_vector_norm.default"}
     clip |= {"aten.addmv_.default": 1, "aten.sqrt.default": 1, **collective}
@@ -110,7 +110,7 @@ def test_one_all_reduce_per_step_and_host_reads_only_when_not_fused(runs, opt_ki
 
 @pytest.mark.parametrize("clip", ["noclip", "clip"])
 @pytest.mark.parametrize("opt_kind", OPTIMIZERS)
-def test_rank_without_gradients_joins_the_verdict(runs, opt_kind, clip):
+def test_rank_without_gradients_joins_the_collective(runs, opt_kind, clip):
     _, results = runs
     runs_ = [r["empty_rank"][f"{opt_kind}-{clip}"] for r in results]
     for run in runs_:

@@ -1,4 +1,4 @@
-"""The per-rank kernels behind the verdict, checked against elementwise torch.isfinite."""
+"""The per-rank kernels behind the agreed found_inf, checked against elementwise torch.isfinite."""
 
 from __future__ import annotations
 
@@ -47,21 +47,21 @@ def test_overflow_flag_is_exactly_elementwise_isfinite(dtypes, special, where):
     expected = not all(bool(t.isfinite().all()) for t in tensors)
     groups, params = _groups(tensors)
     before = [p.grad.clone() for p in params]
-    verdict = check_and_unscale_(groups, inv_scale=torch.ones(()))  # a fused step's check
-    assert verdict.dtype == torch.float32 and verdict.shape == (2,)
-    assert verdict.tolist() == [float(expected), 0.0]
+    result = check_and_unscale_(groups, inv_scale=torch.ones(()))  # a fused step's check
+    assert result.dtype == torch.float32 and result.shape == (2,)
+    assert result.tolist() == [float(expected), 0.0]
     for p, b in zip(params, before):  # the gradients' values are unchanged
         torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_verdict_accumulates_wide_enough(dtype):
+def test_norm_statistic_accumulates_wide_enough(dtype):
     # 60000 is near fp16's max; its square overflows fp16 but not the fp32 accumulator.
     grads = [torch.full((1000,), 6.0e4, dtype=dtype)]
     groups, _ = _groups(grads)
     inv_scale = torch.tensor(0.5)
-    verdict = local_stat(groups, inv_scale, 2.0)[0]
-    flag, sum_sq = verdict.tolist()
+    result = local_stat(groups, inv_scale, 2.0)[0]
+    flag, sum_sq = result.tolist()
     assert flag == 0.0
     expected = (grads[0].double() * 0.5).norm().item() ** 2
     assert sum_sq == pytest.approx(expected, rel=1e-4)
@@ -71,8 +71,8 @@ def test_check_and_unscale_matches_torch_kernel_and_flags():
     grads = [torch.randn(33) * 1024, torch.randn(5, 7).half() * 64]
     grads[1][2, 3] = math.nan
     groups, params = _groups(grads)
-    verdict = check_and_unscale_(groups, inv_scale=torch.tensor(1 / 64))
-    assert verdict.tolist() == [1.0, 0.0]
+    result = check_and_unscale_(groups, inv_scale=torch.tensor(1 / 64))
+    assert result.tolist() == [1.0, 0.0]
     ref = [g.clone() for g in grads]
     found = torch.zeros(())
     for group in (ref[:1], ref[1:]):

@@ -95,7 +95,7 @@ def same(a: list[float], b: list[float]) -> bool:
 
 
 @pytest.mark.parametrize("layout, opt_kind", CASES)
-def test_one_all_reduce_per_step_for_verdict_and_norm(spawned, layout, opt_kind):
+def test_one_all_reduce_per_step_for_found_inf_and_norm(spawned, layout, opt_kind):
     _, ours, _, schedule = runs(spawned, layout, opt_kind)
     for run in ours:
         # clip_grad_norm_ + step + update: exactly one all_reduce, nothing else, every step.
@@ -160,7 +160,7 @@ def test_host_reads_zero_with_fused_one_otherwise(spawned, layout, opt_kind):
     expected = 0 if opt_kind == "fused" else 1
     for run in ours:
         # From the second step on: the first step also reads each DeviceMesh's rank list once
-        # (a CPU tensor, DeviceMesh.mesh) to check that the mesh lies inside the verdict group.
+        # (a CPU tensor, DeviceMesh.mesh) to check that the mesh lies inside the scaler's process group.
         assert run["host_reads"][1:] == [expected] * (len(run["host_reads"]) - 1)
 
 
@@ -190,7 +190,7 @@ def test_unknown_layout_raises_on_every_rank_before_changing_anything(spawned, c
         assert "register_model" in record["error"] and "grad_layout" in record["error"]
         if case == "fsdp1-unregistered":
             assert "FSDP1 flat parameters" in record["error"]
-        # Raised before the collective: no rank waits in a verdict the others never join ...
+        # Raised before the collective: no rank waits in a collective the others never join ...
         assert record["collectives"] == 0
         # ... and the ranks are still in step: a later all_reduce over both completes.
         assert record["probe"] == 2.0

@@ -22,7 +22,7 @@ from test_distributed import (  # noqa: F401
     test_ddp_end_to_end,
     test_inf_on_one_rank_skips_step_on_every_rank,
     test_one_all_reduce_per_step_and_host_reads_only_when_not_fused,
-    test_rank_without_gradients_joins_the_verdict,
+    test_rank_without_gradients_joins_the_collective,
 )
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.xdist_group("nccl")]

@@ -77,8 +77,8 @@ def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_kind):
 
 
 @pytest.mark.parametrize("opt_kind", ["fused", "sgd-fused"])
-def test_the_gpu_clip_verdict_matches_the_cpus_bit_for_bit(opt_kind):
-    """The clip verdict a GPU runs (the flag and grad_scale from one clamp, nothing read on the
+def test_the_gpu_clip_path_matches_the_cpus_bit_for_bit(opt_kind):
+    """The clipped inf check a GPU runs (the flag and grad_scale from one clamp, nothing read on the
     host) against the CPU's (the flag read on the host, grad_scale by fmax): the same norms, scales,
     parameters and optimizer state, bit for bit, through clipped and unclipped clean steps and
     inf, -inf and NaN gradients."""

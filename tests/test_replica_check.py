@@ -1,7 +1,7 @@
 """The replica check (distscaler.replica_check): silent data corruption caught at the step.
 
 The arithmetic is checked in this process against exact integers (every single-bit flip of every
-dtype changes the verdict; clean replicas never do, and the float32 sums are exact); the behaviour
+dtype changes the outcome; clean replicas never do, and the float32 sums are exact); the behaviour
 on gloo: one spawn of 2 ranks (DDP: every listed bit, fp32 and fp16 gradients, fused and foreach
 AdamW, clipping on and off, the CPU's path and a GPU's; raise, callable, a parameter flip; 2,000
 clean steps; the ops a check adds) and one of 4 ranks (DDP names exactly the flipped rank; FSDP2

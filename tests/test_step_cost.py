@@ -59,42 +59,42 @@ OURS_WITHOUT_CLIP_SKIPPED = dict(
     **{"aten._foreach_norm.Scalar": 1, "aten.stack.default": 1, "aten.nan_to_num.default": 1},
     **FLAGS,
 )
-#: The verdict a GPU runs (no host read: the fused step's promise), counted on the CPU with
+#: The inf check a GPU runs (no host read: the fused step's promise), counted on the CPU with
 #: the scaler on the path a GPU runs (``gpu_path``). With clipping: the per-tensor norms are stacked into one buffer with the
 #: global norm's slot and the next counters' slots, so that one nan_to_num flags them together and one
-#: clamp makes both the flag and grad_scale, the flag in one lane per gradient: the overflow
+#: clamp makes both the flag and grad_scale, the flag in one element per gradient: the overflow
 #: flags' weight in the skip counters' _foreach_lerp_ (no lerp_ of their own).
 GPU_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient
-    "aten.stack.default": 1,  # the per-tensor norms, a slot for the global norm, the lanes
+    "aten.stack.default": 1,  # the per-tensor norms, a slot for the global norm, the elements
     "aten.linalg_vector_norm.out": 1,  # the global norm T, into its slot
     "aten.nan_to_num.default": 1,  # the tensor codes and T's code c, in one op
     "aten._foreach_addcdiv_.Scalar": 1,  # -c, c / max_norm, T / scale, the record's next counts
-    "aten.clamp.Tensor": 1,  # the flag (exactly 0.0 or 1.0, in every lane) and grad_scale
+    "aten.clamp.Tensor": 1,  # the flag (exactly 0.0 or 1.0, in every element) and grad_scale
     "aten._foreach_lerp_.List": 1,  # the skip counters and the overflow flags
     "aten._amp_update_scale_.default": 1,
 }
 #: Without clipping: each gradient's largest magnitude (p = inf), coded, its minimum the flag
-#: (clamped in one lane per gradient, as with clipping): torch's recipe's count.
+#: (clamped in one element per gradient, as with clipping): torch's recipe's count.
 GPU_WITHOUT_CLIP = {
     "aten._foreach_norm.Scalar": 1,
     "aten.stack.default": 1,
     "aten.nan_to_num.default": 1,  # the tensor codes: < 0 exactly for an inf/NaN gradient
     "aten.amin.default": 1,
     "aten._foreach_addcdiv.Scalar": 1,  # -min(codes) and the record's next counts
-    "aten.clamp.default": 1,  # the flag, exactly 0.0 or 1.0, in every lane
+    "aten.clamp.default": 1,  # the flag, exactly 0.0 or 1.0, in every element
     "aten._foreach_lerp_.List": 1,  # the skip counters and the overflow flags
     "aten._amp_update_scale_.default": 1,
 }
 #: What the DeepSpeed and Megatron rules add to the torch policy's update, with the same settings
 #: (hysteresis, bounds, raise_error_at_min_scale): one clamp_min (grow / exhausted flags) and one
-#: lerp (the lanes after a clean step, the kernel's flags); their overflow values ride in the skip
+#: lerp (the elements after a clean step, the kernel's flags); their overflow values ride in the skip
 #: record's lerp, and torch's scale kernel moves the scale.
 PACKED_POLICY = {"aten._foreach_clamp_min.Scalar": 1, "aten._foreach_lerp_.List": 1}
 
 
 @pytest.fixture
-def gpu_verdict():
+def on_gpu_path():
     """The path a GPU runs: found_inf never read on the host (pass it as ``gpu=`` to the
     helpers below, which build the scaler so)."""
     return True
@@ -159,9 +159,9 @@ def test_unclipped_step_dispatches_no_more_than_torchs_ops_with_the_report_on(fa
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
-def test_the_gpu_verdict_costs_the_same_on_clean_and_skipped_steps(gpu_verdict, fault):
+def test_the_gpu_path_costs_the_same_on_clean_and_skipped_steps(on_gpu_path, fault):
     for clip, expected in ((True, GPU_WITH_CLIP), (False, GPU_WITHOUT_CLIP)):
-        ours, skipped = _count(distscaler.GradScaler, clip=clip, fault=fault, gpu=gpu_verdict)
+        ours, skipped = _count(distscaler.GradScaler, clip=clip, fault=fault, gpu=on_gpu_path)
         theirs, _ = _count(torch.amp.GradScaler, clip=clip, fault=fault)
         assert skipped is fault and ours == expected
         # With clipping at most half of torch's, without no more than torch's (the overflow flags
@@ -212,20 +212,20 @@ def test_a_vector_with_a_0_dim_weight_leaves_the_multi_tensor_path():
     found = torch.zeros(())
     lists = ([*counts, flags], [*counts, torch.ones(NUM_TENSORS)], [found] * 5)
     assert not _multi_tensor_path(lists)
-    lanes = found.expand(NUM_TENSORS).clamp(0.0, 1.0)  # as the inf check makes them
-    assert _multi_tensor_path(([*counts, flags], lists[1], [found] * 4 + [lanes]))
+    elements = found.expand(NUM_TENSORS).clamp(0.0, 1.0)  # as the inf check makes them
+    assert _multi_tensor_path(([*counts, flags], lists[1], [found] * 4 + [elements]))
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 def test_the_overflow_flags_ride_in_the_skip_counters_lerp_on_foreachs_multi_tensor_path(
-    gpu_verdict, clip, fault
+    on_gpu_path, clip, fault
 ):
-    """On the GPU's path the inf check's clamp gives found_inf in one lane per gradient (its
+    """On the GPU's path the inf check's clamp gives found_inf in one element per gradient (its
     operands repeated by views), which weighs the overflow flags in the skip counters' one
     ``_foreach_lerp_``: every tensor of it beside a weight of its own sizes, so that torch's CUDA
     foreach keeps its one-launch path (by the rule of torch's source; `_multi_tensor_path`)."""
-    params, optimizer, scaler = _setup(distscaler.GradScaler, gpu_verdict)
+    params, optimizer, scaler = _setup(distscaler.GradScaler, on_gpu_path)
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)
@@ -237,8 +237,8 @@ def test_the_overflow_flags_ride_in_the_skip_counters_lerp_on_foreachs_multi_ten
     targets, ends, weights = lists
     assert [tuple(t.shape) for t in targets] == [()] * 4 + [(NUM_TENSORS,)]  # counters, flags
     assert _multi_tensor_path(lists), [(tuple(w.shape), w.stride()) for w in weights]
-    lanes = {float(v) for w in weights[1:] for v in w.reshape(-1)}
-    assert lanes == {float(fault)}  # found_inf in every lane
+    elements = {float(v) for w in weights[1:] for v in w.reshape(-1)}
+    assert elements == {float(fault)}  # found_inf in every element
     report = scaler.report_overflow()  # the flags kept: this step's on a skip, none before
     assert scaler.skip_totals.num_skipped == fault
     if fault:
@@ -278,16 +278,16 @@ def test_the_skip_counters_and_the_overflow_flags_take_one_lerp_kernel_on_a_gpu(
     assert scaler.report_overflow() is None  # guard: the phase ran clean, the report on
 
 
-def test_without_a_periodic_report_nothing_is_coded_or_recorded(gpu_verdict):
+def test_without_a_periodic_report_nothing_is_coded_or_recorded(on_gpu_path):
     ours, skipped = _count(
-        distscaler.GradScaler, clip=True, fault=True, gpu=gpu_verdict, skip_log_interval=0
+        distscaler.GradScaler, clip=True, fault=True, gpu=on_gpu_path, skip_log_interval=0
     )
     assert skipped
     # The same ops: the global norm's code (the flag) still takes the nan_to_num the codes ride
     # in, and the skip counters their _foreach_lerp_ (with no overflow flags in it).
     assert ours == GPU_WITH_CLIP
     ours, skipped = _count(
-        distscaler.GradScaler, clip=False, fault=True, gpu=gpu_verdict, skip_log_interval=0
+        distscaler.GradScaler, clip=False, fault=True, gpu=on_gpu_path, skip_log_interval=0
     )
     assert skipped
     assert ours == {  # torch's check kernel on any device, and no host read
@@ -306,10 +306,10 @@ _SETTINGS = {
 
 
 @pytest.mark.parametrize("settings", list(_SETTINGS), ids=list(_SETTINGS))
-@pytest.mark.parametrize("verdict", ["cpu", "gpu"])
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("policy", ["deepspeed", "megatron"])
-def test_hysteresis_policies_cost_the_torch_policy_plus_two_ops(policy, verdict, settings):
-    gpu = verdict == "gpu"
+def test_hysteresis_policies_cost_the_torch_policy_plus_two_ops(policy, path, settings):
+    gpu = path == "gpu"
     for clip in (True, False):
         for fault in (False, True):
             base, _ = _count(
@@ -361,8 +361,8 @@ def test_a_second_dtype_group_adds_one_norm_launch():
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
-def test_fused_step_reads_nothing_on_the_host_with_the_gpu_verdict(gpu_verdict, clip):
-    params, optimizer, scaler = _setup(distscaler.GradScaler, gpu=gpu_verdict)
+def test_fused_step_reads_nothing_on_the_host_on_the_gpu_path(on_gpu_path, clip):
+    params, optimizer, scaler = _setup(distscaler.GradScaler, gpu=on_gpu_path)
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)

@@ -1,7 +1,7 @@
 """``launch/train.py --parallelism fsdp1|fsdp2|hsdp|tp|pp``: real torchrun jobs on gloo (CPU).
 
 Every job trains the tiny smoke model for a few steps with an inf written into one gradient on
-rank 1 only (after the gradients are reduced), so only the scaler's verdict can make the other
+rank 1 only (after the gradients are reduced), so only the scaler's agreement can make the other
 ranks skip. Checked per layout: every rank skipped exactly that step and backed off, ranks agree
 (skips, scale, full parameters gathered per replica), the scaler phase issued exactly one
 collective (CommDebugMode, measured by the job itself). Across layouts, the runs that compute the

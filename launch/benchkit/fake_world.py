@@ -51,7 +51,7 @@ HSDP_SHARD = 8
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    # Mixed sizes so that some ranks of a big world hold empty shards (they still join the verdict).
+    # Mixed sizes so that some ranks of a big world hold empty shards (they still join the step's collective).
     return nn.Sequential(
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8)
     )

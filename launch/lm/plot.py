@@ -13,7 +13,7 @@ PLOT_NAME = "metrics.png"
 def plot_metrics(records: list[dict[str, Any]], path: Path, *, title: str = "") -> Path:
     """Draw training loss (top) and loss scale (bottom, log2 axis) against the step.
 
-    Skipped steps (the verdict found inf/NaN on some rank) are red crosses on the scale curve,
+    Skipped steps (some rank found inf/NaN) are red crosses on the scale curve,
     held-out losses are dots on the loss curve. Uses matplotlib's non-interactive Agg backend.
     """
     import matplotlib
