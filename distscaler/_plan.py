@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
 import torch
 
@@ -50,7 +51,7 @@ from ._contract import StepContract
 from ._process_group import World
 
 if TYPE_CHECKING:
-    from .checks import Contribution
+    from .checks import Check, Contribution
 
 __all__ = [
     "HOST_READ_FREE",
@@ -58,6 +59,7 @@ __all__ = [
     "PassKernels",
     "PlanFor",
     "StepPlan",
+    "checked_world",
     "host_read_is_free",
     "is_tracing",
 ]
@@ -65,6 +67,15 @@ __all__ = [
 #: Device types where reading a value on the host costs no device sync (their kernels already ran
 #: when they returned).
 HOST_READ_FREE = frozenset({"cpu"})
+
+
+def checked_world(world: World, checks: Sequence[Check]) -> World:
+    """``world`` as the checks need it: where a check agrees beyond the group
+    (`distscaler.checks.Check.every_step`), a collective at every step over a world treated as one
+    whose membership changes."""
+    if world.dynamic or not any(check.every_step for check in checks):
+        return world
+    return world._replace(collective=True, dynamic=True)
 
 
 def host_read_is_free(device_type: str) -> bool:
@@ -194,6 +205,25 @@ class StepPlan:
     kernels: PassKernels = "torch"
     reading_free: bool = False
     reading_may_wait: bool = False
+
+    def with_contributions(
+        self,
+        checks: Sequence[Check],
+        layouts: Any,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+    ) -> StepPlan:
+        """This plan with what its collective carries besides the flag and the norm statistic:
+        each check's `distscaler.checks.Check.contribution()` where it is due, in the checks'
+        order, asked only where the collective is the iteration's first
+        (`carries_contributions`). ``layouts``: the scaler's layout resolver; ``device``: the
+        scale's. The checks read this plan's ``world``, ``reading_free`` and
+        ``reading_may_wait``."""
+        if not self.carries_contributions:
+            return self
+        parts = [check.contribution(self, layouts, optimizer, device) for check in checks]
+        kept = tuple(part for part in parts if part is not None)
+        return replace(self, contributions=kept) if kept else self
 
     @property
     def carries_contributions(self) -> bool:

@@ -36,7 +36,15 @@ from ._contract import step_contract
 from ._fused import fused_step
 from ._inf_check import StepResult, run, triton_runs
 from ._persistence import export_state, parse_state
-from ._plan import GradPass, host_read_is_free, plan_check, plan_clip, plan_step, plan_unscale
+from ._plan import (
+    GradPass,
+    checked_world,
+    host_read_is_free,
+    plan_check,
+    plan_clip,
+    plan_step,
+    plan_unscale,
+)
 from ._process_group import ScalerGroup
 from ._replica import ReplicaCheck
 from ._state import HostValues, ScalerState
@@ -671,28 +679,20 @@ class GradScaler(torch.amp.GradScaler):
         # The entry points' one path. The plan, once: from the world (the group, whether a
         # collective runs), the optimizer's step contract, the scaler's own facts and the entry
         # point's ``plan_for`` (a `distscaler._plan` function); then what rides in its collective
-        # (each check's contribution when due, as the plan says it may be read); then the
+        # (the plan asks each check for its contribution: `StepPlan.with_contributions`); then the
         # gradients (the layouts) and the pass with its collective (the runner). Nothing runs
         # where the optimizer drives the scaler itself (torch's deprecated contract: a DRIVEN
         # plan).
         contract = step_contract(optimizer)
-        world = self._group.world()
-        if not world.dynamic and any(check.every_step for check in self._checks):
-            # a check that agrees beyond the group (`Check.every_step`): a changing membership
-            world = world._replace(collective=True, dynamic=True)
+        world = checked_world(self._group.world(), self._checks)
         plan = plan_for(world, contract, kernels=self._kernels,
                         host_reads=self._host_reads, periodic_read=self._attributing,
                         skip_nonfinite=self._config.skip_nonfinite)  # fmt: skip
         if plan.grad_pass is GradPass.DRIVEN:
             return plan, StepResult(None)
         world = plan.world
-        if state is not None and plan.carries_contributions:
-            parts = [check.contribution(plan, self._layouts, optimizer, state.device)
-                     for check in self._checks]  # fmt: skip
-            if any(part is not None for part in parts):
-                plan = dataclasses.replace(
-                    plan, contributions=tuple(part for part in parts if part is not None)
-                )
+        if state is not None:
+            plan = plan.with_contributions(self._checks, self._layouts, optimizer, state.device)
         grads = self._layouts.local_grads(optimizer, world.group, world.size, weighted=weighted,
                                           allow_fp16=plan.allow_fp16, needed=plan.reads_gradients)  # fmt: skip
         return plan, run(plan, *grads, state, found_inf=found_inf, max_norm=max_norm)

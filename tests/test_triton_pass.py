@@ -334,7 +334,7 @@ def test_offsets_past_two_to_the_31(device, offset):
         chunk = 256
         starts = [offset + k * chunk for k in range(3)]  # the last block is partial (700)
         tables = diag.build_tables(
-            [real.data_ptr() - offset * size], [offset + 700], [diag.DTYPE_CODE[dtype]], None,
+            [real.data_ptr() - offset * size], [offset + 700], [diag.DTYPE_KIND[dtype]], None,
             chunk, real.device, block_starts=[starts],
         )  # fmt: skip
         stat = torch.empty(2, dtype=torch.float32, device=device)

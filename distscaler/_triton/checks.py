@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .tables import DTYPE_CODE, KEY_ROW_WORDS
+from .tables import DTYPE_KIND, KEY_ROW_WORDS
 
 __all__ = [
     "NORM_MODE",
@@ -34,7 +34,7 @@ def check_tensors(tensors: Sequence[torch.Tensor], name: str = "tensors") -> tor
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a tensor, got: {type(t).__name__}")
-        if t.dtype not in DTYPE_CODE and t.dtype != torch.float64:
+        if t.dtype not in DTYPE_KIND and t.dtype != torch.float64:
             raise TypeError(
                 f"{name}[{i}] must be float32, float16, bfloat16 or float64, got: {t.dtype}"
             )

@@ -17,11 +17,11 @@ from .kernels import RAW
 from .launch import launch_pass, launch_scale
 from .ops import OPS
 from .runtime import get_kernels, interpreter_runs, triton_importable
-from .tables import CONFIG, DTYPE_CODE, Tables, build_tables, tables_for
+from .tables import CONFIG, DTYPE_KIND, Tables, build_tables, tables_for
 
 __all__ = [
     "CONFIG",
-    "DTYPE_CODE",
+    "DTYPE_KIND",
     "OPS",
     "RAW",
     "Tables",

@@ -108,8 +108,8 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
     e0 = tl.load(blk + num_blocks + pid)  # int64, as the address arithmetic below
     n_left = tl.load(blk + 2 * num_blocks + pid).to(tl.int32)  # the block's elements (<= chunk)
     addr = tl.load(tab + t)
-    code = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
-    lane = tl.arange(0, BLOCK)
+    kind = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
+    iota = tl.arange(0, BLOCK)
     span = INNER * BLOCK
     if KEYED:  # the tensor's first row of keyed weights (-1: not checked)
         first_row = tl.load(keys + 2 * ROW + t).to(tl.int64)
@@ -119,16 +119,16 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
         r1_tot = tl.full([], 0, tl.int64)
         r2_tot = tl.full([], 0, tl.int64)
     num_flush = (n_left + (span - 1)) // span
-    for CODE in tl.static_range(6):  # a branch per dtype and alignment: the block takes its own
-        if code == CODE:
-            DT: tl.constexpr = CODE % 3
+    for KIND in tl.static_range(6):  # a branch per dtype and alignment: the block takes its own
+        if kind == KIND:
+            DT: tl.constexpr = KIND % 3
             if DT == 0:  # the block's first element, addressed in int64
                 first32 = (addr + 4 * e0).to(tl.pointer_type(tl.float32))
-                if CODE >= 3:  # 16-byte aligned (checked on the host): 16-byte vector loads
+                if KIND >= 3:  # 16-byte aligned (checked on the host): 16-byte vector loads
                     first32 = tl.multiple_of(first32, 16)
             else:
                 first16 = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
-                if CODE >= 3:
+                if KIND >= 3:
                     first16 = tl.multiple_of(first16, 16)
             # The moments' int32 sums are kept per row of VW consecutive elements (16 bytes, all
             # one thread's: a row's sum is that thread's adds, no shuffle), not per element: fewer
@@ -160,7 +160,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
                 if DYNAMIC:  # the interpreter: skip the fully masked tiles of a short chunk
                     num_it = tl.minimum((n_left - base + (BLOCK - 1)) // BLOCK, INNER)
                 for it in range(num_it):
-                    offs = base + it * BLOCK + lane
+                    offs = base + it * BLOCK + iota
                     full = base + it * BLOCK + BLOCK <= n_left  # a whole tile: no mask
                     if DT == 0:
                         ptr32 = first32 + offs
@@ -289,12 +289,12 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
     too, ``moments`` of 6 columns, added into ``slots[6:8]``. Fixed order: tiles of ``RT``
     partials in sequence, a tile's positions by the reduction's tree."""
     pid = tl.program_id(0)
-    lane = tl.arange(0, RT)
+    iota = tl.arange(0, RT)
     if pid == 0:
         s_acc = tl.full([RT], 0, tl.float32)
         mx_acc = tl.full([RT], 0, tl.int32)
         for start in range(0, num_blocks, RT):
-            idx = start + lane
+            idx = start + iota
             m = idx < num_blocks
             mx_acc = tl.maximum(mx_acc, tl.load(part_i + idx, mask=m, other=0).to(tl.int32))
             if NORM == 1 or NORM == 2:
@@ -328,7 +328,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
         z1 = tl.full([RT], 0, tl.int64)
         z2 = tl.full([RT], 0, tl.int64)
         for pos in range(b0, b1, RT):
-            jdx = pos + lane
+            jdx = pos + iota
             mj = jdx < b1
             if PER_TENSOR:
                 mx_acc = tl.maximum(mx_acc, tl.load(part_i + jdx, mask=mj, other=0).to(tl.int32))
@@ -403,23 +403,23 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexp
     e0 = tl.load(blk + num_blocks + pid)
     n_left = tl.load(blk + 2 * num_blocks + pid).to(tl.int32)
     addr = tl.load(tab + t)
-    code = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
+    kind = tl.load(tab + 2 * num_tensors + t) + 3 * tl.load(blk + 3 * num_blocks + pid)
     f = tl.load(factor)
-    lane = tl.arange(0, BLOCK)
-    for CODE in tl.static_range(6):
-        if code == CODE:
-            DT: tl.constexpr = CODE % 3
+    iota = tl.arange(0, BLOCK)
+    for KIND in tl.static_range(6):
+        if kind == KIND:
+            DT: tl.constexpr = KIND % 3
             if DT == 0:
                 first32 = (addr + 4 * e0).to(tl.pointer_type(tl.float32))
-                if CODE >= 3:
+                if KIND >= 3:
                     first32 = tl.multiple_of(first32, 16)
             elif DT == 1:
                 first16 = (addr + 2 * e0).to(tl.pointer_type(tl.float16))
-                if CODE >= 3:
+                if KIND >= 3:
                     first16 = tl.multiple_of(first16, 16)
             else:
                 first_w = (addr + 2 * e0).to(tl.pointer_type(tl.int16))
-                if CODE >= 3:
+                if KIND >= 3:
                     first_w = tl.multiple_of(first_w, 16)
             if ROUND:
                 if DT == 1:
@@ -432,7 +432,7 @@ def _scale_kernel(tab, blk, factor, num_blocks, num_tensors, DIVIDE: tl.constexp
                     fm = tl.where(fnan, fm, fm + 0x7FFF + ((fm >> 16) & 1))
                     f = (((fm >> 16) << 16) | ((fb >> 31) << 31)).to(tl.float32, bitcast=True)
             for start in range(0, n_left, BLOCK):  # relative to the block's first element
-                offs = start + lane
+                offs = start + iota
                 mask = offs < n_left
                 full = start + BLOCK <= n_left  # a whole tile: no mask
                 if DT == 0:

@@ -25,7 +25,7 @@ from .checks import check_norm_type
 from .reference import slot_sums, torch_pass
 from .tables import (
     CONFIG,
-    DTYPE_CODE,
+    DTYPE_KIND,
     KEY_ROW_WORDS,
     Tables,
     describe,
@@ -187,12 +187,12 @@ def scale_impl(
     """`scale_()` or `div_()` without their checks: one launch over the contiguous tensors of the
     kernels' dtypes, torch's ops for the others."""
     dtypes, contiguous = describe(tensors)
-    if contiguous and all(d in DTYPE_CODE for d in dtypes):
+    if contiguous and all(d in DTYPE_KIND for d in dtypes):
         if tensors:
             launch_scale(tables_of(tensors, dtypes, None), factor, divide, in_dtype)
         return
-    ours = [t for t in tensors if t.dtype in DTYPE_CODE and t.is_contiguous()]
-    others = [t for t in tensors if not (t.dtype in DTYPE_CODE and t.is_contiguous())]
+    ours = [t for t in tensors if t.dtype in DTYPE_KIND and t.is_contiguous()]
+    others = [t for t in tensors if not (t.dtype in DTYPE_KIND and t.is_contiguous())]
     for t in others:  # float64 ones, non-contiguous ones: torch's ops, the same arithmetic
         if in_dtype or t.dtype == torch.float64:
             f = factor.to(t.dtype)

@@ -2,18 +2,18 @@
 check's slot sums; the tests' references), and the bound of the kernels' float32 norm against the
 exact one (`norm_bound()`).
 
-**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each lane adds
-its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum``
-adds the block's ``BLOCK`` positions (a tree of depth ``log2 BLOCK``), then the reduction adds a
-tensor's blocks per lane (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``); the total
-adds all blocks the same way. A float32 sum of non-negative terms computed along a tree of depth
-``d`` differs from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u = 2**-24``;
-Higham, *Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each square.
-`norm_bound()` returns that relative bound for the sum of squares (``d + 1`` terms); the 2-norm's
-is about half of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of the same
-form with its own ``d``; the tests hold both to their bound against the float64 sum and to the sum
-of the two bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 +
-11 + 23 + 10 + 2, a relative error below 5e-6.
+**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each position of a
+block adds its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then
+``tl.sum`` adds the block's ``BLOCK`` positions (a tree of depth ``log2 BLOCK``), then the reduction
+adds a tensor's blocks per position (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``);
+the total adds all blocks the same way. A float32 sum of non-negative terms computed along a tree of
+depth ``d`` differs from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u =
+2**-24``; Higham, *Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each
+square. `norm_bound()` returns that relative bound for the sum of squares (``d + 1`` terms); the
+2-norm's is about half of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of
+the same form with its own ``d``; the tests hold both to their bound against the float64 sum and to
+the sum of the two bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` =
+32 + 11 + 23 + 10 + 2, a relative error below 5e-6.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The address tables the kernels read: the tensors cut into blocks, each tensor's and each
 block's row in one int64 array on the device, built on the host and cached.
 
-**The tables.** Tensor addresses (``data_ptr``), element counts, dtype codes, weights (float32
+**The tables.** Tensor addresses (``data_ptr``), element counts, dtype kinds, weights (float32
 bits) and each tensor's first block in one int64 array; per block its tensor, first element,
 element count and whether it starts 16-byte aligned (int64). A block covers at most ``chunk``
 elements of one tensor (``chunk`` a multiple of ``BLOCK * INNER``, larger for larger totals so that
@@ -21,7 +21,7 @@ import torch
 
 __all__ = [
     "CONFIG",
-    "DTYPE_CODE",
+    "DTYPE_KIND",
     "KEY_ROW_WORDS",
     "Tables",
     "build_tables",
@@ -44,8 +44,8 @@ CONFIG: dict[str, int] = {"BLOCK": 2048, "INNER": 16, "num_warps": 8, "RT": 1024
 #: `distscaler._triton.kernels`' Keyed sums; a test holds the two equal).
 KEY_ROW_WORDS = 512
 
-#: The tables' dtype codes (the kernels' branches).
-DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: The tables' dtype kinds (the kernels' branches).
+DTYPE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _SIZE = {0: 4, 1: 2, 2: 2}  # bytes per element
 
 
@@ -53,7 +53,7 @@ _SIZE = {0: 4, 1: 2, 2: 2}  # bytes per element
 class Tables:
     """One list of tensors' table, on their device and on the host (`build_tables()`)."""
 
-    tab: torch.Tensor  # int64 (5n + 1 + 4 nb,): addr | numel | dtype code | weight bits |
+    tab: torch.Tensor  # int64 (5n + 1 + 4 nb,): addr | numel | dtype kind | weight bits |
     #                    first block (n + 1) | the block rows
     blk: torch.Tensor  # a view of tab: per block its tensor | first element | element count |
     #                    aligned (1: its first element at a multiple of 16 bytes)
@@ -89,7 +89,7 @@ def chunk_for(total: int, block: int, inner: int) -> int:
 def build_tables(
     addrs: Sequence[int],
     numels: Sequence[int],
-    codes: Sequence[int],
+    kinds: Sequence[int],
     weights: Sequence[float] | None,
     chunk: int,
     device: torch.device,
@@ -103,7 +103,7 @@ def build_tables(
     n = len(addrs)
     numel_t = torch.tensor(list(numels), dtype=torch.int64)
     addr_t = torch.tensor(list(addrs), dtype=torch.int64)
-    size_t = torch.tensor([_SIZE[c] for c in codes], dtype=torch.int64)
+    size_t = torch.tensor([_SIZE[c] for c in kinds], dtype=torch.int64)
     if block_starts is None:
         off = addr_t % 16
         head = torch.where((off != 0) & (off % size_t == 0), (16 - off) // size_t, 0)
@@ -137,7 +137,7 @@ def build_tables(
     host = torch.cat([
         addr_t,
         numel_t,
-        torch.tensor(list(codes), dtype=torch.int64),
+        torch.tensor(list(kinds), dtype=torch.int64),
         w.view(torch.int32).to(torch.int64),
         first,
         blk_t,
@@ -154,7 +154,7 @@ def build_tables(
 
 
 def tables_for(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> Tables:
-    """The cached tables of ``tensors`` (contiguous, of `DTYPE_CODE`'s dtypes, one device)."""
+    """The cached tables of ``tensors`` (contiguous, of `DTYPE_KIND`'s dtypes, one device)."""
     return tables_of(tensors, tuple(map(_DTYPE, tensors)), weights)
 
 
@@ -185,8 +185,8 @@ def tables_of(
     if cached is not None:
         _TABLE_CACHE.move_to_end(key)
         return cached
-    codes = [DTYPE_CODE[d] for d in dtypes]
-    tables = build_tables(addrs, numels, codes, weights, chunk, device)
+    kinds = [DTYPE_KIND[d] for d in dtypes]
+    tables = build_tables(addrs, numels, kinds, weights, chunk, device)
     _TABLE_CACHE[key] = tables
     while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         _TABLE_CACHE.popitem(last=False)
