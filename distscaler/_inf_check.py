@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ._plan import GradPass
 from ._torch_compat import amp_check_and_unscale_
-from .attribution import flag_tensors
+from .attribution import INF_CODE, NAN_CODE, flag_tensors
 
 if TYPE_CHECKING:
     from ._plan import StepPlan
@@ -64,6 +64,10 @@ __all__ = ["STAT_NUMEL", "StepResult", "check_and_unscale_", "local_stat", "run"
 #: Elements of the buffer a pass all-reduces: [non-finite flag, weighted sum of |g|**p (or max |g|
 #: for p = inf)].
 STAT_NUMEL = 2
+
+#: float32's largest value as a float64 CPU scalar (an operand on any device, copied nowhere).
+_FLOAT32_MAX_VALUE = torch.finfo(torch.float32).max
+_FLOAT32_MAX = torch.tensor(_FLOAT32_MAX_VALUE, dtype=torch.float64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,56 +603,42 @@ def _p_norm(stat: torch.Tensor, norm_type: float) -> torch.Tensor:
     return stat[1] if norm_type == math.inf else stat[1].pow(1.0 / norm_type)
 
 
-def _stacked_two_norm(
+def _two_norm(
     groups: GradGroups,
     device: torch.device,
     coll: _Collective,
     buffer2: torch.Tensor,
     tail: Sequence[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The global 2-norm of the (still scaled) gradients: 0-dim float32 on ``device``, the
-    per-tensor norms (float32 ``(num_grads,)``, None without gradients), and, with ``tail`` (0-dim
-    float32 tensors on ``device``), the buffer the per-tensor norms were stacked into (else None).
+) -> tuple[torch.Tensor, int]:
+    """The per-tensor 2-norms and the global 2-norm ``T`` of the (still scaled) gradients, in
+    float64: one buffer ``[per-tensor norms (num_grads) | T | tail[1:]]`` on ``device`` and
+    ``num_grads``.
 
-    One ``_foreach_norm`` per (device, dtype) group (float32 accumulation at least: a large finite
-    fp16 gradient never looks like an overflow) and one ``stack``; then at world size 1 one
-    ``linalg_vector_norm``, and otherwise the weighted sum of squares written into ``buffer2[1]``
-    (one ``addmv_``), one ``all_reduce`` of ``buffer2``, and one ``sqrt``. A rank without gradients
-    joins with zeros.
-
-    The one ``stack`` also copies a slot for the total norm and ``tail`` after the per-tensor norms,
-    and the norm is written into its slot (the ``out=`` of ``linalg_vector_norm`` or ``sqrt``): the
-    buffer is float32 ``(num_grads + 1 + len(tail),)``, ``[per-tensor norms | total norm | tail]``,
-    so that later ops treat the norms and the total norm, or slots of the tail, as one tensor.
+    One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64 (no sum of
+    squares of float32 gradients overflows it, at any scale), and one ``stack`` that also copies
+    ``tail`` (0-dim tensors on ``device``; ``tail[0]`` the norm's slot) after the per-tensor norms;
+    then at world size 1 one ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of
+    squares written into ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of
+    ``buffer2``, and one ``sqrt`` into the slot. A rank without gradients joins with zeros.
     """
     norms: list[torch.Tensor] = []  # per-tensor 2-norms
     weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
     for key, grads in groups.items():
-        acc = _accumulation_dtype(key.dtype)
-        part = list(torch._foreach_norm(grads, 2.0, dtype=acc))
-        if key.device != device or acc != torch.float32:
-            part = [n.to(device, torch.float32, non_blocking=True) for n in part]
+        part = list(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
+        if key.device != device:
+            part = [n.to(device, non_blocking=True) for n in part]
         weights.append((len(norms), len(norms) + len(part), key.weight))
         norms += part
     num_grads = len(norms)
-    buffer = None
-    total = None
-    if tail:
-        buffer = torch.stack([*norms, tail[0], *tail])  # the norm's slot: a copy of tail[0]
-        per_tensor = buffer[:num_grads] if norms else None
-        total = buffer[num_grads]
-    else:
-        per_tensor = torch.stack(norms) if norms else None  # (num_grads,)
+    # float64 throughout: the stack promotes the tail's float32 tensors
+    buffer = torch.stack([*norms, *tail]) if norms else torch.stack(list(tail)).double()
+    per_tensor, total = buffer[:num_grads], buffer[num_grads]
     if not coll.active:
-        if per_tensor is None:
-            zero = torch.zeros((), dtype=torch.float32, device=device)
-            return (zero if total is None else total.zero_()), None, buffer
-        if total is None:
-            return torch.linalg.vector_norm(per_tensor), per_tensor, None
-        torch.linalg.vector_norm(per_tensor, out=total)
-        return total, per_tensor, buffer
+        if num_grads:
+            torch.linalg.vector_norm(per_tensor, out=total)
+        return buffer, num_grads
     out = buffer2[1:2]
-    if per_tensor is not None:
+    if num_grads:
         stacked, weight = per_tensor, weights[0][2]
         if any(w != weight for _, _, w in weights):  # groups of different replication
             stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
@@ -657,10 +647,19 @@ def _stacked_two_norm(
     else:
         out.zero_()
     coll.reduce_(buffer2, op=dist.ReduceOp.SUM)
-    if total is None:
-        return buffer2[1].sqrt(), per_tensor, None
     torch.sqrt(buffer2[1], out=total)
-    return total, per_tensor, buffer
+    return buffer, num_grads
+
+
+def _saturated_flags(per_tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-tensor flags of float64 statistics, as float32: `flag_tensors()`, then a finite
+    statistic past float32's range saturated at float32's largest value (a finite tensor is never
+    flagged as an inf one; docs/pass-semantics.md). Into ``out`` (float32, ``per_tensor``'s shape):
+    ``nan_to_num``, then ``fmin`` writing float32; else ``nan_to_num``, ``clamp_``, the cast."""
+    flagged = flag_tensors(per_tensor)
+    if out is None:
+        return flagged.clamp_(max=_FLOAT32_MAX_VALUE).to(torch.float32)
+    return torch.fmin(flagged, _FLOAT32_MAX, out=out)  # a CPU scalar: no copy to the device
 
 
 def local_stat(
@@ -677,27 +676,28 @@ def local_stat(
         norm_type: ``p`` of the norm (``math.inf`` allowed).
 
     Returns:
-        float32 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
+        float64 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
         non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)], and the per-tensor
-        norms (float32 ``(num_grads,)``, still scaled; None without gradients).
+        norms (float64 ``(num_grads,)``, still scaled; None without gradients). float64 throughout
+        (``_foreach_norm`` accumulates in it): no statistic of finite float32 gradients overflows
+        it for p = 1 and 2, at any scale.
     """
     device = inv_scale.device
     ord_ = float(norm_type)
     parts = []
     weights = []
     for key, grads in groups.items():
-        acc = _accumulation_dtype(key.dtype)
         if ord_ == math.inf:
-            norms = torch.stack(_max_magnitudes(grads, acc))
+            norms = torch.stack(_max_magnitudes(grads, torch.float64))
         else:
-            norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=acc))
-        parts.append(norms.to(device, torch.float32, non_blocking=True))
+            norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float64))
+        parts.append(norms.to(device, non_blocking=True))
         weights.append(key.weight)
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
-        return torch.zeros(STAT_NUMEL, dtype=torch.float32, device=device), None
+        return torch.zeros(STAT_NUMEL, dtype=torch.float64, device=device), None
     per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
-    flag = per_tensor.isfinite().all().logical_not().to(torch.float32)
+    flag = per_tensor.isfinite().all().logical_not().to(torch.float64)
     if ord_ == math.inf:
         stat = (per_tensor * inv_scale).max()
     else:
@@ -728,20 +728,22 @@ def _norm(
         return _norm_on_device(plan, grads, params, state, max_norm_t, coll)
     counters: NextCounters | None = None
     if norm_type == 2.0:
-        stacked = _stacked_two_norm(grads, state.device, coll, state.norm_buffer, ())
-        total, per_tensor = stacked[0], stacked[1]
-        a, b, c = state.counter_terms()
-        zero = state.zero
-        # norm = T / scale, q = T / max_norm (grad_scale where it clips) and the update's
-        # counters, in one multi-tensor op.
-        norm, q, *next_values = torch._foreach_addcdiv(
-            [zero, zero, *a], [total, total, *b], [scale, max_norm_t, *c]
+        buffer, num_grads = _two_norm(
+            grads, state.device, coll, state.norm_buffer, [state.zero, scale, max_norm_t]
         )
+        per_tensor = buffer[:num_grads] if num_grads else None
+        # norm = T / scale and q = T / max_norm (grad_scale where it clips), divided in float64
+        # and rounded once to float32: inf where either passes float32's range
+        decided = torch.div(buffer[num_grads], buffer[num_grads + 1 : num_grads + 3])
+        norm, q = decided.to(torch.float32).unbind()
+        a, b, c = state.counter_terms()
+        # q + norm / inf: q, or NaN where the norm is inf or NaN; and the update's counters
+        checked, *next_values = torch._foreach_addcdiv([q, *a], [norm, *b], [state.inf, *c])
         counters = state.next_counters(next_values)
         if plan.read_found_inf:  # others read it anyway
-            # q is inf/NaN where T is (inf / inf is NaN: measuring only), and inf where
+            # inf/NaN where T is (inf / inf is NaN: measuring only), inf where the norm or
             # scale / clip_coef passes float32's range: never a clean step divided by inf
-            skipped = not math.isfinite(q.item())
+            skipped = not math.isfinite(checked.item())
             found = state.one if skipped else state.zero
             grad_scale = scale if skipped else torch.fmax(q, scale)
             if not plan.fused:
@@ -751,7 +753,7 @@ def _norm(
                 found,
                 grad_scale=grad_scale,
                 total_norm=norm,
-                per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+                per_tensor_flags=_saturated_flags(per_tensor) if taking else None,  # type: ignore[arg-type]
                 params=params,
                 flags_taken=True,
                 clean_read=plan.per_tensor_flags,
@@ -765,12 +767,14 @@ def _norm(
         local, per_tensor = local_stat(grads, _inv_scale(scale), norm_type)
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         coll.reduce_(local, op=op)
-        norm = _p_norm(local, norm_type)
-        # scale / clip_coef, divided first: norm * scale overflows where the quotient does not.
-        # inf/NaN where the norm is, and inf where it passes float32's range: an overflow either
-        # way (never a clean step divided by inf); on a skip the gradients are only unscaled.
-        q = norm / max_norm_t * scale
-        nonfinite_now = torch.logical_or(local[0] > 0, q.isfinite().logical_not())
+        # The norm and scale / clip_coef in float64, rounded once to float32: inf/NaN where the
+        # norm is, and inf where either passes float32's range: an overflow either way (never a
+        # clean step divided by inf); on a skip the gradients are only unscaled.
+        norm64 = _p_norm(local, norm_type)
+        norm, q = torch.stack([norm64, norm64 / max_norm_t * scale]).to(torch.float32).unbind()
+        nonfinite_now = torch.logical_or(
+            local[0] > 0, torch.logical_and(norm.isfinite(), q.isfinite()).logical_not()
+        )
         found = nonfinite_now.to(torch.float32) if plan.skip_nonfinite else state.zero
         q = torch.where(nonfinite_now, scale, q)
     grad_scale = torch.fmax(q, scale)  # scale / min(1, max_norm / norm)
@@ -781,7 +785,7 @@ def _norm(
         found,
         grad_scale=grad_scale,
         total_norm=norm,
-        per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+        per_tensor_flags=_saturated_flags(per_tensor) if taking else None,  # type: ignore[arg-type]
         params=params,
         flags_taken=True,
         next_counters=counters,
@@ -798,60 +802,56 @@ def _norm_on_device(
     coll: _Collective,
 ) -> StepResult:
     """`_norm()` with the 2-norm where nothing is read on the host (a fused step on a GPU; any step
-    that is not fused) and inf/NaN skip the step: everything after the total norm in three device
-    ops.
+    that is not fused) and inf/NaN skip the step.
 
-    The per-tensor norms are stacked into one buffer with the total norm's slot and the slots the
-    ``_foreach_addcdiv_`` writes in place (`_stacked_two_norm()`):
+    `_two_norm()` gives the per-tensor norms and ``T``, the global norm of the scaled gradients, in
+    float64. One ``stack`` makes the float32 slots, after room for the per-tensor flags:
 
-    ``[per-tensor norms (num_grads) | T | -c, q | 0, scale | 1, inf | norm | next counters]``
+    ``[flags | norm, q | -c, c | 0, scale | 1, inf | next counters]``
 
-    where ``T`` is the total norm of the scaled gradients. Then one ``nan_to_num`` flags the
-    per-tensor norms and ``T`` together (``c``: ``T`` when finite, else negative), one
-    ``_foreach_addcdiv_`` writes ``-c``, ``q = c / max_norm``, ``norm = T / scale`` and the
-    update's counters into their slots, and one ``clamp`` of ``(-c, q)`` between ``(0, scale)``
-    and ``(1, inf)`` gives ``found_inf`` (exactly 0.0 when ``T`` is finite, 1.0 when it is not) and
-    ``grad_scale = max(q, scale)``: the values ``fmax(T / max_norm, scale)`` gives, bit for bit
-    (both ``scale`` on an overflow).
+    one ``div`` writes ``norm = T / scale`` and ``q = T / max_norm`` into them (divided in float64,
+    rounded once to float32: inf where either passes float32's range), one
+    ``_foreach_addcdiv_`` makes ``q + norm / inf`` (``q``, or NaN where the norm is inf or NaN) and
+    the update's counters, one ``nan_to_num`` its code ``c`` (``q`` when every value is finite,
+    else negative), one ``sub`` ``-c`` (+0.0, never -0.0), and one ``clamp`` of ``(-c, c)`` between
+    ``(0, scale)`` and ``(1, inf)`` gives ``found_inf`` (exactly 0.0 or 1.0) and ``grad_scale =
+    max(q, scale)`` (``scale`` on an overflow). The per-tensor flags: `_saturated_flags()` into
+    their room (two ops).
     """
     assert plan.max_norm is not None
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
-    tail = [zero, zero, zero, scale, one, state.inf, zero, *a]
-    total, per_tensor, buffer = _stacked_two_norm(
-        grads, state.device, coll, state.norm_buffer, tail
+    buffer, num_grads = _two_norm(
+        grads, state.device, coll, state.norm_buffer, [zero, scale, max_norm_t]
     )
-    assert buffer is not None
-    num_grads = 0 if per_tensor is None else per_tensor.numel()
-    flagged = flag_tensors(buffer[: num_grads + 1])  # the per-tensor flags, then T's
-    slots = buffer[num_grads + 1 :]  # (-c, q | 0, scale | 1, inf | norm | next counters)
-    flagged_total = flagged[num_grads]
-    # -c = 0 - c / 1 (+0.0, never -0.0, when T is 0), q, norm and the update's counters, in place.
-    torch._foreach_addcdiv_(
-        [slots[0], slots[1], *slots[6:]],
-        [flagged_total, flagged_total, total, *b],
-        [state.minus_one, max_norm_t, scale, *c],
-    )
+    taking = plan.per_tensor_flags and num_grads > 0
+    k = num_grads if taking else 0  # room for the flags
+    buf = torch.stack([*[zero] * k, zero, zero, zero, zero, zero, scale, one, state.inf, *a])
+    slots = buf[k:]
+    torch.div(buffer[num_grads], buffer[num_grads + 1 : num_grads + 3], out=slots[0:2])
+    torch._foreach_addcdiv_([slots[1], *slots[8:]], [slots[0], *b], [state.inf, *c])
+    torch.nan_to_num(slots[1], nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE, out=slots[3])
+    torch.sub(zero, slots[3], out=slots[2])
     # The clamp over one element per gradient (its operands repeated by views: no op more), so that
     # its first row, found_inf in every element, weighs the overflow flags
     # (`StepResult.flag_weights`); T is agreed before it at any world size.
-    width, at = max(num_grads, 1), num_grads + 1  # ``at``: where ``slots`` starts in ``buffer``
-    clamped = torch.clamp(_repeated(buffer, at, width), min=_repeated(buffer, at + 2, width),
-                        max=_repeated(buffer, at + 4, width))  # fmt: skip
+    width = max(num_grads, 1)
+    clamped = torch.clamp(_repeated(buf, k + 2, width), min=_repeated(buf, k + 4, width),
+                          max=_repeated(buf, k + 6, width))  # fmt: skip
     weights, scales = clamped.unbind()  # (width,) each: found_inf, grad_scale
     found, grad_scale = weights[0], scales[0]
     if not plan.fused:
         _div_(grads, grad_scale)
-    taking = plan.per_tensor_flags and per_tensor is not None
+    flags = _saturated_flags(buffer[:num_grads], out=buf[:k]) if taking else None
     return StepResult(
         found,
         grad_scale=grad_scale,
-        total_norm=slots[6],
-        per_tensor_flags=flagged[:num_grads] if taking else None,
+        total_norm=slots[0],
+        per_tensor_flags=flags,
         params=params,
         flags_taken=True,
         flag_weights=weights if taking else None,
-        next_counters=state.next_counters(list(slots[7:].unbind())),
+        next_counters=state.next_counters(list(slots[8:].unbind())),
         max_norm=plan.max_norm,
     )
 
@@ -886,7 +886,7 @@ def _norm_unscaled(
     local, per_tensor = local_stat(grads, one, norm_type)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     coll.reduce_(local, op=op)
-    norm = _p_norm(local, norm_type)
+    norm = _p_norm(local, norm_type).to(torch.float32)  # inf where it passes float32's range
     if max_norm < math.inf:  # inf measures only: the coefficient would be 1
         _div_(grads, torch.fmax(norm / max_norm, one))
     found = None
@@ -900,7 +900,7 @@ def _norm_unscaled(
     return StepResult(
         found,
         total_norm=norm,
-        per_tensor_flags=flag_tensors(per_tensor) if taking else None,  # type: ignore[arg-type]
+        per_tensor_flags=_saturated_flags(per_tensor) if taking else None,  # type: ignore[arg-type]
         params=params,
         flags_taken=True,
         max_norm=max_norm,

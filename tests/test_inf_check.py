@@ -88,8 +88,9 @@ def test_check_and_unscale_matches_torch_kernel_and_flags():
     where=st.integers(0, 10_000),
 )
 def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, where):
-    """The clip path's norm (one _foreach_norm per dtype group, stack, linalg_vector_norm): non-finite
-    exactly when an element is, and otherwise torch's clip_grad_norm_ norm of the same tensors."""
+    """The clip path's norm (one _foreach_norm per dtype group in float64, stack, linalg_vector_norm):
+    non-finite exactly when an element is, and otherwise torch's clip_grad_norm_ norm of the same
+    tensors."""
     gen = torch.Generator().manual_seed(where)
     tensors = [(torch.randn(17 + 5 * i, generator=gen) * 4).to(d) for i, d in enumerate(dtypes)]
     if special is not None:
@@ -97,11 +98,12 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
     alone = inf_check._Collective(StepPlan(GradPass.NORM), groups, ())  # one rank: no collective
-    norm, per_tensor, _ = inf_check._stacked_two_norm(
-        groups, torch.device("cpu"), alone, torch.zeros(2), ()
+    buffer, num_grads = inf_check._two_norm(
+        groups, torch.device("cpu"), alone, torch.zeros(2, dtype=torch.float64), [torch.zeros(())]
     )
-    assert per_tensor.shape == (len(tensors),)
-    assert norm.dtype == torch.float32 and norm.shape == ()
+    assert num_grads == len(tensors) and buffer.shape == (len(tensors) + 1,)
+    norm = buffer[num_grads]
+    assert norm.dtype == torch.float64 and norm.shape == ()
     finite = all(bool(t.isfinite().all()) for t in tensors)
     assert bool(norm.isfinite()) is finite
     if finite:
