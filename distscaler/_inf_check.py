@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ._plan import GradPass
-from ._torch_compat import amp_check_and_unscale_
+from ._torch_compat import amp_check_and_unscale_, wide_dtype
 from .attribution import INF_CODE, NAN_CODE, flag_tensors
 
 if TYPE_CHECKING:
@@ -614,8 +614,9 @@ def _two_norm(
     float64: one buffer ``[per-tensor norms (num_grads) | T | tail[1:]]`` on ``device`` and
     ``num_grads``.
 
-    One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64 (no sum of
-    squares of float32 gradients overflows it, at any scale), and one ``stack`` that also copies
+    One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64
+    (`wide_dtype()`: no sum of squares of float32 gradients overflows it, at any scale; float32 on
+    MPS), and one ``stack`` that also copies
     ``tail`` (0-dim tensors on ``device``; ``tail[0]`` the norm's slot) after the per-tensor norms;
     then at world size 1 one ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of
     squares written into ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of
@@ -623,15 +624,16 @@ def _two_norm(
     """
     norms: list[torch.Tensor] = []  # per-tensor 2-norms
     weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
+    wide = wide_dtype(device)
     for key, grads in groups.items():
-        part = list(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
-        if key.device != device:
-            part = [n.to(device, non_blocking=True) for n in part]
+        part = list(torch._foreach_norm(grads, 2.0, dtype=wide_dtype(key.device)))
+        if key.device != device or part[0].dtype != wide:
+            part = [n.to(device, wide, non_blocking=True) for n in part]
         weights.append((len(norms), len(norms) + len(part), key.weight))
         norms += part
     num_grads = len(norms)
     # float64 throughout: the stack promotes the tail's float32 tensors
-    buffer = torch.stack([*norms, *tail]) if norms else torch.stack(list(tail)).double()
+    buffer = torch.stack([*norms, *tail]) if norms else torch.stack(list(tail)).to(wide)
     per_tensor, total = buffer[:num_grads], buffer[num_grads]
     if not coll.active:
         if num_grads:
@@ -679,25 +681,26 @@ def local_stat(
         float64 tensor of shape ``(2,)`` on ``inv_scale.device``: [1.0 if a per-tensor norm is
         non-finite else 0.0, weighted ``sum |g / scale|**p`` (max for p = inf)], and the per-tensor
         norms (float64 ``(num_grads,)``, still scaled; None without gradients). float64 throughout
-        (``_foreach_norm`` accumulates in it): no statistic of finite float32 gradients overflows
-        it for p = 1 and 2, at any scale.
+        (``_foreach_norm`` accumulates in it; `wide_dtype()`, float32 on MPS): no statistic of
+        finite float32 gradients overflows it for p = 1 and 2, at any scale.
     """
     device = inv_scale.device
     ord_ = float(norm_type)
+    wide = wide_dtype(device)
     parts = []
     weights = []
     for key, grads in groups.items():
         if ord_ == math.inf:
-            norms = torch.stack(_max_magnitudes(grads, torch.float64))
+            norms = torch.stack(_max_magnitudes(grads, wide_dtype(key.device)))
         else:
-            norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=torch.float64))
-        parts.append(norms.to(device, non_blocking=True))
+            norms = torch.stack(torch._foreach_norm(grads, ord_, dtype=wide_dtype(key.device)))
+        parts.append(norms.to(device, wide, non_blocking=True))
         weights.append(key.weight)
     if not parts:
         # A rank with no gradients still joins the collective, with zeros.
-        return torch.zeros(STAT_NUMEL, dtype=torch.float64, device=device), None
+        return torch.zeros(STAT_NUMEL, dtype=wide, device=device), None
     per_tensor = parts[0] if len(parts) == 1 else torch.cat(parts)  # (num_grads,)
-    flag = per_tensor.isfinite().all().logical_not().to(torch.float64)
+    flag = per_tensor.isfinite().all().logical_not().to(wide)
     if ord_ == math.inf:
         stat = (per_tensor * inv_scale).max()
     else:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ._packed import EXACT_GROWTH_INTERVAL, packed_update_
+from ._torch_compat import wide_dtype
 from ._validation import check_scale
 from .policies import get_policy
 from .telemetry import SkipLog
@@ -123,8 +124,9 @@ class DeviceState:
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
         self.inf = full(float("inf"), torch.float32)
-        #: ``[found_inf, sum of squares]`` of a clip at world size > 1 (all-reduced in place; float64).
-        self.norm_buffer = torch.zeros(2, dtype=torch.float64, device=device)
+        #: ``[found_inf, sum of squares]`` of a clip at world size > 1 (all-reduced in place; float64,
+        #: `wide_dtype()`).
+        self.norm_buffer = torch.zeros(2, dtype=wide_dtype(device), device=device)
         self._max_norm: tuple[float, torch.Tensor] | None = None
         # The unpacked counter terms from the start (no op: existing tensors), so that a compiled phase
         # sees the same cache at its first and later calls (dynamo guards on it: recompiles).

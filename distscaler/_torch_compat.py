@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["amp_check_and_unscale_", "fused_handoff", "torch_at_least"]
+__all__ = ["amp_check_and_unscale_", "fused_handoff", "torch_at_least", "wide_dtype"]
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -40,6 +40,13 @@ def torch_at_least(major: int, minor: int) -> bool:
 #: source: the handler matches ``aten::_foreach_*`` only) and later trace it (pytorch/pytorch PR
 #: 154930, for issue 138412); 2.10.0 to 2.15.0 run.
 _CHECK_KERNEL_TRACES = torch_at_least(2, 8)
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a clip's statistics are accumulated and all-reduced in on ``device``: float64
+    (no sum of squares of float32 gradients overflows it; docs/pass-semantics.md), float32 on
+    Apple's MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def amp_check_and_unscale_(

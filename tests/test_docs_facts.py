@@ -7,11 +7,11 @@ cannot disagree, and a page cannot drift from CI's output. Three-part versions o
 "megatron-core 0.17 and later" are ranges). Pure text, no import of the packages.
 
 The step's collective (``step_collective``) is measured: on 2 gloo ranks (DDP) and 4 (HSDP 2 x 2),
-each setting's every step has one collective, the all_reduce whose float32 values and reduce op
-facts.yml lists (tests/_facts_scenarios.py). A page's "N bytes" or "N float32" about that
-all_reduce is one of the measured sizes of the settings its sentence names (the defaults unless it
-says ``replica_check=False``), "at most N bytes" their largest, and "N float32 ... with MAX" a
-measured pair; the overflow report's all_gather is measured in the same run.
+each setting's every step has one collective, the all_reduce whose values, reduce op and dtype
+facts.yml lists (tests/_facts_scenarios.py). A page's "N bytes", "N float32" or "N float64" about
+that all_reduce is one of the measured sizes of the settings its sentence names (the defaults
+unless it says ``replica_check=False``), "at most N bytes" their largest, and "N float32 ... with
+MAX" a measured pair; the overflow report's all_gather is measured in the same run.
 """
 
 from __future__ import annotations
@@ -172,11 +172,13 @@ _NUMBER = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "eigh
 _HOW_MANY = r"(\d+|one|two|three|four|five|six|eight)"
 _BYTES = re.compile(r"(?P<most>at most )?(?P<n>\d+) bytes\b")
 _FLOATS = re.compile(
-    r"(?P<most>at most )?" + _HOW_MANY + r"(?: 0-dim)? float32\b"
+    r"(?P<most>at most )?" + _HOW_MANY + r"(?: 0-dim)? (?P<dtype>float32|float64)\b"
     r"(?:[^.;|]{0,60}?\b(?:reduced )?with (?P<op>MAX|SUM)\b)?"
 )
 #: Groups of measured settings a sentence may speak of, and what names them. A sentence that names
 #: none speaks of the defaults, on layouts with replicated gradients (DDP, HSDP).
+#: Bytes per value of the collective's dtypes.
+_ITEMSIZE = {"float32": 4, "float64": 8}
 _GROUPS = {
     "replica check off": re.compile(
         r"replica_check=False|nothing (?:is )?replicated|no replica check"
@@ -185,8 +187,8 @@ _GROUPS = {
 }
 
 
-def _group(name: str) -> set[tuple[int, str]]:
-    """(float32 values, op) of one group of measured settings, over its layouts and optimizers."""
+def _group(name: str) -> set[tuple[int, str, str]]:
+    """(values, op, dtype) of one group of measured settings, over its layouts and optimizers."""
     layouts = COLLECTIVE["layouts"]
     if name == "replica check off":
         picked = [
@@ -204,7 +206,7 @@ def _group(name: str) -> set[tuple[int, str]]:
             for setting, opt in per_setting.items()
             if setting.startswith(word)
         ]
-    return {(count, op) for opt in picked for count, op in opt.values()}
+    return {(count, op, dtype) for opt in picked for count, op, dtype in opt.values()}
 
 
 def _groups_named(unit: str) -> list[str]:
@@ -255,30 +257,33 @@ def _collective_problems(text: str, name: str) -> list[str]:
         if not _ABOUT_ALL_REDUCE.search(unit) or _OTHER_COLLECTIVE.search(unit):
             continue
         groups = {g: _group(g) for g in _groups_named(unit)}
-        pairs = set().union(*groups.values())
-        counts = {c for c, _ in pairs}
-        largest = {max(c for c, _ in g) for g in groups.values()}
+        measured = set().union(*groups.values())
+        sizes = {c * _ITEMSIZE[d] for c, _, d in measured}
+        largest = {max(c * _ITEMSIZE[d] for c, _, d in g) for g in groups.values()}
         where = f"{name}:{line}: {unit.strip()[:160]!r} (measured for {sorted(groups)})"
-        figures = [(m, int(m["n"]), True) for m in _BYTES.finditer(unit)]
-        figures += [(m, _NUMBER.get(m[2]) or int(m[2]), False) for m in _FLOATS.finditer(unit)]
-        for m, n, in_bytes in figures:
+        for m in _BYTES.finditer(unit):
             if _PLURAL.search(unit[: m.start()]):
                 continue
-            values = n // 4 if in_bytes and n % 4 == 0 else (None if in_bytes else n)
-            unit_name = "bytes" if in_bytes else "float32"
-            scale = 4 if in_bytes else 1
+            n = int(m["n"])
+            if m["most"] and n not in largest:
+                problems.append(f"{where}: {m[0]!r}, measured at most {sorted(largest)} bytes")
+            elif not m["most"] and n not in sizes:
+                problems.append(f"{where}: {m[0]!r}, measured {sorted(sizes)} bytes")
+        for m in _FLOATS.finditer(unit):
+            if _PLURAL.search(unit[: m.start()]):
+                continue
+            n, dtype = _NUMBER.get(m[2]) or int(m[2]), m["dtype"]
+            counts = {c for c, _, d in measured if d == dtype}
             if m["most"]:
-                if values not in largest:
-                    problems.append(
-                        f"{where}: {m[0]!r}, measured at most "
-                        f"{sorted(scale * c for c in largest)} {unit_name}"
-                    )
-            elif values not in counts:
-                problems.append(
-                    f"{where}: {m[0]!r}, measured {sorted(scale * c for c in counts)} {unit_name}"
-                )
-            elif not in_bytes and m["op"] and (n, m["op"]) not in pairs:
-                problems.append(f"{where}: {m[0]!r}, measured {sorted(pairs)}")
+                most = {
+                    max((c for c, _, d in g if d == dtype), default=None) for g in groups.values()
+                }
+                if n not in most:
+                    problems.append(f"{where}: {m[0]!r}, measured at most {sorted(most - {None})}")
+            elif n not in counts:
+                problems.append(f"{where}: {m[0]!r}, measured {sorted(counts)} {dtype}")
+            elif m["op"] and (n, m["op"], dtype) not in measured:
+                problems.append(f"{where}: {m[0]!r}, measured {sorted(measured)}")
     return problems
 
 
@@ -289,8 +294,8 @@ def test_page_states_only_the_measured_collective(page: Path) -> None:
 
 def test_the_collective_check_is_not_vacuous() -> None:
     """It finds a stale figure, in prose and in a table, and takes the settings a sentence names."""
-    largest = 4 * max(c for c, _ in _group("defaults"))
-    off = 4 * max(c for c, _ in _group("replica check off"))
+    largest = max(c * _ITEMSIZE[d] for c, _, d in _group("defaults"))
+    off = max(c * _ITEMSIZE[d] for c, _, d in _group("replica check off"))
     assert _collective_problems(f"One all_reduce of at most {largest} bytes per step.", "x") == []
     assert _collective_problems(f"One all_reduce of at most {largest + 8} bytes.", "x")
     assert _collective_problems(f"One all_reduce of at most {off} bytes per step.", "x")
@@ -318,7 +323,7 @@ SPAWNS = {
 
 
 def _yaml_row(setting: str, per_optimizer: dict[str, list]) -> str:
-    cells = ", ".join(f"{o}: [{c}, {op}]" for o, (c, op) in per_optimizer.items())
+    cells = ", ".join(f"{o}: [{c}, {op}, {d}]" for o, (c, op, d) in per_optimizer.items())
     return f"      {setting}: {{{cells}}}"
 
 
@@ -348,9 +353,10 @@ def test_the_step_collective_is_the_one_of_facts(spawn_name: str, tmp_path: Path
                 assert s["collectives"] == COLLECTIVE["collectives_per_step"] + extra, (setting, s)
                 assert len(s["all_reduce"]) == COLLECTIVE["collectives_per_step"], (setting, s)
                 ((dtype, count, op),) = s["all_reduce"]
-                assert dtype == "float32", s
-                seen = measured.setdefault(setting, {}).setdefault(s["optimizer"], [count, op])
-                assert seen == [count, op], f"{layout}, {setting}: the steps differ: {steps}"
+                seen = measured.setdefault(setting, {}).setdefault(
+                    s["optimizer"], [count, op, dtype]
+                )
+                assert seen == [count, op, dtype], f"{layout}, {setting}: the steps differ: {steps}"
         facts = {
             setting: {o: list(v) for o, v in per_optimizer.items()}
             for setting, per_optimizer in COLLECTIVE["layouts"][layout].items()

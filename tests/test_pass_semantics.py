@@ -7,9 +7,7 @@ The gradients are generated from a seed with the hazards of float32's edges: inf
 from 2**-3 to 2**24; p = 1, 2, inf; and the four cases of issue 54 by name. One clipped step from
 zero parameters with SGD (lr = 1), then ``update()``: the skip, the returned norm, ``.grad`` after
 the clip, the parameters, the scale and the overflow report's named tensors are asserted. A
-hypothesis test draws more (float32, from a list of edge values) on four of the paths, leaving out
-the cases the page lists under "What remains" (`_beyond()`), which the named and seeded cases mark
-xfail(strict) instead.
+hypothesis test draws more (float32, from a list of edge values) on four of the paths.
 """
 
 from __future__ import annotations
@@ -217,19 +215,6 @@ PATHS = {
     "float64": dict(kernels="float64", fused=False, host_reads=False),
 }
 
-_TORCH = ("torch-fused-gpu", "torch-foreach-gpu", "torch-fused-host", "torch-foreach-host")
-_TRITON = ("triton-fused", "triton-foreach", "float64")
-_SQUARES = (
-    "the float32 sum of squares of the unscaled gradients overflows (a 2-norm past 2**64) though "
-    "the norm is finite: skipped where the spec steps (docs/pass-semantics.md, What remains)"
-)
-#: (case, p, path) that diverge from the spec today, with why.
-DIVERGING: dict[tuple[str, str, str], str] = {
-    **{(c, "p2", path): _SQUARES for c in ["a-two", "a-one", "grad-scale-past", "seed4", "seed10"]
-       for path in _TRITON},
-}  # fmt: skip
-
-
 def _tol(case: Case) -> dict[str, float]:
     if any(g.dtype == torch.bfloat16 for g in case.grads):
         return {"rtol": 2e-2, "atol": 1e-38}
@@ -242,9 +227,6 @@ def _params():
         for pn in NORM_TYPES:
             for path in PATHS:
                 marks = [interpreted_mark()] if path.startswith("triton") else []
-                why = DIVERGING.get((name, pn, path))
-                if why is not None:
-                    marks.append(pytest.mark.xfail(strict=True, reason=why))
                 out.append(pytest.param(name, pn, path, marks=marks, id=f"{name}-{pn}-{path}"))
     return out
 
@@ -285,22 +267,6 @@ _VALUES = [0.0, -0.0, 1.0, -2.5, 1e-3, 3e-39, -1e-45, 7.0e4, 1e20, -1e20, 3e38, 
            math.inf, -math.inf, math.nan]  # fmt: skip
 
 
-def _beyond(case: Case, norm_type: float, path: str) -> bool:
-    """Whether ``case`` is one of "What remains" for ``path`` (docs/pass-semantics.md): the Triton
-    kernels' float32 sum of squares that overflows though the norm is finite."""
-    big = torch.finfo(torch.float32).max
-    if norm_type == math.inf:
-        return False
-    if path.startswith("torch"):  # float64 statistics: none overflows
-        return False
-    if not all(bool(g.isfinite().all()) for g in case.grads):
-        return False
-    inv = torch.tensor(case.scale, dtype=torch.float64).reciprocal().float()
-    if norm_type == 2.0:  # the unscaled sum of squares
-        return sum(float(((g.float() * inv).double() ** 2).sum()) for g in case.grads) > big
-    return False
-
-
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     values=st.lists(st.lists(st.sampled_from(_VALUES), max_size=5), min_size=1, max_size=3),
@@ -310,8 +276,6 @@ def _beyond(case: Case, norm_type: float, path: str) -> bool:
 )
 def _hypothesis_case(path, values, scale, max_norm, pn):
     case = Case(tuple(torch.tensor(v, dtype=torch.float32) for v in values), scale, max_norm)
-    if _beyond(case, NORM_TYPES[pn], path):
-        return  # xfail'd by name above; the rule is the page's "What remains"
     _check(case, pn, path)
 
 

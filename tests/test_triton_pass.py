@@ -441,19 +441,27 @@ def test_scale_leaves_what_it_does_not_own_to_torch(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_finish_matches_torch_ops(device):
+    """p = 2 (and 1): the float64 statistic's norm, T / scale and T / max_norm computed in float64
+    and rounded once to float32, as torch's ops give them; an overflow where either passes
+    float32's range. p = inf: float32 statistic and IEEE float32 divisions."""
     scale = torch.tensor(1024.0, device=device)
     max_norm = torch.tensor(1.0, device=device)
-    cases = [[0.0, 2.5e7], [0.0, 1.0], [2.0, 9.0], [0.0, float("inf")], [0.0, float("nan")]]
+    f64 = torch.float64
+    cases = [[0.0, 2.5e7], [0.0, 1.0], [2.0, 9.0], [0.0, float("inf")], [0.0, float("nan")],
+             [0.0, 1e80], [0.0, 1.3e77]]  # fmt: skip
     for flag, s in cases:
-        stat = torch.tensor([flag, s], device=device)
+        stat = torch.tensor([flag, s], device=device, dtype=f64)
         out = tp.finish(stat, scale, max_norm=max_norm)
         t = torch.sqrt(stat[1])
-        bad = flag > 0 or not math.isfinite(t.item())
-        assert out.found_inf.item() == (1.0 if bad else 0.0)
-        expected_scale = scale if bad else torch.fmax(t / max_norm, scale)
+        norm, q = (t / scale).float(), (t / max_norm).float()
+        bad = flag > 0 or not (math.isfinite(norm.item()) and math.isfinite(q.item()))
+        assert out.found_inf.item() == (1.0 if bad else 0.0), s
+        expected_scale = scale if bad else torch.fmax(q, scale)
         assert torch.equal(bits(out.grad_scale), bits(expected_scale))
         if not bad:
-            assert torch.equal(bits(out.total_norm), bits(t / scale))
+            assert torch.equal(bits(out.total_norm), bits(norm))
+    assert tp.finish(torch.tensor([0.0, 1.3e77], dtype=f64, device=device), scale,
+                     max_norm=torch.tensor(1e30, device=device)).found_inf.item() == 0.0  # fmt: skip
     out = tp.finish(torch.tensor([0.0, 0.0], device=device), scale, norm_type=None)
     assert out.out.tolist() == [0.0, 1024.0, 0.0]
     small = torch.tensor(1e-3, device=device)
@@ -462,17 +470,18 @@ def test_finish_matches_torch_ops(device):
     assert torch.equal(out.grad_scale, torch.fmax(stat[1] / small, scale))  # 2999.9998
     assert out.found_inf.item() == 0.0 and torch.equal(out.total_norm, stat[1] / scale)
     # a scale below 1: a finite statistic whose norm passes float32's range once unscaled is an
-    # overflow for p = 1 and inf (torch's path checks the unscaled norm); for p = 2 the scaled
-    # norm decides, as on torch's path (its sum of squares overflows first, but at a tiny scale)
+    # overflow for every p
     for norm_type, sc, s in [(1.0, 0.5, 3e38), (math.inf, 0.5, 3e38), (2.0, 1e-30, 1e30)]:
         sc_t = torch.tensor(sc, device=device)
-        stat = torch.tensor([0.0, s], device=device)
+        dtype = torch.float32 if norm_type == math.inf else f64
+        stat = torch.tensor([0.0, s], device=device, dtype=dtype)
         out = tp.finish(stat, sc_t, max_norm=max_norm, norm_type=norm_type)
         t = torch.sqrt(stat[1]) if norm_type == 2.0 else stat[1]
-        expected = 0.0 if norm_type == 2.0 else 1.0
-        assert math.isinf((t / sc_t).item()) and out.found_inf.item() == expected, norm_type
-        assert torch.equal(out.total_norm, t / sc_t)
-        assert torch.equal(out.grad_scale, sc_t if expected else torch.fmax(t / max_norm, sc_t))
+        assert math.isinf((t / sc_t).float().item()) and out.found_inf.item() == 1.0, norm_type
+        assert torch.equal(out.total_norm, (t / sc_t).float())
+        assert torch.equal(out.grad_scale, sc_t)
+    with pytest.raises(ValueError, match="stat must be a torch.float64 tensor"):
+        tp.finish(torch.tensor([0.0, 1.0], device=device), scale, max_norm=max_norm)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,10 +20,17 @@ __all__ = [
     "check_primes",
     "check_tensors",
     "check_weights",
+    "stat_dtype",
 ]
 
 #: norm_type -> the kernels' NORM: 0 none, 1 sum |x|, 2 sum x**2, 3 max |x|.
 NORM_MODE = {1.0: 1, 2.0: 2, math.inf: 3}
+
+
+def stat_dtype(mode: int) -> torch.dtype:
+    """The dtype of the pass's ``stat``: float64 where it holds a sum (p = 1, 2: no sum of float32
+    gradients overflows it), else float32 (a flag, a largest magnitude)."""
+    return torch.float64 if mode in (1, 2) else torch.float32
 _PRIME_LIMIT = 1 << 24
 
 

@@ -88,7 +88,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
                  INNER: tl.constexpr, DYNAMIC: tl.constexpr, UNSCALED: tl.constexpr,
                  KEYED: tl.constexpr, ROW: tl.constexpr):  # fmt: skip
     """Grid: one program per block (at most ``chunk`` elements of one tensor). Writes
-    ``part_s[b]`` (float32 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits),
+    ``part_s[b]`` (float64 ``sum |x|**p``), ``part_i[b]`` (max ``|x|`` as float32 bits),
     ``part_i[nb + b]`` (``U``) and ``part_i[2 nb + b]`` (``J``; the module docstring). A
     compiled branch per dtype and alignment: where the host found the block's first element
     16-byte aligned (the block table says so) it is stated to the compiler, and full tiles are
@@ -145,7 +145,9 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
                 vidx = tl.arange(0, NV)
             row = tl.arange(0, ROWS)
             col = tl.arange(0, VW)
-            s_acc = tl.full([BLOCK], 0, tl.float32)
+            # p = 1, 2: float64 sums (no sum of float32 overflows them), one per row of VW
+            # elements (a thread's: the row's sum takes no shuffle), fewer registers than per element
+            s_acc = tl.full([ROWS], 0, tl.float64)
             mx_acc = tl.full([BLOCK], 0, tl.int32)
             u_tot = tl.full([], 0, tl.int64)
             j_tot = tl.full([], 0, tl.int64)
@@ -246,12 +248,14 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
                         a = abits.to(tl.float32, bitcast=True)
                         if UNSCALED:
                             a = a * inv
-                        s_acc += a * a
+                        wide = a.to(tl.float64)
+                        # a float32's square is exact in float64
+                        s_acc += tl.reduce(tl.reshape(wide * wide, [ROWS, VW]), 1, _SUM)
                     elif NORM == 1:
                         a = abits.to(tl.float32, bitcast=True)
                         if UNSCALED:
                             a = a * inv
-                        s_acc += a
+                        s_acc += tl.reduce(tl.reshape(a.to(tl.float64), [ROWS, VW]), 1, _SUM)
                 if MOMENTS:  # the flush: int64 sums over the block's rows
                     w64 = w_acc.to(tl.int64)
                     u_f = tl.reduce(w64, 0, _SUM)
@@ -291,7 +295,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
     pid = tl.program_id(0)
     iota = tl.arange(0, RT)
     if pid == 0:
-        s_acc = tl.full([RT], 0, tl.float32)
+        s_acc = tl.full([RT], 0, tl.float64)
         mx_acc = tl.full([RT], 0, tl.int32)
         for start in range(0, num_blocks, RT):
             idx = start + iota
@@ -301,7 +305,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
                 owner = tl.load(blk + idx, mask=m, other=0)
                 w_bits = tl.load(tab + 3 * num_tensors + owner, mask=m, other=0).to(tl.int32)
                 s = tl.load(part_s + idx, mask=m, other=0.0)
-                s_acc += w_bits.to(tl.float32, bitcast=True) * s
+                s_acc += w_bits.to(tl.float32, bitcast=True).to(tl.float64) * s
         mx = tl.reduce(mx_acc, 0, _MAX)
         flag = tl.where(mx >= 0x7F800000, 1.0, 0.0)
         if NORM == 3:
@@ -319,7 +323,7 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
         b0 = tl.load(tab + 4 * num_tensors + t)
         b1 = tl.load(tab + 4 * num_tensors + t + 1)
         words = tl.where(tl.load(tab + 2 * num_tensors + t) == 0, 2, 1).to(tl.int64)
-        s_acc = tl.full([RT], 0, tl.float32)
+        s_acc = tl.full([RT], 0, tl.float64)
         mx_acc = tl.full([RT], 0, tl.int32)
         a1 = tl.full([RT], 0, tl.int64)
         a2 = tl.full([RT], 0, tl.int64)
@@ -351,9 +355,9 @@ def _reduce_kernel(tab, blk, part_s, part_i, stat, per_tensor, moments, terms, s
             mx = tl.reduce(mx_acc, 0, _MAX)
             big = mx.to(tl.float32, bitcast=True)  # the largest magnitude: inf/NaN as held
             if NORM == 2:
-                # a finite tensor whose float32 sum of squares overflows is not an inf one: its
-                # norm saturates at float32's largest value (docs/pass-semantics.md)
-                v = tl.sqrt_rn(tl.reduce(s_acc, 0, _SUM))
+                # a finite tensor whose norm passes float32's range is not an inf one: its norm
+                # saturates at float32's largest value (docs/pass-semantics.md)
+                v = tl.sqrt(tl.reduce(s_acc, 0, _SUM))  # float64: correctly rounded
                 v = tl.where(mx >= 0x7F800000, big, tl.minimum(v, 3.4028234663852886e38))
             else:
                 v = big
@@ -487,28 +491,31 @@ def _finish_kernel(stat, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.cons
 def _finish_values(flag, s, scale, max_norm, out, NORM: tl.constexpr, CLIP: tl.constexpr,
                    UNSCALED: tl.constexpr):  # fmt: skip
     """``out = [found_inf, grad_scale, total_norm]`` from the flag and the norm statistic (of
-    the unscaled gradients where ``UNSCALED`` and p = 1, 2; else of the scaled ones)."""
+    the unscaled gradients where ``UNSCALED`` and p = 1, 2; else of the scaled ones). p = 1, 2:
+    the statistic is float64, and the total norm and ``scale / clip_coef`` are computed in it and
+    rounded once to float32 (inf where past its range); p = inf: in float32, IEEE divisions."""
     sc = tl.load(scale)
-    if NORM == 2:
-        norm = tl.sqrt_rn(s)
+    if NORM == 1 or NORM == 2:
+        norm = tl.sqrt(s) if NORM == 2 else s  # float64: correctly rounded
+        total = norm if UNSCALED else norm / sc.to(tl.float64)
     elif NORM == 0:
         norm = s * 0.0
-    else:
-        norm = s
-    if UNSCALED and (NORM == 1 or NORM == 2):
         total = norm
     else:
+        norm = s
         total = tl.math.div_rn(norm, sc)
-    bad = (flag > 0.0) | (norm != norm) | (norm == float("inf"))
-    if NORM == 1 or NORM == 3:
-        # p = 1, inf: the norm of the unscaled gradients too (a scale below 1 can take a finite
-        # statistic past float32's range), as torch's path checks it; p = 2's sum of squares
-        # overflows first (torch's path checks the scaled norm there)
-        bad = bad | (total == float("inf"))
+    total = total.to(tl.float32)
+    # inf/NaN as held, or a total norm past float32's range (a scale below 1 can take a finite
+    # statistic there): an overflow
+    bad = (flag > 0.0) | (norm != norm) | (total == float("inf"))
     if CLIP:
-        q = tl.math.div_rn(norm, tl.load(max_norm))
-        if UNSCALED and (NORM == 1 or NORM == 2):
-            q = q * sc  # scale / clip_coef, divided first (norm * scale overflows first)
+        if NORM == 1 or NORM == 2:
+            q = norm / tl.load(max_norm).to(tl.float64)
+            if UNSCALED:
+                q = q * sc.to(tl.float64)  # scale / clip_coef
+            q = q.to(tl.float32)
+        else:
+            q = tl.math.div_rn(norm, tl.load(max_norm))
         # scale / clip_coef past float32's range: an overflow, never a clean step divided by inf
         bad = bad | (q == float("inf"))
         tl.store(out + 1, tl.where(bad, sc, tl.maximum(q, sc)))

@@ -21,7 +21,7 @@ import torch
 
 from ..attribution import INF_CODE, NAN_CODE, flag_tensors
 from . import runtime
-from .checks import check_norm_type
+from .checks import check_norm_type, stat_dtype
 from .reference import slot_sums, torch_pass
 from .tables import (
     CONFIG,
@@ -107,7 +107,7 @@ def grad_pass_impl(
         return stat, per_tensor, moments
     if not contiguous:
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    stat = torch.empty(2, dtype=torch.float32, device=device)
+    stat = torch.empty(2, dtype=stat_dtype(mode), device=device)
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
     keyed = keys is not None and primes is not None
     moments = torch.empty((n_moments, 6 if keyed else 4), dtype=torch.int64, device=device)
@@ -144,7 +144,7 @@ def launch_pass(
     k = runtime.get_kernels(stat.device.type != "cuda")
     nb, n = tables.num_blocks, tables.num_tensors
     device = stat.device
-    part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float32, device=device)
+    part_s = torch.empty(nb if mode in (1, 2) else 1, dtype=torch.float64, device=device)
     keyed = keys is not None and primes is not None
     rows = 5 if keyed else 3 if primes is not None else 1
     part_i = torch.empty(nb * rows, dtype=torch.int64, device=device)

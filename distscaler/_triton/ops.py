@@ -26,6 +26,7 @@ from .checks import (
     check_norm_type,
     check_pass,
     check_tensors,
+    stat_dtype,
 )
 from .launch import Finish, Slots, finish_impl, grad_pass_impl, scale_impl
 from .reference import slot_sums
@@ -41,8 +42,9 @@ class PassResult:
     """What `grad_pass()` read, on the tensors' device.
 
     Attributes:
-        stat: float32 ``(2,)``: ``[found, norm_stat]``, the buffer the step all-reduces (``found``
-            is a 0/1 flag: a SUM or a MAX over ranks is > 0 exactly when some rank saw inf/NaN).
+        stat: ``(2,)``: ``[found, norm_stat]``, the buffer the step all-reduces (``found`` is a 0/1
+            flag: a SUM or a MAX over ranks is > 0 exactly when some rank saw inf/NaN); float64
+            for p = 1, 2 (a sum of float32 gradients never overflows it), else float32.
         per_tensor: float32 ``(n,)``: each tensor's 2-norm (``norm_type == 2``) or largest
             magnitude (otherwise), NaN for a tensor holding a NaN, else inf for one holding an
             inf (torch's ``_foreach_norm`` values; with `phase()`'s ``report_flags``, the
@@ -59,13 +61,15 @@ class PassResult:
 
     @property
     def found(self) -> torch.Tensor:
-        """float32 0-dim: 1.0 if an element of a tensor is inf/NaN, else 0.0 (a view of ``stat``)."""
+        """0-dim, ``stat``'s dtype: 1.0 if an element of a tensor is inf/NaN, else 0.0 (a view of
+        ``stat``)."""
         return self.stat[0]
 
     @property
     def norm_stat(self) -> torch.Tensor | None:
-        """float32 0-dim: ``sum_t weights[t] * sum |g|**p`` (``max |g|`` for p = inf; NaN when an
-        element is NaN), a view of ``stat``; None without ``norm_type``."""
+        """0-dim, ``stat``'s dtype: ``sum_t weights[t] * sum |g|**p`` (float64; ``max |g|`` for p
+        = inf, float32; NaN when an element is NaN), a view of ``stat``; None without
+        ``norm_type``."""
         return self.stat[1] if self.has_norm else None
 
 
@@ -262,12 +266,12 @@ def finish(
     norm_type: float | None = 2.0,
     unscaled: bool = False,
 ) -> FinishResult:
-    """From the all-reduced ``stat = [found, norm_stat]`` (float32 ``(2,)``), in one launch:
-    ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, or ``T`` inf/NaN, or for p = 1 and inf
-    ``total_norm`` inf too, as torch's path of the scaler decides), ``grad_scale = max(scale, T /
-    max_norm)`` (``scale`` on an overflow or without ``max_norm``) and ``total_norm = T / scale``,
-    where ``T = norm_stat ** (1/p)`` (``sqrt`` for p = 2, correctly rounded; IEEE divisions: the
-    values torch's ops give for the same ``stat``).
+    """From the all-reduced ``stat = [found, norm_stat]`` (`PassResult.stat`: ``(2,)``, float64
+    for p = 1, 2), in one launch: ``found_inf`` (exactly 0.0 or 1.0: the flag > 0, ``T`` NaN, or
+    ``total_norm`` or ``grad_scale`` past float32's range, as torch's path of the scaler decides),
+    ``grad_scale = max(scale, T / max_norm)`` (``scale`` on an overflow or without ``max_norm``)
+    and ``total_norm = T / scale``, where ``T = norm_stat ** (1/p)`` (p = 1, 2: computed in
+    float64, correctly rounded, and rounded once to float32; p = inf: IEEE float32 divisions).
 
     Args:
         stat: the buffer of `PassResult.stat` after the collective.
@@ -278,10 +282,12 @@ def finish(
             2): ``T`` is then the total norm itself, and ``grad_scale = max(scale, T / max_norm *
             scale)``, divided first (the product overflows first).
     """
-    check_float32(("stat", stat), ("scale", scale), ("max_norm", max_norm))
+    check_float32(("scale", scale), ("max_norm", max_norm))
+    want = stat_dtype(check_norm_type(norm_type))
+    if not isinstance(stat, torch.Tensor) or stat.dtype != want or stat.device != scale.device:
+        raise ValueError(f"stat must be a {want} tensor on {scale.device}, got: {stat!r}")
     if stat.shape != (2,):
         raise ValueError(f"stat must have shape (2,), got: {tuple(stat.shape)}")
-    check_norm_type(norm_type)
     nt = None if norm_type is None else float(norm_type)
     if torch.compiler.is_compiling() and OPS is not None:
         out = OPS.finish(stat, scale, max_norm, nt, unscaled)
@@ -414,7 +420,7 @@ def _register_ops() -> Any:
             n = len(tensors)
             width = 6 if keys is not None and primes is not None else 4
             return (
-                torch.empty(2, dtype=torch.float32, device=device),
+                torch.empty(2, dtype=stat_dtype(check_norm_type(norm_type)), device=device),
                 torch.empty(n if flags else 0, dtype=torch.float32, device=device),
                 torch.empty((n if primes is not None else 0, width), dtype=torch.int64,
                             device=device),  # fmt: skip
@@ -465,7 +471,7 @@ def _register_ops() -> Any:
 
         @_finish_op.register_fake
         def _(stat, scale, max_norm, norm_type, unscaled=False):  # type: ignore[no-untyped-def]
-            return stat.new_empty(3)
+            return torch.empty(3, dtype=torch.float32, device=stat.device)
 
         return types.SimpleNamespace(grad_pass=_grad_pass_op, scale_=_scale_op, finish=_finish_op,
                                      grad_pass_finished=_pass_finished_op)  # fmt: skip

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import stat_dtype
 from .tables import CONFIG, KEY_ROW_WORDS, chunk_for
 
 __all__ = ["keyed_sums", "norm_bound", "slot_sums", "torch_pass"]
@@ -94,7 +95,7 @@ def torch_pass(
     sums too (`keyed_sums()`, ``(n, 6)``)."""
     n = len(tensors)
     ws = [1.0] * n if weights is None else list(weights)
-    stat = torch.zeros(2, dtype=torch.float32, device=device)
+    stat = torch.zeros(2, dtype=stat_dtype(mode), device=device)
     amax = [t.abs().amax().double() if t.numel() else t.new_zeros((), dtype=torch.float64)
             for t in tensors]  # fmt: skip
     nonfinite = torch.stack([~t.isfinite().all() for t in tensors]).any()
@@ -107,7 +108,7 @@ def torch_pass(
     if mode in (1, 2):
         p = 2 if mode == 2 else 1
         sums = [((t.double().abs() * inv) ** p).sum() * w for t, w in zip(tensors, ws)]
-        stat[1] = torch.stack(sums).sum().float()
+        stat[1] = torch.stack(sums).sum()
     per_tensor = torch.empty(n_flags, dtype=torch.float32, device=device)
     if n_flags:  # the largest magnitudes: an empty tensor's is 0.0 (_foreach_norm raises)
         if mode == 2:
