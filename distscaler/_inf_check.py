@@ -4,15 +4,21 @@
 returns one `StepResult`: the agreed ``found_inf`` (every rank of the group gets the same), and as
 the plan asks, the ``grad_scale`` a fused optimizer divides by, the global ``total_norm`` and the
 per-tensor flags an overflow report reads. Each pass is torch's multi-tensor kernels, one launch per
-(device, dtype) group, then at most one ``all_reduce`` of two float32 (`_all_reduce_()`, the only
-collective of a step), then a few small device ops that also compute the counters the next
-``update()`` needs (the state's ``counter_terms()`` ride in the pass's own ``_foreach_addcdiv``).
+(device, dtype) group, then at most one ``all_reduce`` of two values (`_Collective.reduce_()`, the
+only collective of a step: float32, float64 when clipping), then a few small device ops that also
+compute the counters the next ``update()`` needs (the state's ``counter_terms()`` ride in the
+pass's own ``_foreach_addcdiv``).
 Nothing is read on the host but where the plan says so.
 
 Per-tensor flags: one float32 per gradient tensor, taken from the statistic the pass reads anyway
 (its largest magnitude, or its norm when clipping), flagged by one ``nan_to_num``: the finite
-statistic itself, ``-1.0`` for a NaN, ``-2.0`` for an inf
+statistic itself (saturated at float32's largest), ``-1.0`` for a NaN, ``-2.0`` for an inf
 ([`distscaler.attribution`][distscaler.attribution]).
+
+Clipping: the statistics are float64 (`wide_dtype()`; per-tensor norms, the global norm, the sum of
+squares the collective carries), and the norm and ``grad_scale`` are rounded once to float32 at the
+end, inf where past its range: no finite gradient's statistic overflows, at any scale
+(docs/pass-semantics.md).
 
 Device ops per pass (world size 1, one (device, dtype) group; world size > 1 adds the one
 ``all_reduce``, and with clipping one ``sqrt``):
@@ -25,13 +31,14 @@ Device ops per pass (world size 1, one (device, dtype) group; world size > 1 add
   ``nan_to_num``, ``amin``, the ``_foreach_addcdiv`` (``-min``), ``clamp`` for a flag of exactly
   0.0 or 1.0 (at world size 1 in one element per gradient: the overflow flags' weight,
   ``StepResult.flag_weights``): 6.
-* ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm``, then the
-  ``_foreach_addcdiv`` for the norm, ``scaled norm / max_norm`` and the overflow flag; on the CPU
-  (fused) the flag's host read and ``fmax`` for ``grad_scale``: 6. On a GPU: the ``stack`` also
-  makes the slots of the total norm and of the update's counters, one ``nan_to_num`` flags the
-  per-tensor norms and the total norm together, the ``_foreach_addcdiv_`` writes into the slots, one
-  ``clamp`` gives the exact flag and ``grad_scale``, in one element per gradient: 6
-  (`_norm_on_device()`).
+* ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm`` (float64), one ``div``
+  (the norm and ``scaled norm / max_norm``) and its cast to float32, the ``_foreach_addcdiv`` for
+  the flag's value and the update's counters; on the CPU (fused) the flag's host read and ``fmax``
+  for ``grad_scale``: 8 (on a skip the per-tensor flags: ``nan_to_num``, ``clamp_``, the cast). On
+  a GPU: the float64 ``_foreach_norm``, ``stack`` and ``linalg_vector_norm``, one float32 ``stack``
+  of the slots, the ``div`` into them, one ``_foreach_addcdiv_``, ``nan_to_num`` and ``sub`` for
+  the flag's code, one ``clamp`` for the exact flag and ``grad_scale`` in one element per gradient,
+  and the per-tensor flags' ``nan_to_num`` and ``fmin``: 11 (`_norm_on_device()`).
 
 The 2-norm takes no 1e-6 guard: torch's ``clip_grad_norm_`` computes ``max_norm / (norm + 1e-6)``
 to avoid dividing by zero; here ``clip_coef = min(1, max_norm / total_norm)`` is applied as

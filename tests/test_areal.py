@@ -196,9 +196,9 @@ def test_b_an_inf_on_one_rank_skips_on_every_rank_lr_held_scale_backed_off(resul
         assert {s["collectives"] for s in ours if s["step"] != k} == {1}
         assert {kind for s in ours if s["step"] != k for kind in s["kinds"]} == {"c10d.allreduce_"}
         assert ours[k]["kinds"] == ["c10d._allgather_base_", "c10d.allreduce_"]
-        # Ours: 2 float32 (the flag and the norm; FSDP2's shards: nothing replicated, so no
-        # replica check); stock: one float32 per all_reduce (the norm).
-        assert {tuple(s["all_reduce_bytes"]) for s in ours} == {(8,)}
+        # Ours: 2 float64 (the flag and the sum of squares; FSDP2's shards: nothing replicated,
+        # so no replica check); stock: one float32 per all_reduce (the norm).
+        assert {tuple(s["all_reduce_bytes"]) for s in ours} == {(16,)}
         assert {tuple(s["all_reduce_bytes"]) for s in stock} == {(4, 4)}
         # Host reads in optimizer_step (the optimizer's own aside), clean steps after the first:
         # stock 6; ours 3 (the norm AReaL returns, the scaler's metrics, the flag: read on the

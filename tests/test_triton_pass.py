@@ -761,7 +761,7 @@ def test_the_checksum_keeps_32_warps_per_sm_in_the_read_kernel():
     assert "tt.reshape" in ir and "convert_layout" not in ir
     # With the keyed sums (every INTERVAL updates), on half the tile as the launch takes them:
     # at most 104 registers, no spill (16 warps per SM), the spans reduced without a layout
-    # conversion; on the whole tile it would take 170 (8 warps).
+    # conversion; on the whole tile it would take 166 (8 warps).
     keyed = dict(consts, KEYED=True, BLOCK=cfg["BLOCK"] // 2, INNER=cfg["INNER"] * 2)
     compiled = diag.compile_for_a_gpu("_read_kernel", keyed)
     resources = diag.registers(compiled)

@@ -12,24 +12,24 @@ tensor starts 2**33 elements before real memory and whose blocks start past 2**3
 
 **Exactness of the checksum.** For tensor ``t`` with 16-bit words ``w_k`` (signed; ``L = numel *
 element_size / 2``; a float32 element holds words ``2e`` (low half) and ``2e + 1`` (high half)),
-``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k
-* w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <= 2**16``)
+``moments[t] = [A mod P1, A mod P2, B mod P1, B mod P2]`` with ``A = sum_k w_k`` and ``B = sum_k k *
+w_k`` as exact integers. Per element the kernel forms ``u = sum of its words`` (``|u| <= 2**16``)
 and ``c = sum_j j * word_j`` (the high half for float32, 0 for 16-bit types): ``A = sum u`` and ``B
 = m * sum_e e * u_e + sum_e c_e`` with ``m`` words per element. The kernel keeps its int32 sums per
 row of ``VW`` consecutive elements (16 bytes: 4 float32 or 8 16-bit elements, all held by one
 thread), tile position ``l = VW * row + col``, not per position: 62 registers per thread instead of
-124 on sm_90 (``launch/kernel_ptx.py``; 64 with the scaler's unscaling multiply, ``UNSCALED``,
-still 32 warps per SM), so twice the warps fit an SM. Over ``INNER <= 128``
-iterations ``it``, with ``r = sum`` of a row's ``u`` in one tile (``|r| <= 2**18``): ``W = sum r``
-(``<= INNER * 2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 * 2**18``) and ``C = sum col
-* u`` (``< INNER * 2**20``), all below 2**31 in magnitude (a test fills whole flushes with the
-extreme words at ``INNER`` 16 and 128); every ``INNER`` iterations they are summed over the block's
-rows in int64 (``sum_l l * u = VW * sum row * W + C``) into the block's ``U = sum u`` and ``J = sum
-(e - e0) * u + c`` (``|J| < 2**61`` for a chunk of at most 2**22 elements). The reduction takes
-each block's ``U mod P``, ``J mod P`` and its first word ``K0 = m * e0`` modulo ``P``: ``B =
-sum_blocks (K0 * U + J)``, every product of two residues below ``2**48``, every sum reduced modulo
-``P`` before it could reach 2**63. No float, no wrap, any order: exact (tests compare with Python
-integers).
+124 on sm_90 (``launch/kernel_ptx.py``, with the scaler's unscaling multiply, ``UNSCALED``, and the
+float64 sums of squares kept per row too), 32 warps per SM, so twice the warps fit an SM. Over
+``INNER <= 128`` iterations ``it``, with ``r = sum`` of a row's ``u`` in one tile (``|r| <=
+2**18``): ``W = sum r`` (``<= INNER * 2**18``), ``V = sum it * r`` (``<= INNER (INNER - 1) / 2 *
+2**18``) and ``C = sum col * u`` (``< INNER * 2**20``), all below 2**31 in magnitude (a test fills
+whole flushes with the extreme words at ``INNER`` 16 and 128); every ``INNER`` iterations they are
+summed over the block's rows in int64 (``sum_l l * u = VW * sum row * W + C``) into the block's ``U
+= sum u`` and ``J = sum (e - e0) * u + c`` (``|J| < 2**61`` for a chunk of at most 2**22 elements).
+The reduction takes each block's ``U mod P``, ``J mod P`` and its first word ``K0 = m * e0`` modulo
+``P``: ``B = sum_blocks (K0 * U + J)``, every product of two residues below ``2**48``, every sum
+reduced modulo ``P`` before it could reach 2**63. No float, no wrap, any order: exact (tests compare
+with Python integers).
 
 **Keyed sums** (``KEYED``, the replica check's ``R``; `distscaler._replica.checksum`). The table
 ``keys`` (int32): ``a[c]`` for each of a row's ``ROW`` word columns modulo ``P1``, ``P2`` (``2 *
@@ -43,7 +43,7 @@ a row), and each side of the cut is summed (``< 2**49`` in magnitude), reduced m
 multiplied by its row's ``d`` (``< 2**48``). The block's two residues go to ``part_i[3 nb + b]``
 and ``part_i[4 nb + b]``; the reduction adds a tensor's. Exact, any order (tests compare with
 Python integers at every offset and tile size). The launch takes this variant on half tiles (the
-same span per flush): its products hold registers (104 per thread on sm_90 there, 170 on whole
+same span per flush): its products hold registers (100 per thread on sm_90 there, 166 on whole
 tiles; ``launch/kernel_ptx.py``).
 
 **Alignment.** Each block's row in the table says whether its first element sits at a multiple
@@ -146,7 +146,7 @@ def _read_kernel(tab, blk, part_s, part_i, num_blocks, num_tensors, scale, keys,
             row = tl.arange(0, ROWS)
             col = tl.arange(0, VW)
             # p = 1, 2: float64 sums (no sum of float32 overflows them), one per row of VW
-            # elements (a thread's: the row's sum takes no shuffle), fewer registers than per element
+            # elements (a thread's: its sum takes no shuffle): fewer registers than per element
             s_acc = tl.full([ROWS], 0, tl.float64)
             mx_acc = tl.full([BLOCK], 0, tl.int32)
             u_tot = tl.full([], 0, tl.int64)

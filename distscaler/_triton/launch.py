@@ -152,7 +152,7 @@ def launch_pass(
     block, inner = CONFIG["BLOCK"], CONFIG["INNER"]
     if keyed and inner <= 64 and block >= 16:
         # half the tile, twice the tiles per flush (the same span, so the same blocks): the
-        # keyed products' registers (104 per thread on sm_90 at 1024, 170 at 2048;
+        # keyed products' registers (100 per thread on sm_90 at 1024, 166 at 2048;
         # launch/kernel_ptx.py)
         block, inner = block // 2, inner * 2
     if nb:

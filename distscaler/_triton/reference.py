@@ -1,19 +1,20 @@
 """What the kernels compute, with torch's ops (the pass for float64 gradients, the replica
-check's slot sums; the tests' references), and the bound of the kernels' float32 norm against the
+check's slot sums; the tests' references), and a bound of the kernels' norm against the
 exact one (`norm_bound()`).
 
-**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float32: each position of a
-block adds its elements sequentially (at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then
-``tl.sum`` adds the block's ``BLOCK`` positions (a tree of depth ``log2 BLOCK``), then the reduction
-adds a tensor's blocks per position (``ceil(blocks / RT)`` sequentially) and by tree (``log2 RT``);
-the total adds all blocks the same way. A float32 sum of non-negative terms computed along a tree of
-depth ``d`` differs from the exact sum by at most ``gamma_d = d*u / (1 - d*u)`` of it (``u =
-2**-24``; Higham, *Accuracy and Stability of Numerical Algorithms*, 4.2), plus ``u`` for each
-square. `norm_bound()` returns that relative bound for the sum of squares (``d + 1`` terms); the
-2-norm's is about half of it plus ``u`` (the ``sqrt``). torch's ``_foreach_norm`` obeys a bound of
-the same form with its own ``d``; the tests hold both to their bound against the float64 sum and to
-the sum of the two bounds against each other. At 1.5e9 elements in one tensor (chunk 2**16): ``d`` =
-32 + 11 + 23 + 10 + 2, a relative error below 5e-6.
+**The norm's rounding.** ``sum x**2`` (or ``sum |x|``) is accumulated in float64: each square of
+a float32 is exact there; each thread adds its row of elements, then its rows over the tiles
+(at most ``INNER`` per flush, ``chunk / BLOCK`` in all), then ``tl.sum`` adds the block's rows (a
+tree), then the reduction adds a tensor's blocks per position (``ceil(blocks / RT)``
+sequentially) and by tree (``log2 RT``); the total adds all blocks the same way. A sum of
+non-negative terms computed along a tree of depth ``d`` differs from the exact sum by at most
+``gamma_d = d*u / (1 - d*u)`` of it (``u`` the unit roundoff, ``2**-53`` in float64; Higham,
+*Accuracy and Stability of Numerical Algorithms*, 4.2); the per-tensor 2-norm is then rounded once
+to float32. `norm_bound()` returns the bound of the same summation in float32 (``u = 2**-24``, plus
+``u`` for each square): the form torch's float32 ``_foreach_norm`` obeys with its own ``d``, and a
+bound far above the kernels' float64 sums; the tests hold both to it against the float64 sum. At
+1.5e9 elements in one tensor (chunk 2**16): ``d`` = 32 + 11 + 23 + 10 + 2, a relative bound below
+5e-6.
 """
 
 from __future__ import annotations
@@ -147,11 +148,11 @@ def _torch_moments(t: torch.Tensor, primes: tuple[int, int]) -> torch.Tensor:
 
 
 def norm_bound(numels: Sequence[int], norm_type: float = 2.0) -> float:
-    """The relative bound of `grad_pass()`'s float32 ``sum |g|**p`` (p = 2 or 1) against the exact
-    sum, for tensors of these sizes: ``gamma_d = d*u / (1 - d*u)`` with ``u = 2**-24`` and ``d``
-    the depth of the summation (module docstring), plus ``u`` for the squares (p = 2). Applies to
-    ``norm_stat`` and, for each tensor, to the square of its ``per_tensor`` 2-norm before the
-    ``sqrt`` (the norm itself: about half, plus ``u``)."""
+    """A relative bound of `grad_pass()`'s ``sum |g|**p`` (p = 2 or 1) against the exact sum, for
+    tensors of these sizes: that of the same summation in float32, ``gamma_d = d*u / (1 - d*u)``
+    with ``u = 2**-24`` and ``d`` its depth (module docstring), plus ``u`` for the squares (p = 2),
+    far above the kernels' float64 sums. Applies to ``norm_stat`` and, for each tensor, to the
+    square of its ``per_tensor`` 2-norm (rounded once to float32 after the ``sqrt``)."""
     block, inner, rt = CONFIG["BLOCK"], CONFIG["INNER"], CONFIG["RT"]
     chunk = chunk_for(sum(numels), block, inner)
     blocks = sum(-(-int(n) // chunk) + 1 for n in numels)  # + a head block at most
