@@ -33,8 +33,10 @@ Device ops per pass (world size 1, one (device, dtype) group; world size > 1 add
   ``StepResult.flag_weights``): 6.
 * ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm`` (float64), one ``div``
   (the norm and ``scaled norm / max_norm``) and its cast to float32, the ``_foreach_addcdiv`` for
-  the flag's value and the update's counters; on the CPU (fused) the flag's host read and ``fmax``
-  for ``grad_scale``: 8 (on a skip the per-tensor flags: ``nan_to_num``, ``clamp_``, the cast). On
+  the flag's value and the update's counters; on the CPU (fused) the norms are float32 and ``T``
+  read on the host (taken again in float64 where it is not finite: `_two_norm()`), then the flag's
+  host read and ``fmax`` for ``grad_scale``: 9 (on a skip also the float64 norms and the per-tensor
+  flags: ``nan_to_num``, ``clamp_``, the cast). On
   a GPU: the float64 ``_foreach_norm``, ``stack`` and ``linalg_vector_norm``, one float32 ``stack``
   of the slots, the ``div`` into them, one ``_foreach_addcdiv_``, ``nan_to_num`` and ``sub`` for
   the flag's code, one ``clamp`` for the exact flag and ``grad_scale`` in one element per gradient,
@@ -616,6 +618,8 @@ def _two_norm(
     coll: _Collective,
     buffer2: torch.Tensor,
     tail: Sequence[torch.Tensor],
+    *,
+    recheck: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """The per-tensor 2-norms and the global 2-norm ``T`` of the (still scaled) gradients, in
     float64: one buffer ``[per-tensor norms (num_grads) | T | tail[1:]]`` on ``device`` and
@@ -623,38 +627,64 @@ def _two_norm(
 
     One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64
     (`wide_dtype()`: no sum of squares of float32 gradients overflows it, at any scale; float32 on
-    MPS), and one ``stack`` that also copies
-    ``tail`` (0-dim tensors on ``device``; ``tail[0]`` the norm's slot) after the per-tensor norms;
-    then at world size 1 one ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of
-    squares written into ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of
-    ``buffer2``, and one ``sqrt`` into the slot. A rank without gradients joins with zeros.
+    MPS), and one ``stack`` that also copies ``tail`` (0-dim tensors on ``device``; ``tail[0]``,
+    float64, the norm's slot) after the per-tensor norms; then at world size 1 one
+    ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of squares written into
+    ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of ``buffer2``, and one
+    ``sqrt`` into the slot. A rank without gradients joins with zeros.
+
+    ``recheck`` (where a host read is free: the CPU, whose float64 norm of float32 gradients takes
+    about 4x its float32 one): the per-tensor norms are taken in float32 (torch's own
+    ``clip_grad_norm_``'s), and this rank's ``T`` (world size 1) or sum of squares (before the
+    collective) read on the host; only where it is not finite (an inf/NaN, or a finite tensor
+    whose float32 norm overflows) are they taken again in float64. The same values either way.
     """
-    norms: list[torch.Tensor] = []  # per-tensor 2-norms
-    weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
     wide = wide_dtype(device)
-    for key, grads in groups.items():
-        part = list(torch._foreach_norm(grads, 2.0, dtype=wide_dtype(key.device)))
-        if key.device != device or part[0].dtype != wide:
-            part = [n.to(device, wide, non_blocking=True) for n in part]
-        weights.append((len(norms), len(norms) + len(part), key.weight))
-        norms += part
+
+    def per_tensor_norms(exact: bool) -> tuple[list[torch.Tensor], list[tuple[int, int, float]]]:
+        norms: list[torch.Tensor] = []
+        weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
+        for key, grads in groups.items():
+            dtype = wide_dtype(key.device) if exact else _accumulation_dtype(key.dtype)
+            part = list(torch._foreach_norm(grads, 2.0, dtype=dtype))
+            if key.device != device:
+                part = [n.to(device, wide, non_blocking=True) for n in part]
+            weights.append((len(norms), len(norms) + len(part), key.weight))
+            norms += part
+        return norms, weights
+
+    norms, weights = per_tensor_norms(not recheck)
     num_grads = len(norms)
-    # float64 throughout: the stack promotes the tail's float32 tensors
-    buffer = torch.stack([*norms, *tail]) if norms else torch.stack(list(tail)).to(wide)
+    # float64 throughout: the stack promotes the norms and the tail to tail[0]'s dtype
+    buffer = torch.stack([*norms, *tail])
     per_tensor, total = buffer[:num_grads], buffer[num_grads]
-    if not coll.active:
-        if num_grads:
-            torch.linalg.vector_norm(per_tensor, out=total)
-        return buffer, num_grads
-    out = buffer2[1:2]
-    if num_grads:
+
+    def local_sum() -> None:  # this rank's weighted sum of squares, into buffer2[1]
+        out = buffer2[1:2]
+        if not num_grads:
+            out.zero_()
+            return
         stacked, weight = per_tensor, weights[0][2]
         if any(w != weight for _, _, w in weights):  # groups of different replication
             stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
             weight = 1.0
         out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
-    else:
-        out.zero_()
+
+    def retake_if_not_finite(value: torch.Tensor) -> bool:
+        if not recheck or not num_grads or math.isfinite(value.item()):  # free on the CPU
+            return False
+        per_tensor.copy_(torch.stack(per_tensor_norms(True)[0]))
+        return True
+
+    if not coll.active:
+        if num_grads:
+            torch.linalg.vector_norm(per_tensor, out=total)
+            if retake_if_not_finite(total):
+                torch.linalg.vector_norm(per_tensor, out=total)
+        return buffer, num_grads
+    local_sum()
+    if retake_if_not_finite(buffer2[1]):
+        local_sum()
     coll.reduce_(buffer2, op=dist.ReduceOp.SUM)
     torch.sqrt(buffer2[1], out=total)
     return buffer, num_grads
@@ -739,8 +769,9 @@ def _norm(
     counters: NextCounters | None = None
     if norm_type == 2.0:
         buffer, num_grads = _two_norm(
-            grads, state.device, coll, state.norm_buffer, [state.zero, scale, max_norm_t]
-        )
+            grads, state.device, coll, state.norm_buffer, [state.wide_zero, scale, max_norm_t],
+            recheck=plan.host_read_free,
+        )  # fmt: skip
         per_tensor = buffer[:num_grads] if num_grads else None
         # norm = T / scale and q = T / max_norm (grad_scale where it clips), divided in float64
         # and rounded once to float32: inf where either passes float32's range
@@ -832,8 +863,9 @@ def _norm_on_device(
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
     buffer, num_grads = _two_norm(
-        grads, state.device, coll, state.norm_buffer, [zero, scale, max_norm_t]
-    )
+        grads, state.device, coll, state.norm_buffer, [state.wide_zero, scale, max_norm_t],
+        recheck=plan.host_read_free,
+    )  # fmt: skip
     taking = plan.per_tensor_flags and num_grads > 0
     k = num_grads if taking else 0  # room for the flags
     buf = torch.stack([*[zero] * k, zero, zero, zero, zero, zero, scale, one, state.inf, *a])

@@ -190,6 +190,9 @@ class StepPlan:
         reading_may_wait: a contribution's reading may wait on the device until the host's next
             read of the scaler: a fused step with the Triton kernels, where a periodic read will
             name what waited (`distscaler.replica_check.DeferredReading`).
+        host_read_free: a host read costs no sync (the CPU; not on the path a GPU runs, nor while
+            tracing): the clip reads its float32 norm there before it takes float64 ones
+            (`distscaler._inf_check._two_norm`).
     """
 
     grad_pass: GradPass
@@ -205,6 +208,7 @@ class StepPlan:
     kernels: PassKernels = "torch"
     reading_free: bool = False
     reading_may_wait: bool = False
+    host_read_free: bool = False
 
     def with_contributions(
         self,
@@ -318,6 +322,7 @@ def plan_clip(
         world=world,
         tracing=tracing,
         kernels=kernels,
+        host_read_free=host_reads and not tracing,
         **_readings(contract, fused, kernels, host_reads, periodic_read),
     )
 

@@ -26,13 +26,15 @@ NUM_TENSORS = 144
 #: A host read costs no sync there (distscaler._plan.host_read_is_free): the flag is read and the
 #: gradients are coded only on a skip.
 OURS_WITH_CLIP = {
-    "aten._foreach_norm.Scalar": 1,  # the one read of every gradient (per-tensor norms, float64)
-    "aten.stack.default": 1,  # the per-tensor norms, the global norm's slot, scale and max_norm
-    "aten.linalg_vector_norm.out": 1,  # the global norm (world size 1), into its slot
+    "aten._foreach_norm.Scalar": 1,  # the one read of every gradient (per-tensor norms)
+    "aten.stack.default": 1,  # ... into float64, the global norm's slot, scale and max_norm
+    "aten.linalg_vector_norm.out": 1,  # the global norm T (world size 1), into its slot
     "aten.div.Tensor": 1,  # norm = T / scale and q = T / max_norm, in float64
     "aten._to_copy.default": 1,  # ... rounded once to float32 (inf where past its range)
     "aten._foreach_addcdiv.Scalar": 1,  # q + norm / inf (the flag's value), the next counts
-    "aten._local_scalar_dense.default": 1,  # the flag, read on the host (no sync on a CPU)
+    # T, then the flag, read on the host (no sync on a CPU): the float32 norms are taken again in
+    # float64 only where T is not finite
+    "aten._local_scalar_dense.default": 2,
     "aten.fmax.default": 1,  # grad_scale = scale / clip_coef
     "aten._foreach_lerp_.List": 1,  # the skip counters (and the overflow flags, on a skip)
     "aten._amp_update_scale_.default": 1,  # torch's policy
@@ -45,10 +47,13 @@ OURS_WITH_CLIP = {
 #: test_the_overflow_flags_ride_in_the_skip_counters_lerp_on_foreachs_multi_tensor_path).
 FLAGS = {"aten.lerp_.Tensor": 1}
 #: The same step when it overflows: the codes instead of grad_scale, and the overflow flags.
-#: The per-tensor flags of the float64 norms: nan_to_num, saturated at float32's largest
-#: (clamp_), cast to float32.
+#: T is NaN: the norms are taken again in float64 (_foreach_norm, stack, copy_ into the buffer, T
+#: again), and the per-tensor flags of them: nan_to_num, saturated at float32's largest (clamp_),
+#: cast to float32.
 OURS_WITH_CLIP_SKIPPED = dict(
     OURS_WITH_CLIP,
+    **{"aten._foreach_norm.Scalar": 2, "aten.stack.default": 2, "aten.copy_.default": 1},
+    **{"aten.linalg_vector_norm.out": 2},
     **{"aten.nan_to_num.default": 1, "aten.clamp_.default": 1, "aten._to_copy.default": 2},
     **FLAGS,
 )
@@ -154,13 +159,14 @@ def _count(
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
-def test_clipped_step_dispatches_fewer_ops_than_torchs_with_the_report_on(fault):
+def test_a_clean_clipped_step_dispatches_fewer_ops_than_torchs_with_the_report_on(fault):
     ours, skipped = _count(distscaler.GradScaler, clip=True, fault=fault)
     theirs, torch_skipped = _count(torch.amp.GradScaler, clip=True, fault=fault)
     assert skipped is fault and torch_skipped is fault  # guard: the inf was seen by both
     assert ours == (OURS_WITH_CLIP_SKIPPED if fault else OURS_WITH_CLIP)
-    # 10 (13 on a skip: the flags, their lerp_) against torch's 17
-    assert sum(ours.values()) < sum(theirs.values()), (ours, theirs)
+    # 11 against torch's 17 (18 on a skip: the float64 norms, the flags, their lerp_)
+    if not fault:
+        assert sum(ours.values()) < sum(theirs.values()), (ours, theirs)
 
 
 @pytest.mark.parametrize("fault", [False, True], ids=["clean", "overflow"])
@@ -401,7 +407,9 @@ def test_on_the_cpu_a_fused_step_reads_its_flag_once_and_codes_only_a_skip(clip)
             params[0].grad[0] = math.nan
         with HostReadSpy() as spy:
             _phase(params, optimizer, scaler, clip)
-        assert spy.reads == ["item"]  # the flag: no sync on a CPU
+        # the flag (with clipping T first: its float32 norms are taken again in float64 where it
+        # is not finite): no sync on a CPU
+        assert spy.reads == (["item", "item"] if clip else ["item"])
     assert scaler.skip_totals.num_skipped == 1
     report = scaler.report_overflow()
     assert report.step == 2 and [(e.param, e.kind) for e in report.entries] == [
