@@ -34,9 +34,9 @@ Device ops per pass (world size 1, one (device, dtype) group; world size > 1 add
 * ``NORM`` (2-norm): ``_foreach_norm``, ``stack``, ``linalg_vector_norm`` (float64), one ``div``
   (the norm and ``scaled norm / max_norm``) and its cast to float32, the ``_foreach_addcdiv`` for
   the flag's value and the update's counters; on the CPU (fused) the norms are float32 and ``T``
-  read on the host (taken again in float64 where it is not finite: `_two_norm()`), then the flag's
-  host read and ``fmax`` for ``grad_scale``: 9 (on a skip also the float64 norms and the per-tensor
-  flags: ``nan_to_num``, ``clamp_``, the cast). On
+  read on the host (taken again in float64 where it is not finite: `_two_norm()`; the stack cast
+  to float64), then the flag's host read and ``fmax`` for ``grad_scale``: 10 (on a skip also the
+  float64 norms and the per-tensor flags: ``nan_to_num``, ``clamp_``, the cast). On
   a GPU: the float64 ``_foreach_norm``, ``stack`` and ``linalg_vector_norm``, one float32 ``stack``
   of the slots, the ``div`` into them, one ``_foreach_addcdiv_``, ``nan_to_num`` and ``sub`` for
   the flag's code, one ``clamp`` for the exact flag and ``grad_scale`` in one element per gradient,
@@ -627,17 +627,18 @@ def _two_norm(
 
     One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64
     (`wide_dtype()`: no sum of squares of float32 gradients overflows it, at any scale; float32 on
-    MPS), and one ``stack`` that also copies ``tail`` (0-dim tensors on ``device``; ``tail[0]``,
-    float64, the norm's slot) after the per-tensor norms; then at world size 1 one
+    MPS), and one ``stack`` that also copies ``tail`` (0-dim tensors on ``device`` of the norms'
+    dtype; ``tail[0]`` the norm's slot) after the per-tensor norms; then at world size 1 one
     ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of squares written into
     ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of ``buffer2``, and one
     ``sqrt`` into the slot. A rank without gradients joins with zeros.
 
     ``recheck`` (where a host read is free: the CPU, whose float64 norm of float32 gradients takes
     about 4x its float32 one): the per-tensor norms are taken in float32 (torch's own
-    ``clip_grad_norm_``'s), and this rank's ``T`` (world size 1) or sum of squares (before the
-    collective) read on the host; only where it is not finite (an inf/NaN, or a finite tensor
-    whose float32 norm overflows) are they taken again in float64. The same values either way.
+    ``clip_grad_norm_``'s), stacked with ``tail`` (float32) and cast to float64 (one op more), and
+    this rank's ``T`` (world size 1) or sum of squares (before the collective) read on the host;
+    only where it is not finite (an inf/NaN, or a finite tensor whose float32 norm overflows) are
+    they taken again in float64. The same values either way. Else ``tail`` is float64.
     """
     wide = wide_dtype(device)
 
@@ -655,8 +656,11 @@ def _two_norm(
 
     norms, weights = per_tensor_norms(not recheck)
     num_grads = len(norms)
-    # float64 throughout: the stack promotes the norms and the tail to tail[0]'s dtype
+    # One dtype in the stack (a stack of mixed dtypes copies tensor by tensor: on CUDA a kernel
+    # each), then float64.
     buffer = torch.stack([*norms, *tail])
+    if buffer.dtype != wide:
+        buffer = buffer.to(wide)
     per_tensor, total = buffer[:num_grads], buffer[num_grads]
 
     def local_sum() -> None:  # this rank's weighted sum of squares, into buffer2[1]
@@ -768,14 +772,18 @@ def _norm(
         return _norm_on_device(plan, grads, params, state, max_norm_t, coll)
     counters: NextCounters | None = None
     if norm_type == 2.0:
+        recheck = plan.host_read_free
+        tail = [state.zero, scale, max_norm_t] if recheck else [state.wide_zero]
         buffer, num_grads = _two_norm(
-            grads, state.device, coll, state.norm_buffer, [state.wide_zero, scale, max_norm_t],
-            recheck=plan.host_read_free,
-        )  # fmt: skip
+            grads, state.device, coll, state.norm_buffer, tail, recheck=recheck
+        )
         per_tensor = buffer[:num_grads] if num_grads else None
         # norm = T / scale and q = T / max_norm (grad_scale where it clips), divided in float64
         # and rounded once to float32: inf where either passes float32's range
-        decided = torch.div(buffer[num_grads], buffer[num_grads + 1 : num_grads + 3])
+        at = num_grads + 1
+        den = buffer[at : at + 2] if recheck else torch.stack([scale, max_norm_t])
+        # (T as a (1,) view: a 0-dim float64 beside a float32 vector would be cast to float32)
+        decided = torch.div(buffer[num_grads : num_grads + 1], den)
         norm, q = decided.to(torch.float32).unbind()
         a, b, c = state.counter_terms()
         # q + norm / inf: q, or NaN where the norm is inf or NaN; and the update's counters
@@ -848,7 +856,7 @@ def _norm_on_device(
     `_two_norm()` gives the per-tensor norms and ``T``, the global norm of the scaled gradients, in
     float64. One ``stack`` makes the float32 slots, after room for the per-tensor flags:
 
-    ``[flags | norm, q | -c, c | 0, scale | 1, inf | next counters]``
+    ``[flags | norm, q | -c, c | 0, scale, max_norm | 1, inf | next counters]``
 
     one ``div`` writes ``norm = T / scale`` and ``q = T / max_norm`` into them (divided in float64,
     rounded once to float32: inf where either passes float32's range), one
@@ -862,16 +870,20 @@ def _norm_on_device(
     assert plan.max_norm is not None
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
+    recheck = plan.host_read_free
     buffer, num_grads = _two_norm(
-        grads, state.device, coll, state.norm_buffer, [state.wide_zero, scale, max_norm_t],
-        recheck=plan.host_read_free,
+        grads, state.device, coll, state.norm_buffer,
+        [zero] if recheck else [state.wide_zero], recheck=recheck,
     )  # fmt: skip
     taking = plan.per_tensor_flags and num_grads > 0
     k = num_grads if taking else 0  # room for the flags
-    buf = torch.stack([*[zero] * k, zero, zero, zero, zero, zero, scale, one, state.inf, *a])
+    buf = torch.stack([*[zero] * k, zero, zero, zero, zero, zero, scale, max_norm_t, one,
+                       state.inf, *a])  # fmt: skip
     slots = buf[k:]
-    torch.div(buffer[num_grads], buffer[num_grads + 1 : num_grads + 3], out=slots[0:2])
-    torch._foreach_addcdiv_([slots[1], *slots[8:]], [slots[0], *b], [state.inf, *c])
+    # float64 / float32: one kernel, computed in float64 (T as a (1,) view: a 0-dim one would be
+    # cast to float32 first), written as float32
+    torch.div(buffer[num_grads : num_grads + 1], slots[5:7], out=slots[0:2])
+    torch._foreach_addcdiv_([slots[1], *slots[9:]], [slots[0], *b], [state.inf, *c])
     torch.nan_to_num(slots[1], nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE, out=slots[3])
     torch.sub(zero, slots[3], out=slots[2])
     # The clamp over one element per gradient (its operands repeated by views: no op more), so that
@@ -879,7 +891,7 @@ def _norm_on_device(
     # (`StepResult.flag_weights`); T is agreed before it at any world size.
     width = max(num_grads, 1)
     clamped = torch.clamp(_repeated(buf, k + 2, width), min=_repeated(buf, k + 4, width),
-                          max=_repeated(buf, k + 6, width))  # fmt: skip
+                          max=_repeated(buf, k + 7, width))  # fmt: skip
     weights, scales = clamped.unbind()  # (width,) each: found_inf, grad_scale
     found, grad_scale = weights[0], scales[0]
     if not plan.fused:
@@ -893,7 +905,7 @@ def _norm_on_device(
         params=params,
         flags_taken=True,
         flag_weights=weights if taking else None,
-        next_counters=state.next_counters(list(slots[8:].unbind())),
+        next_counters=state.next_counters(list(slots[9:].unbind())),
         max_norm=plan.max_norm,
     )
 
