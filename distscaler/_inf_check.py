@@ -617,89 +617,100 @@ def _two_norm(
     device: torch.device,
     coll: _Collective,
     buffer2: torch.Tensor,
-    tail: Sequence[torch.Tensor],
+    tail: Sequence[torch.Tensor] = (),
     *,
     recheck: bool = False,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int, torch.Tensor]:
     """The per-tensor 2-norms and the global 2-norm ``T`` of the (still scaled) gradients, in
-    float64: one buffer ``[per-tensor norms (num_grads) | T | tail[1:]]`` on ``device`` and
-    ``num_grads``.
+    float64: one buffer ``[per-tensor norms (num_grads) | tail]`` on ``device``, ``num_grads`` and
+    ``T`` (0-dim).
 
     One ``_foreach_norm`` per (device, dtype) group, accumulated and returned in float64
     (`wide_dtype()`: no sum of squares of float32 gradients overflows it, at any scale; float32 on
     MPS), and one ``stack`` that also copies ``tail`` (0-dim tensors on ``device`` of the norms'
-    dtype; ``tail[0]`` the norm's slot) after the per-tensor norms; then at world size 1 one
-    ``linalg_vector_norm`` into the slot, and otherwise the weighted sum of squares written into
-    ``buffer2[1]`` (float64 ``(2,)``: one ``addmv_``), one ``all_reduce`` of ``buffer2``, and one
-    ``sqrt`` into the slot. A rank without gradients joins with zeros.
+    dtype) after the per-tensor norms; then at world size 1 one ``linalg_vector_norm``, and
+    otherwise the weighted sum of squares written into ``buffer2[1]`` (float64 ``(2,)``: one
+    ``addmv_``), one ``all_reduce`` of ``buffer2``, and one ``sqrt``. A rank without gradients
+    joins with zeros.
 
     ``recheck`` (where a host read is free: the CPU, whose float64 norm of float32 gradients takes
     about 4x its float32 one): the per-tensor norms are taken in float32 (torch's own
     ``clip_grad_norm_``'s), stacked with ``tail`` (float32) and cast to float64 (one op more), and
     this rank's ``T`` (world size 1) or sum of squares (before the collective) read on the host;
     only where it is not finite (an inf/NaN, or a finite tensor whose float32 norm overflows) are
-    they taken again in float64. The same values either way. Else ``tail`` is float64.
+    they taken again in float64. The same rules either way (docs/pass-semantics.md); ``T`` within
+    float32's rounding of the per-tensor norms. Else ``tail`` is float64.
     """
-    wide = wide_dtype(device)
-
-    def per_tensor_norms(exact: bool) -> tuple[list[torch.Tensor], list[tuple[int, int, float]]]:
-        norms: list[torch.Tensor] = []
-        weights: list[tuple[int, int, float]] = []  # (first norm, end, weight) per group
-        for key, grads in groups.items():
-            dtype = wide_dtype(key.device) if exact else _accumulation_dtype(key.dtype)
-            part = list(torch._foreach_norm(grads, 2.0, dtype=dtype))
-            if key.device != device:
-                part = [n.to(device, wide, non_blocking=True) for n in part]
-            weights.append((len(norms), len(norms) + len(part), key.weight))
-            norms += part
-        return norms, weights
-
-    norms, weights = per_tensor_norms(not recheck)
+    norms, weights = _per_tensor_norms(groups, device, exact=not recheck)
     num_grads = len(norms)
-    # One dtype in the stack (a stack of mixed dtypes copies tensor by tensor: on CUDA a kernel
-    # each), then float64.
-    buffer = torch.stack([*norms, *tail])
-    if buffer.dtype != wide:
-        buffer = buffer.to(wide)
-    per_tensor, total = buffer[:num_grads], buffer[num_grads]
-
-    def local_sum() -> None:  # this rank's weighted sum of squares, into buffer2[1]
-        out = buffer2[1:2]
-        if not num_grads:
-            out.zero_()
-            return
-        stacked, weight = per_tensor, weights[0][2]
-        if any(w != weight for _, _, w in weights):  # groups of different replication
-            stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
-            weight = 1.0
-        out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
-
-    def retake_if_not_finite(value: torch.Tensor) -> bool:
-        if not recheck or not num_grads or math.isfinite(value.item()):  # free on the CPU
-            return False
-        per_tensor.copy_(torch.stack(per_tensor_norms(True)[0]))
-        return True
-
+    wide = wide_dtype(device)
+    if norms or tail:
+        # One dtype in the stack (a stack of mixed dtypes copies tensor by tensor: on CUDA a
+        # kernel each), then float64.
+        buffer = torch.stack([*norms, *tail])
+        if buffer.dtype != wide:
+            buffer = buffer.to(wide)
+    else:
+        buffer = buffer2[:0]
+    per_tensor = buffer[:num_grads]
     if not coll.active:
-        if num_grads:
-            torch.linalg.vector_norm(per_tensor, out=total)
-            if retake_if_not_finite(total):
-                torch.linalg.vector_norm(per_tensor, out=total)
-        return buffer, num_grads
-    local_sum()
-    if retake_if_not_finite(buffer2[1]):
-        local_sum()
+        if not num_grads:
+            return buffer, 0, buffer2[0] * 0.0
+        total = torch.linalg.vector_norm(per_tensor)
+        if recheck and not math.isfinite(total.item()):  # a read, free on the CPU
+            per_tensor.copy_(torch.stack(_per_tensor_norms(groups, device, exact=True)[0]))
+            total = torch.linalg.vector_norm(per_tensor)
+        return buffer, num_grads, total
+    _local_sum_(buffer2, per_tensor, weights)
+    if recheck and num_grads and not math.isfinite(buffer2[1].item()):  # free on the CPU
+        per_tensor.copy_(torch.stack(_per_tensor_norms(groups, device, exact=True)[0]))
+        _local_sum_(buffer2, per_tensor, weights)
     coll.reduce_(buffer2, op=dist.ReduceOp.SUM)
-    torch.sqrt(buffer2[1], out=total)
-    return buffer, num_grads
+    return buffer, num_grads, torch.sqrt(buffer2[1])
+
+
+def _per_tensor_norms(
+    groups: GradGroups, device: torch.device, *, exact: bool
+) -> tuple[list[torch.Tensor], list[tuple[int, int, float]]]:
+    """Each gradient's 2-norm, 0-dim on ``device`` (one ``_foreach_norm`` per group): float64
+    (`wide_dtype()`) where ``exact``, else float32 at least (torch's ``clip_grad_norm_``'s); and
+    per group ``(first norm, end, weight)``."""
+    wide = wide_dtype(device)
+    norms: list[torch.Tensor] = []
+    weights: list[tuple[int, int, float]] = []
+    for key, grads in groups.items():
+        dtype = wide_dtype(key.device) if exact else _accumulation_dtype(key.dtype)
+        part = list(torch._foreach_norm(grads, 2.0, dtype=dtype))
+        if key.device != device:
+            part = [n.to(device, wide, non_blocking=True) for n in part]
+        weights.append((len(norms), len(norms) + len(part), key.weight))
+        norms += part
+    return norms, weights
+
+
+def _local_sum_(
+    buffer2: torch.Tensor, per_tensor: torch.Tensor, weights: list[tuple[int, int, float]]
+) -> None:
+    """This rank's weighted sum of squares of ``per_tensor`` into ``buffer2[1]`` (one ``addmv_``;
+    0.0 without gradients)."""
+    out = buffer2[1:2]
+    if not weights or not per_tensor.numel():
+        out.zero_()
+        return
+    stacked, weight = per_tensor, weights[0][2]
+    if any(w != weight for _, _, w in weights):  # groups of different replication
+        stacked = torch.cat([stacked[s:e] * math.sqrt(w) for s, e, w in weights])
+        weight = 1.0
+    out.addmv_(stacked.unsqueeze(0), stacked, beta=0, alpha=weight)
 
 
 def _saturated_flags(per_tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The per-tensor flags of float64 statistics, as float32: `flag_tensors()`, then a finite
-    statistic past float32's range saturated at float32's largest value (a finite tensor is never
-    flagged as an inf one; docs/pass-semantics.md). Into ``out`` (float32, ``per_tensor``'s shape):
-    ``nan_to_num``, then ``fmin`` writing float32; else ``nan_to_num``, ``clamp_``, the cast."""
-    flagged = flag_tensors(per_tensor)
+    """The per-tensor flags of float64 statistics, as float32: `flag_tensors()`'s codes, then a
+    finite statistic past float32's range saturated at float32's largest value (a finite tensor is
+    never flagged as an inf one; docs/pass-semantics.md). Into ``out`` (float32, ``per_tensor``'s
+    shape): ``nan_to_num``, then ``fmin`` writing float32; else ``nan_to_num``, ``clamp_``, the
+    cast."""
+    flagged = torch.nan_to_num(per_tensor, nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE)
     if out is None:
         return flagged.clamp_(max=_FLOAT32_MAX_VALUE).to(torch.float32)
     return torch.fmin(flagged, _FLOAT32_MAX, out=out)  # a CPU scalar: no copy to the device
@@ -773,17 +784,16 @@ def _norm(
     counters: NextCounters | None = None
     if norm_type == 2.0:
         recheck = plan.host_read_free
-        tail = [state.zero, scale, max_norm_t] if recheck else [state.wide_zero]
-        buffer, num_grads = _two_norm(
-            grads, state.device, coll, state.norm_buffer, tail, recheck=recheck
-        )
+        buffer, num_grads, total = _two_norm(
+            grads, state.device, coll, state.norm_buffer,
+            [scale, max_norm_t] if recheck else (), recheck=recheck,
+        )  # fmt: skip
         per_tensor = buffer[:num_grads] if num_grads else None
         # norm = T / scale and q = T / max_norm (grad_scale where it clips), divided in float64
         # and rounded once to float32: inf where either passes float32's range
-        at = num_grads + 1
-        den = buffer[at : at + 2] if recheck else torch.stack([scale, max_norm_t])
+        den = buffer[num_grads:] if recheck else torch.stack([scale, max_norm_t])
         # (T as a (1,) view: a 0-dim float64 beside a float32 vector would be cast to float32)
-        decided = torch.div(buffer[num_grads : num_grads + 1], den)
+        decided = torch.div(total.unsqueeze(0), den)
         norm, q = decided.to(torch.float32).unbind()
         a, b, c = state.counter_terms()
         # q + norm / inf: q, or NaN where the norm is inf or NaN; and the update's counters
@@ -870,11 +880,9 @@ def _norm_on_device(
     assert plan.max_norm is not None
     zero, one, scale = state.zero, state.one, state.scale
     a, b, c = state.counter_terms()
-    recheck = plan.host_read_free
-    buffer, num_grads = _two_norm(
-        grads, state.device, coll, state.norm_buffer,
-        [zero] if recheck else [state.wide_zero], recheck=recheck,
-    )  # fmt: skip
+    buffer, num_grads, total = _two_norm(
+        grads, state.device, coll, state.norm_buffer, recheck=plan.host_read_free
+    )
     taking = plan.per_tensor_flags and num_grads > 0
     k = num_grads if taking else 0  # room for the flags
     buf = torch.stack([*[zero] * k, zero, zero, zero, zero, zero, scale, max_norm_t, one,
@@ -882,7 +890,7 @@ def _norm_on_device(
     slots = buf[k:]
     # float64 / float32: one kernel, computed in float64 (T as a (1,) view: a 0-dim one would be
     # cast to float32 first), written as float32
-    torch.div(buffer[num_grads : num_grads + 1], slots[5:7], out=slots[0:2])
+    torch.div(total.unsqueeze(0), slots[5:7], out=slots[0:2])
     torch._foreach_addcdiv_([slots[1], *slots[9:]], [slots[0], *b], [state.inf, *c])
     torch.nan_to_num(slots[1], nan=NAN_CODE, posinf=INF_CODE, neginf=INF_CODE, out=slots[3])
     torch.sub(zero, slots[3], out=slots[2])

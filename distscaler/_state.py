@@ -124,9 +124,6 @@ class DeviceState:
         self.one = full(1.0, torch.float32)
         self.minus_one = full(-1.0, torch.float32)
         self.inf = full(float("inf"), torch.float32)
-        #: float64's 0.0 (`wide_dtype()`): the slot of a clip's global norm, whose ``stack``
-        #: promotes the per-tensor norms to its dtype.
-        self.wide_zero = full(0.0, wide_dtype(device))
         #: ``[found_inf, sum of squares]`` of a clip at world size > 1 (all-reduced in place; float64,
         #: `wide_dtype()`).
         self.norm_buffer = torch.zeros(2, dtype=wide_dtype(device), device=device)

@@ -17,6 +17,7 @@ import _capture as C
 import _nccl
 import pytest
 import torch
+from _common import gpu_path
 from torch.fx.experimental.proxy_tensor import make_fx
 
 STEPS = C.STEPS
@@ -26,12 +27,16 @@ STEPS = C.STEPS
 @pytest.mark.parametrize("policy", ["torch", "deepspeed", "megatron"])
 def test_traced_step_replayed_matches_eager_steps(policy, clip):
     faults = C.FAULTS
+    # Both on the path a GPU runs (what a trace records): on the CPU's own path the clip's
+    # per-tensor norms are float32 (torch's), on a GPU's float64 (docs/pass-semantics.md).
     eager = C.Run.build(policy, clip)
+    gpu_path(eager.scaler)
     for step in range(STEPS):
         eager.set_grads(step, faults)
         eager.step()
 
     traced = C.Run.build(policy, clip)
+    gpu_path(traced.scaler)
     traced.set_grads(0, faults)
     traced.step()  # warm-up: the plan, the constants, the device state
     traced.set_grads(1, faults)

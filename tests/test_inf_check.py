@@ -98,12 +98,11 @@ def test_two_norm_is_non_finite_exactly_when_an_element_is(dtypes, special, wher
         target[where % target.numel()] = special
     groups, _ = _groups(tensors)
     alone = inf_check._Collective(StepPlan(GradPass.NORM), groups, ())  # one rank: no collective
-    buffer, num_grads = inf_check._two_norm(
-        groups, torch.device("cpu"), alone, torch.zeros(2, dtype=torch.float64), [torch.zeros(())]
+    buffer, num_grads, norm = inf_check._two_norm(
+        groups, torch.device("cpu"), alone, torch.zeros(2, dtype=torch.float64)
     )
-    assert num_grads == len(tensors) and buffer.shape == (len(tensors) + 1,)
-    norm = buffer[num_grads]
-    assert norm.dtype == torch.float64 and norm.shape == ()
+    assert num_grads == len(tensors) and buffer.shape == (len(tensors),)
+    assert buffer.dtype == norm.dtype == torch.float64 and norm.shape == ()
     finite = all(bool(t.isfinite().all()) for t in tensors)
     assert bool(norm.isfinite()) is finite
     if finite:

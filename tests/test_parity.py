@@ -79,9 +79,10 @@ def test_clip_grad_norm_matches_unscale_then_torch_clip(opt_kind):
 @pytest.mark.parametrize("opt_kind", ["fused", "sgd-fused"])
 def test_the_gpu_clip_path_matches_the_cpus_bit_for_bit(opt_kind):
     """The clipped inf check a GPU runs (the flag and grad_scale from one clamp, nothing read on the
-    host) against the CPU's (the flag read on the host, grad_scale by fmax): the same norms, scales,
-    parameters and optimizer state, bit for bit, through clipped and unclipped clean steps and
-    inf, -inf and NaN gradients."""
+    host; float64 per-tensor norms) against the CPU's (float32 per-tensor norms, torch's, summed in
+    float64, the flag read on the host, grad_scale by fmax): the same skips and scales, and norms,
+    parameters and optimizer state within the float32 rounding of the per-tensor norms, through
+    clipped and unclipped clean steps and inf, -inf and NaN gradients."""
     faults = {2: ("inf", 1), 5: ("nan", 3), 6: ("-inf", 0), 9: ("nan", 2)}
     runs = []
     for gpu in (False, True):
@@ -111,11 +112,11 @@ def test_the_gpu_clip_path_matches_the_cpus_bit_for_bit(opt_kind):
     assert cpu_skips == skips == len(faults)  # guard: every fault was seen by both
     assert scales == cpu_scales
     for a, b in zip(norms, cpu_norms):
-        assert torch.equal(a, b) or (a.isnan() and b.isnan())
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=0.0, equal_nan=True)
     for p, q in zip(model.parameters(), cpu_model.parameters()):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
     for s, t in zip(optimizer_tensors(opt), optimizer_tensors(cpu_opt)):
-        assert torch.equal(s, t)
+        torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-7)
 
 
 def test_clip_grad_norm_returns_norm_of_unscaled_gradients():

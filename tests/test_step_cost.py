@@ -27,8 +27,8 @@ NUM_TENSORS = 144
 #: gradients are coded only on a skip.
 OURS_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient (per-tensor norms)
-    "aten.stack.default": 1,  # ... with the global norm's slot, scale and max_norm
-    "aten.linalg_vector_norm.out": 1,  # the global norm T (world size 1), into its slot
+    "aten.stack.default": 1,  # ... with scale and max_norm
+    "aten.linalg_vector_norm.default": 1,  # the global norm T (world size 1, float64)
     "aten.div.Tensor": 1,  # norm = T / scale and q = T / max_norm, in float64
     # the stack cast to float64; norm and q rounded once to float32 (inf where past its range)
     "aten._to_copy.default": 2,
@@ -54,7 +54,7 @@ FLAGS = {"aten.lerp_.Tensor": 1}
 OURS_WITH_CLIP_SKIPPED = dict(
     OURS_WITH_CLIP,
     **{"aten._foreach_norm.Scalar": 2, "aten.stack.default": 2, "aten.copy_.default": 1},
-    **{"aten.linalg_vector_norm.out": 2},
+    **{"aten.linalg_vector_norm.default": 2},
     **{"aten.nan_to_num.default": 1, "aten.clamp_.default": 1, "aten._to_copy.default": 3},
     **FLAGS,
 )
@@ -82,8 +82,8 @@ OURS_WITHOUT_CLIP_SKIPPED = dict(
 #: flags' weight in the skip counters' _foreach_lerp_ (no lerp_ of their own).
 GPU_WITH_CLIP = {
     "aten._foreach_norm.Scalar": 1,  # the one read of every gradient (float64 norms)
-    "aten.stack.default": 2,  # float64: the norms, T's slot, scale, max_norm; float32: the slots
-    "aten.linalg_vector_norm.out": 1,  # the global norm T, into its slot
+    "aten.stack.default": 2,  # float64: the norms; float32: the slots (scale, max_norm, ...)
+    "aten.linalg_vector_norm.default": 1,  # the global norm T (float64)
     "aten.div.out": 1,  # norm = T / scale, q = T / max_norm, in float64, written as float32
     "aten._foreach_addcdiv_.Scalar": 1,  # q + norm / inf, the record's next counts
     "aten.nan_to_num.out": 1,  # its code c: q, or negative on an overflow
