@@ -240,9 +240,9 @@ def test_quick_run_end_to_end(tmp_path):
     }
     for r in launch:
         assert r["host_us"]["distscaler"] > 0 and r["host_us"]["torch"] > 0, r
-        assert r["ops"]["distscaler"] == (8 if r["clip"] else 5), r
-        # The overflow report on: at most half of torch's with clipping, no more without.
-        assert r["ops"]["distscaler"] <= r["ops"]["torch"] * (0.5 if r["clip"] else 1.0), r
+        assert r["ops"]["distscaler"] == (12 if r["clip"] else 5), r
+        # The overflow report on: fewer than torch's with clipping, no more without.
+        assert r["ops"]["distscaler"] <= r["ops"]["torch"] - (1 if r["clip"] else 0), r
         # DeepSpeed's rule as from_deepspeed gives it: the torch rule's + 2, + 2 for its minimum
         # (clamp) and its raise at the minimum (one read of the flag, exhaustion and scale).
         assert r["ops"]["distscaler-deepspeed"] == r["ops"]["distscaler"] + 4, r
@@ -252,12 +252,15 @@ def test_quick_run_end_to_end(tmp_path):
         assert r["counts"]["distscaler"]["ops"] > 0, r
         ours = r["counts"]["distscaler"]
         assert ours["collectives"] == (1 if r["world_size"] > 1 else 0), r
-        # The flag (fused: on the CPU only, where it is free); the replica check's reading at
-        # more than one DDP rank runs every 32nd update by default (none in these rounds).
+        # The flag (fused: on the CPU only, where it is free), with clipping after this rank's
+        # norm (its float32 norms are taken again in float64 where it is not finite); the replica
+        # check's reading at more than one DDP rank runs every 32nd update by default (none in
+        # these rounds).
         checked = r.get("layout") == "ddp" and r["world_size"] > 1
-        assert ours["host_reads"] == 1, r
+        reads = 2 if r.get("clip", True) else 1
+        assert ours["host_reads"] == reads, r
         if checked:
-            assert r["counts"]["distscaler-nocheck"]["host_reads"] == 1, r
+            assert r["counts"]["distscaler-nocheck"]["host_reads"] == reads, r
     worlds = {
         (r["layout"], r["world_size"], r["optimizer"]) for r in records if r["sweep"] == "world"
     }

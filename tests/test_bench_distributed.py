@@ -77,15 +77,16 @@ def test_distscaler_agrees_with_one_collective_and_no_host_read(records, world_s
     assert "distscaler" not in r["errors"]
     # One all_reduce per step across the ranks; none in a world of one rank.
     assert r["counts"]["distscaler"]["collectives"] == (1 if world_size > 1 else 0)
-    # Fused AdamW reads found_inf on the device; the CPU's step reads the agreed flag once (no
-    # sync on a CPU: distscaler._plan.host_read_is_free), a GPU's none. The replica check (on by
-    # default, every 32nd update with torch's kernels: none in these rounds) reads its slots once
-    # more where gradients are replicated (ddp at more than one rank; fsdp2 on a 1-D mesh shards
-    # every gradient), at every update with replica_check_interval=1.
+    # Fused AdamW reads found_inf on the device; the CPU's clipped step reads this rank's norm
+    # (its float32 norms are taken again in float64 where it is not finite) and the agreed flag
+    # (no sync on a CPU: distscaler._plan.host_read_is_free), a GPU's none. The replica check (on
+    # by default, every 32nd update with torch's kernels: none in these rounds) reads its slots
+    # once more where gradients are replicated (ddp at more than one rank; fsdp2 on a 1-D mesh
+    # shards every gradient), at every update with replica_check_interval=1.
     checked = layout == "ddp" and world_size > 1
-    assert r["counts"]["distscaler"]["host_reads"] == 1
-    assert r["counts"]["distscaler-everycheck"]["host_reads"] == 1 + checked
-    assert r["counts"]["distscaler-nocheck"]["host_reads"] == 1
+    assert r["counts"]["distscaler"]["host_reads"] == 2
+    assert r["counts"]["distscaler-everycheck"]["host_reads"] == 2 + checked
+    assert r["counts"]["distscaler-nocheck"]["host_reads"] == 2
     assert r["counts"]["distscaler-nocheck"]["collectives"] == (1 if world_size > 1 else 0)
     for name in ("distscaler", "distscaler-nocheck"):
         assert r["phase_ms"][name] > 0
