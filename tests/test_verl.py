@@ -90,8 +90,10 @@ def test_an_inf_on_one_rank_skips_on_both_in_one_collective(runs):
         assert {s["collectives"] for s in r["ours"]} == {1}
         assert {kind for s in r["ours"] for kind in s["kinds"]} == {"c10d.allreduce_"}
         # Host reads in optimizer_step, the optimizer's own left out, after the first step: the
-        # norm verl returns, and the flag (read on the host on a CPU, where it costs no sync).
-        assert all(s["host_reads"] == 2 for s in r["ours"][1:])
+        # norm verl returns, and on a CPU, where a read costs no sync, this rank's norm before
+        # the collective (its float32 norms are taken again in float64 where it is not finite)
+        # and the flag.
+        assert all(s["host_reads"] == 3 for s in r["ours"][1:])
         assert all(s["host_reads"] >= 3 for s in r["stock"])
     # Every rank reports the same norms, scales, skips, LR and counts.
     assert results[0]["ours"] == results[1]["ours"]
