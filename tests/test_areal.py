@@ -201,10 +201,10 @@ def test_b_an_inf_on_one_rank_skips_on_every_rank_lr_held_scale_backed_off(resul
         assert {tuple(s["all_reduce_bytes"]) for s in ours} == {(16,)}
         assert {tuple(s["all_reduce_bytes"]) for s in stock} == {(4, 4)}
         # Host reads in optimizer_step (the optimizer's own aside), clean steps after the first:
-        # stock 6; ours 3 (the norm AReaL returns, the scaler's metrics, the flag: read on the
-        # host only on a CPU, where it costs no sync).
+        # stock 6; ours 4 (the norm AReaL returns, the scaler's metrics, and on a CPU, where a
+        # read costs no sync, this rank's norm before the collective and the flag).
         assert {s["host_reads"] for s in stock} == {6}
-        assert {s["host_reads"] for s in ours[1:] if s["step"] != k} == {3}
+        assert {s["host_reads"] for s in ours[1:] if s["step"] != k} == {4}
     # Every rank reports the same norms, scales, skips, LR and counts.
     assert results[0]["ours"] == results[1]["ours"]
     assert results[0]["stock"] == results[1]["stock"]
