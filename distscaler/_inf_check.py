@@ -550,8 +550,8 @@ def _flags(groups: GradGroups, device: torch.device) -> torch.Tensor | None:
         part = _max_magnitudes(grads, _accumulation_dtype(key.dtype))
         if key.dtype == torch.float64:
             # A finite float64 magnitude past float32's range must not turn into an inf flag.
-            flagged = flag_tensors(torch.stack(part)).clamp_(max=torch.finfo(torch.float32).max)
-            wide.append((len(parts), flagged.to(device, torch.float32, non_blocking=True)))
+            flagged = _saturated_flags(torch.stack(part))
+            wide.append((len(parts), flagged.to(device, non_blocking=True)))
             part = [torch.zeros((), dtype=torch.float32, device=device)] * len(part)
         elif key.device != device:
             part = [n.to(device, torch.float32, non_blocking=True) for n in part]
@@ -705,7 +705,7 @@ def _local_sum_(
 
 
 def _saturated_flags(per_tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The per-tensor flags of float64 statistics, as float32: `flag_tensors()`'s codes, then a
+    """The per-tensor flags of float64 statistics, as float32: `flag_tensors()`'s values, then a
     finite statistic past float32's range saturated at float32's largest value (a finite tensor is
     never flagged as an inf one; docs/pass-semantics.md). Into ``out`` (float32, ``per_tensor``'s
     shape): ``nan_to_num``, then ``fmin`` writing float32; else ``nan_to_num``, ``clamp_``, the
